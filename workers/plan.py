@@ -1,0 +1,102 @@
+"""The contract between the engine and the workers: one `StepPlan` in, one `StepOutput` out.
+
+The engine sends each tensor-parallel rank the same plan once per step. Plans carry only what
+changed since the previous step: a sequence's block table travels as a splice (`table_start`,
+`table_blocks`) and its sampling settings travel once, when the sequence is first scheduled; the
+worker keeps both per sequence id until the sequence is released.
+
+Invariants the engine guarantees (the workers rely on them, they do not re-derive them):
+- no two sequences in one plan own the same KV slot for their new tokens;
+- every block a sequence writes this step is held by that sequence alone (copy-on-write pairs
+  that make it so are in `copy_pairs`);
+- `start_pos` of a sequence equals the number of its tokens whose KV is already in the cache,
+  so positions of the new tokens are `start_pos, start_pos + 1, ...`.
+
+Order of execution on a worker: swap-outs, then swap-ins, then copies, then the forward pass
+(which writes the new tokens' KV into their slots layer by layer before attending), then rank 0
+samples. Swap-out sources may be handed to other sequences in the same plan, which is safe because
+they are copied out before the forward pass writes anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BlockPair = tuple[int, int]
+"""A (source block id, destination block id) pair."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How rank 0 turns a sequence's last logits into tokens.
+
+    `temperature == 0` is greedy. `top_k <= 0` and `top_p >= 1` disable those filters. Sampling is
+    stateless and reproducible: the random draw for a token uses a generator seeded from
+    (`seed`, the branch index, the output index), so preemption by recompute, swaps or a different
+    batch composition never change a seeded result. `logprobs` is the number of top alternatives
+    to report beside the sampled token's own log-probability (None: report nothing).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    logprobs: int | None = None
+
+
+@dataclass
+class SequenceWork:
+    """One sequence's share of a step: a prefill chunk (several tokens) or a decode (one token)."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    table_start: int = 0
+    """The worker's cached block table is truncated to `table_start` entries, then extended."""
+    table_blocks: list[int] = field(default_factory=list)
+    num_samples: int = 0
+    """Tokens to draw from the last position's logits: 0 for a non-final prefill chunk, 1 for a
+    decode or final prefill chunk, n for the final prefill chunk of an n-way parallel request."""
+    branch_index: int = 0
+    """Branch of a parallel-sampling request; sample i of this entry uses branch_index + i."""
+    output_index: int = 0
+    """How many tokens this branch has generated before this step (seeds the draw)."""
+    sampling: SamplingSettings | None = None
+    """Sent when the sequence is first scheduled (or re-scheduled after release); else None."""
+
+
+@dataclass
+class StepPlan:
+    """Everything a worker rank needs for one engine step."""
+
+    step_id: int
+    sequences: list[SequenceWork] = field(default_factory=list)
+    swap_out: list[BlockPair] = field(default_factory=list)
+    """(device block, CPU block) pairs, all layers."""
+    swap_in: list[BlockPair] = field(default_factory=list)
+    """(CPU block, device block) pairs, all layers."""
+    copy_pairs: list[BlockPair] = field(default_factory=list)
+    """(source device block, destination device block) pairs for copy-on-write, all layers."""
+    forks: list[BlockPair] = field(default_factory=list)
+    """(parent seq id, child seq id): the child starts with a copy of the parent's cached block
+    table and sampling settings; applied before `sequences` are read."""
+    released: list[int] = field(default_factory=list)
+    """Sequence ids whose cached state the worker drops (finished, aborted, or preempted)."""
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One drawn token, with log-probabilities when they were asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclass
+class StepOutput:
+    """What rank 0 returns: for every sequence with `num_samples > 0`, its drawn tokens in order."""
+
+    step_id: int
+    samples: dict[int, list[SampledToken]] = field(default_factory=dict)
+    forward_seconds: float = 0.0
