@@ -1,0 +1,90 @@
+"""The public CPU path of paged_attention against the oracle over the issue's grid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from tests.kernels.cases import (
+    BLOCK_SIZES,
+    DTYPES,
+    KINDS,
+    AttentionCase,
+    assert_close,
+    covering_grid,
+    grid_id,
+    lengths_for,
+    make_case,
+)
+
+
+def _both(case: AttentionCase, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    got = kernels.paged_attention(
+        case.query, case.k_cache, case.v_cache, sliding_window=window, **case.kwargs()
+    )
+    expected = reference.paged_attention(
+        case.query, case.k_cache, case.v_cache, sliding_window=window, **case.kwargs()
+    )
+    return got, expected
+
+
+@pytest.mark.parametrize("params", covering_grid(), ids=grid_id)
+def test_cpu_attention_matches_reference(params: tuple[int, str, int, int, torch.dtype]) -> None:
+    block_size, kind, group, head_dim, dtype = params
+    lengths = lengths_for(kind, block_size)
+    case = make_case(lengths, block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+    got, expected = _both(case)
+    assert_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpu_sliding_window_matches_reference(block_size: int, kind: str) -> None:
+    dtype = DTYPES[(block_size // 8 + len(kind)) % len(DTYPES)]
+    lengths = lengths_for(kind, block_size)
+    case = make_case(lengths, block_size=block_size, head_dim=64, group=3, dtype=dtype)
+    got, expected = _both(case, window=block_size // 2 + 3)
+    assert_close(got, expected, dtype)
+
+
+def test_cpu_attention_writes_into_out_and_reads_strided_query() -> None:
+    lengths = lengths_for("mixed", 8)
+    case = make_case(lengths, block_size=8, head_dim=64, group=2, dtype=torch.float32)
+    num_tokens = case.query.shape[0]
+    # A query sliced out of a fused QKV projection: not contiguous.
+    fused = torch.randn(num_tokens, 8, 64)
+    fused[:, :4] = case.query
+    query = fused[:, :4]
+    assert not query.is_contiguous()
+    out = torch.full_like(case.query, float("nan"))
+    returned = kernels.paged_attention(query, case.k_cache, case.v_cache, out=out, **case.kwargs())
+    assert returned is out
+    expected = reference.paged_attention(case.query, case.k_cache, case.v_cache, **case.kwargs())
+    assert_close(out, expected, torch.float32)
+
+
+def test_cpu_attention_long_decode_with_int64_metadata() -> None:
+    lengths = [(300, 1), (129, 1), (64, 3)]
+    case = make_case(lengths, block_size=16, head_dim=64, group=3, dtype=torch.float32, seed=7)
+    got = kernels.paged_attention(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        cu_query_lens=case.cu_query_lens.long(),
+        context_lens=case.context_lens.long(),
+        block_tables=case.block_tables.long(),
+        scale=case.scale,
+    )
+    expected = reference.paged_attention(case.query, case.k_cache, case.v_cache, **case.kwargs())
+    assert_close(got, expected, torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 256])
+def test_cpu_other_head_dims_match_reference(head_dim: int) -> None:
+    case = make_case(
+        lengths_for("mixed", 16), block_size=16, head_dim=head_dim, group=2, dtype=torch.float32
+    )
+    got, expected = _both(case, window=11)
+    assert_close(got, expected, torch.float32)
