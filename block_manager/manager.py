@@ -1,0 +1,498 @@
+"""`KVCacheManager`: paged KV bookkeeping for the scheduler (the contract the engine codes against).
+
+It owns a device pool and a CPU swap pool (`BlockPool`), one `BlockTable` per sequence and the
+counters behind `pressure()`. It only plans: block ids, slot numbers, copy-on-write and swap pairs
+that the workers execute. Every mutation checks everything first and then commits, so it either
+succeeds whole or raises with nothing changed.
+
+Sharing rules: a full block is shared only once its KV is computed and sealed under its chain hash
+(prefix hits) or by `fork`; a partial tail is shared only by `fork` and the first write to it is a
+copy-on-write, so a block is written only by a sequence that holds it alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from block_manager.errors import InvalidOperation, NeverFits, NoFreeBlocks
+from block_manager.identity import (
+    check_hash_seed,
+    encode_extra_keys,
+    match_cached_prefix,
+    new_token_array,
+    tokens_to_bytes,
+)
+from block_manager.integrity import check_manager_integrity
+from block_manager.pool import BlockPool
+from block_manager.pressure import PressureSnapshot, tier_pressure, waste_slots
+from block_manager.swap import SwapCounters, plan_swap_in, plan_swap_out
+from block_manager.table import BlockTable
+from block_manager.types import BlockCopy, SeqId
+from block_manager.validation import (
+    check_manager_sizes,
+    check_new_seq_id,
+    swap_group,
+    unknown_sequence,
+)
+
+_sha256 = hashlib.sha256
+
+
+class _Prompt(NamedTuple):
+    tokens: array
+    seed: bytes
+    suffix: bytes
+
+
+class KVCacheManager:
+    """Two-tier paged KV cache manager with prefix caching, copy-on-write and swap planning."""
+
+    __slots__ = (
+        "_block_size",
+        "_caching",
+        "_count_prefix",
+        "_cow_copies",
+        "_cpu",
+        "_device",
+        "_device_refs",
+        "_mask",
+        "_prefix_hit_tokens",
+        "_prefix_query_tokens",
+        "_shift",
+        "_swaps",
+        "_tables",
+        "_watermark",
+    )
+
+    def __init__(
+        self,
+        *,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        watermark_blocks: int = 0,
+    ) -> None:
+        check_manager_sizes(num_device_blocks, num_cpu_blocks, block_size, watermark_blocks)
+        self._block_size = block_size
+        self._shift = block_size.bit_length() - 1
+        self._mask = block_size - 1
+        self._count_prefix = block_size.to_bytes(4, "little")  # u32le token count of a block
+        self._caching = bool(enable_prefix_caching)
+        self._watermark = watermark_blocks
+        self._device = BlockPool("device", num_device_blocks)
+        self._device_refs = self._device.ref_counts  # the same list, for the decode hot path
+        self._cpu = BlockPool("cpu", num_cpu_blocks)
+        self._tables: dict[SeqId, BlockTable] = {}
+        self._prefix_query_tokens = 0
+        self._prefix_hit_tokens = 0
+        self._cow_copies = 0
+        self._swaps = SwapCounters()
+
+    # ------------------------------------------------------------------ attributes
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self._device.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._cpu.num_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._caching
+
+    @property
+    def watermark_blocks(self) -> int:
+        return self._watermark
+
+    # ------------------------------------------------------------------ lookups
+    def _table(self, seq_id: SeqId) -> BlockTable:
+        table = self._tables.get(seq_id)
+        if table is None:
+            raise unknown_sequence(seq_id)
+        return table
+
+    def _not_resident(self, seq_id: SeqId, action: str) -> InvalidOperation:
+        """The error for a sequence that is unknown or swapped out (hot paths raise it)."""
+        if seq_id not in self._tables:
+            return unknown_sequence(seq_id)
+        return InvalidOperation(f"cannot {action} sequence {seq_id!r}: it is swapped out")
+
+    def _resident(self, seq_id: SeqId, action: str) -> BlockTable:
+        table = self._tables.get(seq_id)
+        if table is None or table.on_cpu is not None:
+            raise self._not_resident(seq_id, action)
+        return table
+
+    # ------------------------------------------------------------------ queries
+    def has_sequence(self, seq_id: SeqId) -> bool:
+        return seq_id in self._tables
+
+    def is_swapped(self, seq_id: SeqId) -> bool:
+        return self._table(seq_id).on_cpu is not None
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        table = self._tables.get(seq_id)
+        if table is None:
+            raise unknown_sequence(seq_id)
+        return len(table.tokens)
+
+    def num_computed_tokens(self, seq_id: SeqId) -> int:
+        return self._table(seq_id).num_computed
+
+    def token_ids(self, seq_id: SeqId) -> list[int]:
+        """The sequence's tokens (prompt and appended), in order."""
+        return self._table(seq_id).tokens.tolist()
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """Device block ids in logical order (a copy; the sequence must be device-resident)."""
+        table = self._tables.get(seq_id)
+        if table is None or table.on_cpu is not None:
+            raise self._not_resident(seq_id, "read the block table of")
+        return table.block_ids.copy()
+
+    def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
+        """Slot (block * block_size + offset) of each position in ``[start, end)``."""
+        table = self._tables.get(seq_id)
+        if table is None or table.on_cpu is not None:
+            raise self._not_resident(seq_id, "map slots of")
+        if end - start == 1 and 0 <= start < len(table.tokens):
+            shift = self._shift
+            return [(table.block_ids[start >> shift] << shift) | (start & self._mask)]
+        if not 0 <= start <= end <= len(table.tokens):
+            raise InvalidOperation(
+                f"slot range [{start}, {end}) is outside sequence {seq_id!r} "
+                f"of {len(table.tokens)} tokens"
+            )
+        if start == end:
+            return []
+        blocks, shift, mask = table.block_ids, self._shift, self._mask
+        first, last = start >> shift, (end - 1) >> shift
+        base = blocks[first] << shift
+        if first == last:
+            return list(range(base | (start & mask), base + ((end - 1) & mask) + 1))
+        size = self._block_size
+        slots = list(range(base | (start & mask), base + size))
+        for block in blocks[first + 1 : last]:
+            base = block << shift
+            slots.extend(range(base, base + size))
+        base = blocks[last] << shift
+        slots.extend(range(base, base + ((end - 1) & mask) + 1))
+        return slots
+
+    def num_free_device_blocks(self) -> int:
+        """Blocks an allocation could take now: free plus evictable cached."""
+        return self._device.num_free
+
+    def num_free_cpu_blocks(self) -> int:
+        return self._cpu.num_free
+
+    def _plan_allocation(
+        self, token_ids: Sequence[int], hash_seed: bytes, extra_keys: Sequence[str | bytes]
+    ) -> tuple[_Prompt, list[int], list[bytes], int]:
+        """Validated prompt, cache hits (blocks, hashes) and blocks needed from the free queue."""
+        tokens = new_token_array(token_ids)
+        if not tokens:
+            raise InvalidOperation("cannot allocate an empty sequence (no tokens)")
+        seed = check_hash_seed(hash_seed)
+        suffix = encode_extra_keys(extra_keys)
+        if self._caching:
+            hit_blocks, hit_hashes = match_cached_prefix(
+                self._device.cached,
+                self._device.hashes,
+                seed,
+                tokens_to_bytes(tokens),
+                self._block_size,
+                suffix,
+                (len(tokens) - 1) >> self._shift,  # never the block holding the last token
+            )
+        else:
+            hit_blocks, hit_hashes = [], []
+        total = (len(tokens) + self._mask) >> self._shift
+        refs = self._device.ref_counts
+        reclaimed = sum(1 for block in hit_blocks if refs[block] == 0)
+        needed = total - len(hit_blocks) + reclaimed
+        return _Prompt(tokens, seed, suffix), hit_blocks, hit_hashes, needed
+
+    def blocks_needed_to_allocate(
+        self, token_ids: Sequence[int], *, hash_seed: bytes, extra_keys: Sequence[str | bytes] = ()
+    ) -> int:
+        """Blocks `allocate` would take out of the free queue (new ones plus reused cached ones)."""
+        return self._plan_allocation(token_ids, hash_seed, extra_keys)[3]
+
+    def cached_prefix_tokens(
+        self, token_ids: Sequence[int], *, hash_seed: bytes, extra_keys: Sequence[str | bytes] = ()
+    ) -> int:
+        """Tokens `allocate` would find cached now (what its return value would be)."""
+        return len(self._plan_allocation(token_ids, hash_seed, extra_keys)[2]) << self._shift
+
+    def can_allocate(
+        self, token_ids: Sequence[int], *, hash_seed: bytes, extra_keys: Sequence[str | bytes] = ()
+    ) -> bool:
+        """Whether `allocate` would succeed now, keeping `watermark_blocks` free."""
+        needed = self.blocks_needed_to_allocate(
+            token_ids, hash_seed=hash_seed, extra_keys=extra_keys
+        )
+        total = (len(token_ids) + self._mask) >> self._shift
+        return total <= self.num_device_blocks and needed <= self._device.num_free - self._watermark
+
+    def _blocks_to_append(self, seq_ids: Sequence[SeqId]) -> int:
+        """Blocks one more token for each of `seq_ids` needs (new tails plus copy-on-writes)."""
+        refs = self._device.ref_counts
+        mask = self._mask
+        needed = 0
+        writers: dict[int, int] = {}
+        for seq_id in seq_ids:
+            table = self._resident(seq_id, "append to")
+            if len(table.tokens) & mask == 0:
+                needed += 1
+            else:
+                tail = table.block_ids[-1]
+                if refs[tail] > 1:
+                    writers[tail] = writers.get(tail, 0) + 1
+        for tail, count in writers.items():
+            # Every writer but the last one to write copies; the last keeps the original.
+            needed += count - 1 if count == refs[tail] else count
+        return needed
+
+    def can_append(self, seq_ids: Sequence[SeqId]) -> bool:
+        """Whether one more token for each of `seq_ids` fits now (the watermark may be used)."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidOperation(f"duplicate sequence ids in {list(seq_ids)!r}")
+        return self._blocks_to_append(seq_ids) <= self._device.num_free
+
+    def can_swap_out(self, seq_ids: Sequence[SeqId]) -> bool:
+        return plan_swap_out(
+            self._device, self._cpu, swap_group(self._tables, seq_ids, swapped=False)
+        ).fits
+
+    def can_swap_in(self, seq_ids: Sequence[SeqId]) -> bool:
+        plan = plan_swap_in(
+            self._device,
+            self._cpu,
+            swap_group(self._tables, seq_ids, swapped=True),
+            self._watermark,
+            self._block_size,
+        )
+        return plan.fits
+
+    def pressure(self) -> PressureSnapshot:
+        """Snapshot of both tiers and the cumulative counters."""
+        device = tier_pressure(self._device)
+        used_slots = device.used * self._block_size
+        waste = waste_slots(self._tables.values(), self._block_size)
+        return PressureSnapshot(
+            device=device,
+            cpu=tier_pressure(self._cpu),
+            block_size=self._block_size,
+            token_slots_allocated=used_slots,
+            tokens_held=used_slots - waste,
+            waste_slots=waste,
+            num_sequences=len(self._tables),
+            num_swapped_sequences=sum(t.on_cpu is not None for t in self._tables.values()),
+            prefix_query_tokens=self._prefix_query_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            cow_copies=self._cow_copies,
+            swap_out_blocks=self._swaps.out_blocks,
+            swap_in_blocks=self._swaps.in_blocks,
+            watermark_blocks=self._watermark,
+        )
+
+    def check_integrity(self, *, verify_hashes: bool = True) -> None:
+        """Raise `IntegrityError` if any invariant is broken (see `block_manager.integrity`)."""
+        check_manager_integrity(
+            device=self._device,
+            cpu=self._cpu,
+            tables=self._tables,
+            block_size=self._block_size,
+            caching=self._caching,
+            verify_hashes=verify_hashes,
+        )
+
+    # ------------------------------------------------------------------ mutations
+    def allocate(
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        *,
+        hash_seed: bytes,
+        extra_keys: Sequence[str | bytes] = (),
+    ) -> int:
+        """New table for `token_ids`; shares the longest cached prefix; returns cached tokens."""
+        check_new_seq_id(self._tables, seq_id)
+        prompt, hit_blocks, hit_hashes, needed = self._plan_allocation(
+            token_ids, hash_seed, extra_keys
+        )
+        tokens = prompt.tokens
+        pool = self._device
+        total = (len(tokens) + self._mask) >> self._shift
+        if total > pool.num_blocks:
+            raise NeverFits(
+                f"sequence {seq_id!r} of {len(tokens)} tokens needs more blocks than the device "
+                f"pool has",
+                needed=total,
+                available=pool.num_blocks,
+            )
+        available = pool.num_free - self._watermark
+        if needed > available:
+            raise NoFreeBlocks(
+                f"cannot allocate sequence {seq_id!r} (watermark {self._watermark} kept free)",
+                needed=needed,
+                available=max(available, 0),
+                tier="device",
+            )
+        pool.acquire_run(hit_blocks)
+        blocks = hit_blocks
+        blocks += pool.pop_many(total - len(hit_blocks))
+        cached_tokens = len(hit_hashes) << self._shift
+        self._tables[seq_id] = BlockTable(
+            tokens,
+            blocks,
+            num_computed=cached_tokens,
+            hashes=hit_hashes,
+            hash_seed=prompt.seed,
+            hash_suffix=prompt.suffix,
+        )
+        self._prefix_query_tokens += len(tokens)
+        self._prefix_hit_tokens += cached_tokens
+        return cached_tokens
+
+    def append_token(self, seq_id: SeqId, token_id: int) -> BlockCopy | None:
+        """Add one token (computed next step); returns the copy a copy-on-write needs, if any."""
+        table = self._tables.get(seq_id)
+        if table is None or table.on_cpu is not None:
+            raise self._not_resident(seq_id, "append to")
+        tokens = table.tokens
+        offset = len(tokens) & self._mask
+        if offset and self._device_refs[table.block_ids[-1]] == 1:
+            try:  # the common case: the tail is ours and has room
+                tokens.append(token_id)
+            except (OverflowError, TypeError):
+                raise self._bad_token(token_id) from None
+            return None
+        pool = self._device
+        if pool.num_free == 0:
+            raise NoFreeBlocks(
+                f"no block for the next token of sequence {seq_id!r}"
+                + (" (copy-on-write of its shared tail)" if offset else ""),
+                needed=1,
+                available=0,
+                tier="device",
+            )
+        try:
+            tokens.append(token_id)
+        except (OverflowError, TypeError):
+            raise self._bad_token(token_id) from None
+        block = pool.pop_free()
+        if offset == 0:
+            table.block_ids.append(block)
+            return None
+        # The tail is shared (fork): the writer gets a private copy; the others keep the original.
+        tail = table.block_ids[-1]
+        pool.release(tail)
+        table.block_ids[-1] = block
+        self._cow_copies += 1
+        return BlockCopy(src=tail, dst=block, num_tokens=offset)
+
+    @staticmethod
+    def _bad_token(token_id: object) -> InvalidOperation:
+        return InvalidOperation(f"token id must be an integer in [0, 2**32), got {token_id!r}")
+
+    def mark_computed(self, seq_id: SeqId, num_computed_tokens: int) -> None:
+        """The KV of the first `num_computed_tokens` tokens is cached; seal the full blocks."""
+        table = self._tables.get(seq_id)
+        if table is None or table.on_cpu is not None:
+            raise self._not_resident(seq_id, "mark computed")
+        if type(num_computed_tokens) is not int or not (
+            table.num_computed <= num_computed_tokens <= len(table.tokens)
+        ):
+            raise InvalidOperation(
+                f"num_computed_tokens {num_computed_tokens!r} for sequence {seq_id!r} must be in "
+                f"[{table.num_computed}, {len(table.tokens)}]"
+            )
+        table.num_computed = num_computed_tokens
+        if self._caching and num_computed_tokens >> self._shift > len(table.hashes):
+            self._seal(table, num_computed_tokens >> self._shift)
+
+    def _seal(self, table: BlockTable, num_full: int) -> None:
+        """Hash full computed blocks ``len(table.hashes) .. num_full-1`` and register them.
+
+        The preimage is `identity.block_key`'s layout, built inline because decode seals one
+        block every `block_size` tokens (`check_integrity` recomputes it with `chain_blocks`).
+        If another device block already holds the same preimage (two sequences computed the same
+        content), the table switches to that block and frees its own: identical KV, one copy,
+        and every sealed device block stays findable.
+        """
+        hashes, size = table.hashes, self._block_size
+        first = len(hashes)
+        data = tokens_to_bytes(table.tokens[first * size : num_full * size])
+        prefix, suffix, width = self._count_prefix, table.hash_suffix, size * 4
+        parent = hashes[-1] if hashes else table.hash_seed
+        pool, blocks = self._device, table.block_ids
+        cached = pool.cached
+        for index in range(first, num_full):
+            start = (index - first) * width
+            key = parent + prefix + data[start : start + width] + suffix
+            parent = _sha256(key).digest()
+            hashes.append(parent)
+            holder = cached.get(key)
+            if holder is None:
+                pool.seal(blocks[index], key, parent)
+            else:
+                pool.acquire(holder)
+                pool.release(blocks[index])
+                blocks[index] = holder
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """`child_id` shares every block of `parent_id` (same tokens, same computed count)."""
+        parent = self._resident(parent_id, "fork")
+        check_new_seq_id(self._tables, child_id)
+        if parent.num_computed != len(parent.tokens):
+            raise InvalidOperation(
+                f"cannot fork sequence {parent_id!r} with uncomputed tokens "
+                f"({parent.num_computed} of {len(parent.tokens)} computed): two writers would "
+                "share their slots; fork after mark_computed"
+            )
+        acquire = self._device.acquire
+        for block in parent.block_ids:
+            acquire(block)
+        self._tables[child_id] = parent.fork()
+
+    def free(self, seq_id: SeqId) -> None:
+        """Drop the sequence; its sealed blocks stay hit-able (tail blocks are evicted first)."""
+        table = self._table(seq_id)
+        del self._tables[seq_id]
+        on_cpu = table.on_cpu
+        device, cpu = self._device, self._cpu
+        # Release in reverse so a sequence's later blocks sit before its prefix in LRU order.
+        if on_cpu is None:
+            device.release_run(table.block_ids[::-1])
+            return
+        for block, is_cpu in zip(reversed(table.block_ids), reversed(on_cpu), strict=True):
+            (cpu if is_cpu else device).release(block)
+
+    def swap_out(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]]:
+        """Move the group's blocks nobody else holds to the CPU; returns (device, cpu) pairs."""
+        plan = plan_swap_out(
+            self._device, self._cpu, swap_group(self._tables, seq_ids, swapped=False)
+        )
+        return plan.commit(self._swaps)
+
+    def swap_in(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]]:
+        """Bring the group's CPU blocks back to the device; returns (cpu, device) copy pairs."""
+        plan = plan_swap_in(
+            self._device,
+            self._cpu,
+            swap_group(self._tables, seq_ids, swapped=True),
+            self._watermark,
+            self._block_size,
+        )
+        return plan.commit(self._swaps)

@@ -1,0 +1,126 @@
+"""Pressure snapshot: the numbers admission, preemption and the metrics exporter decide on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from block_manager.pool import BlockPool
+from block_manager.table import BlockTable
+
+
+@dataclass(frozen=True)
+class TierPressure:
+    """Block counts of one tier; ``free + evictable_cached + used == total``.
+
+    ``free`` blocks hold nothing reusable; ``evictable_cached`` blocks are unreferenced but still
+    findable by hash (they are reused in LRU order after the free ones); ``used`` are referenced.
+    """
+
+    total: int
+    free: int
+    evictable_cached: int
+    used: int
+
+    @property
+    def available(self) -> int:
+        """Blocks an allocation can take now (free + evictable cached)."""
+        return self.free + self.evictable_cached
+
+
+@dataclass(frozen=True)
+class PressureSnapshot:
+    """A point-in-time view of both tiers plus cumulative counters since the manager was built.
+
+    ``token_slots_allocated`` = used device blocks x block size; ``tokens_held`` = distinct device
+    slots holding a token (a shared block counts once); ``waste_slots`` is their difference (the
+    unfilled part of partial tails). Prefix counters are in tokens, swap counters in blocks.
+    """
+
+    device: TierPressure
+    cpu: TierPressure
+    block_size: int
+    token_slots_allocated: int
+    tokens_held: int
+    waste_slots: int
+    num_sequences: int
+    num_swapped_sequences: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    cow_copies: int
+    swap_out_blocks: int
+    swap_in_blocks: int
+    watermark_blocks: int
+
+    @property
+    def kv_utilization(self) -> float:
+        """tokens_held / token_slots_allocated (1.0 when nothing is allocated)."""
+        if self.token_slots_allocated == 0:
+            return 1.0
+        return self.tokens_held / self.token_slots_allocated
+
+    # Flat aliases of the per-tier numbers, for callers that prefer ``snapshot.device_free``.
+    @property
+    def device_total(self) -> int:
+        return self.device.total
+
+    @property
+    def device_free(self) -> int:
+        return self.device.free
+
+    @property
+    def device_evictable_cached(self) -> int:
+        return self.device.evictable_cached
+
+    @property
+    def device_used(self) -> int:
+        return self.device.used
+
+    @property
+    def cpu_total(self) -> int:
+        return self.cpu.total
+
+    @property
+    def cpu_free(self) -> int:
+        return self.cpu.free
+
+    @property
+    def cpu_evictable_cached(self) -> int:
+        return self.cpu.evictable_cached
+
+    @property
+    def cpu_used(self) -> int:
+        return self.cpu.used
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """prefix_hit_tokens / prefix_query_tokens (0.0 before any query)."""
+        if self.prefix_query_tokens == 0:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_query_tokens
+
+
+def tier_pressure(pool: BlockPool) -> TierPressure:
+    """Block counts of one pool."""
+    return TierPressure(
+        total=pool.num_blocks,
+        free=pool.num_free - pool.num_free_cached,
+        evictable_cached=pool.num_free_cached,
+        used=pool.num_blocks - pool.num_free,
+    )
+
+
+def waste_slots(tables: Iterable[BlockTable], block_size: int) -> int:
+    """Unfilled slots of the distinct partial device tails (a shared tail counts once).
+
+    Only a table's last block can be partial, and every holder of a shared partial tail sees the
+    same fill (the first write to it is a copy-on-write), so this is exact.
+    """
+    partial_tails: dict[int, int] = {}
+    for table in tables:
+        if table.on_cpu is not None and table.on_cpu[-1]:
+            continue
+        fill = len(table.tokens) - (len(table.block_ids) - 1) * block_size
+        if fill < block_size:
+            partial_tails[table.block_ids[-1]] = fill
+    return sum(block_size - fill for fill in partial_tails.values())

@@ -1,0 +1,337 @@
+"""Hypothesis state machine: the manager against a simple model of what the KV memory must hold.
+
+The reference model keeps, per sequence, its tokens, computed count, identity and tier, and it
+simulates physical memory: a dict from slot to the "KV" written there, where the KV of position
+``p`` is ``(identity, tokens[: p + 1])`` (attention KV depends on the whole prefix under one cache
+identity). The machine plays the workers: it writes KV through `slot_mapping`, applies every
+copy-on-write and swap pair the manager returns, and after every rule reads each resident
+sequence's computed positions back through its block table. Any wrong prefix hit (other identity,
+salt or tokens), lost copy, bad swap pair or block handed to two writers shows up as wrong KV.
+`check_integrity()` runs after every rule too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from block_manager import InvalidOperation, KVCacheManager, NeverFits, NoFreeBlocks
+from tests.block_manager.helpers import OTHER_SEED, SEED, observe
+
+BLOCK = 4
+DEVICE_BLOCKS = 16
+CPU_BLOCKS = 8
+SEEDS = (SEED, OTHER_SEED)
+SALTS: tuple[tuple[str, ...], ...] = ((), ("tenant-a",))
+PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9), (5, 5, 5, 5, 5, 5, 5, 5))
+
+Identity = tuple[int, int]  # (seed index, salt index)
+KV = tuple[Identity, tuple[int, ...]]
+
+
+@dataclass
+class ModelSeq:
+    tokens: list[int]
+    computed: int
+    identity: Identity
+    swapped: bool = False
+
+    def kv(self, position: int) -> KV:
+        return self.identity, tuple(self.tokens[: position + 1])
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = KVCacheManager(
+            num_device_blocks=DEVICE_BLOCKS,
+            num_cpu_blocks=CPU_BLOCKS,
+            block_size=BLOCK,
+            watermark_blocks=1,
+        )
+        self.seqs: dict[int, ModelSeq] = {}
+        self.device_kv: dict[int, KV] = {}
+        self.cpu_kv: dict[int, KV] = {}
+        self.sealed_prefixes: set[tuple[Identity, tuple[int, ...]]] = set()
+        self.next_id = 0
+
+    # ------------------------------------------------------------------ helpers
+    def resident(self) -> list[int]:
+        return sorted(seq for seq, model in self.seqs.items() if not model.swapped)
+
+    def swapped(self) -> list[int]:
+        return sorted(seq for seq, model in self.seqs.items() if model.swapped)
+
+    def snapshot(self) -> object:
+        return observe(self.manager, [*self.seqs, self.next_id])
+
+    def max_possible_hit(self, identity: Identity, tokens: list[int]) -> int:
+        """Hit blocks are bounded by the chain of full blocks ever computed under `identity`."""
+        blocks = 0
+        while (blocks + 1) * BLOCK <= len(tokens) - 1 and (
+            identity,
+            tuple(tokens[: (blocks + 1) * BLOCK]),
+        ) in self.sealed_prefixes:
+            blocks += 1
+        return blocks * BLOCK
+
+    def guaranteed_hit(self, identity: Identity, tokens: list[int]) -> int:
+        """Sealed blocks of live resident sequences cannot be evicted, so they must be found."""
+        best = 0
+        limit = (len(tokens) - 1) // BLOCK
+        for seq_id in self.resident():
+            model = self.seqs[seq_id]
+            if model.identity != identity:
+                continue
+            blocks = 0
+            while (
+                blocks < min(limit, model.computed // BLOCK)
+                and model.tokens[blocks * BLOCK : (blocks + 1) * BLOCK]
+                == tokens[blocks * BLOCK : (blocks + 1) * BLOCK]
+            ):
+                blocks += 1
+            best = max(best, blocks)
+        return best * BLOCK
+
+    # ------------------------------------------------------------------ rules
+    @initialize(prefix=st.sampled_from(PREFIXES))
+    def start(self, prefix: tuple[int, ...]) -> None:
+        """Every run starts with one computed prompt, so every rule has something to act on."""
+        self.manager.allocate(0, list(prefix), hash_seed=SEEDS[0], extra_keys=SALTS[0])
+        slots = self.manager.slot_mapping(0, 0, len(prefix))
+        self.seqs[0] = ModelSeq(list(prefix), len(prefix), (0, 0))
+        for position, slot in enumerate(slots):
+            self.device_kv[slot] = self.seqs[0].kv(position)
+        self.manager.mark_computed(0, len(prefix))
+        for blocks in range(1, len(prefix) // BLOCK + 1):
+            self.sealed_prefixes.add(((0, 0), tuple(prefix[: blocks * BLOCK])))
+        self.next_id = 1
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        head=st.sampled_from([8, 8, 8, 4, 4, 6, 2, 0]),
+        tail=st.lists(st.integers(0, 9), max_size=6),
+        identity=st.sampled_from([(0, 0), (0, 0), (0, 0), (1, 0), (0, 1)]),
+        repeat=st.sampled_from([1] * 9 + [12]),  # sometimes more than the whole pool
+    )
+    def allocate(
+        self,
+        prefix: tuple[int, ...],
+        head: int,
+        tail: list[int],
+        identity: Identity,
+        repeat: int,
+    ) -> None:
+        tokens = (list(prefix[:head]) + tail or [0]) * repeat
+        seq_id, (seed_index, salt_index) = self.next_id, identity
+        kwargs = {"hash_seed": SEEDS[seed_index], "extra_keys": SALTS[salt_index]}
+        expected_ok = self.manager.can_allocate(tokens, **kwargs)
+        before = self.snapshot()
+        try:
+            cached = self.manager.allocate(seq_id, tokens, **kwargs)
+        except NeverFits:
+            event("allocate: never fits")
+            assert -(-len(tokens) // BLOCK) > DEVICE_BLOCKS
+            assert not expected_ok
+            assert self.snapshot() == before
+            return
+        except NoFreeBlocks:
+            event("allocate: no free blocks")
+            assert not expected_ok
+            assert self.snapshot() == before
+            return
+        assert expected_ok
+        event(f"allocate: hit {cached // BLOCK} blocks")
+        self.next_id += 1
+        assert cached % BLOCK == 0
+        assert cached <= self.max_possible_hit(identity, tokens)
+        assert cached >= self.guaranteed_hit(identity, tokens)
+        model = ModelSeq(tokens, cached, identity)
+        self.seqs[seq_id] = model
+        slots = self.manager.slot_mapping(seq_id, 0, cached)
+        for position, slot in enumerate(slots):
+            assert self.device_kv.get(slot) == model.kv(position), "prefix hit with wrong KV"
+
+    @precondition(lambda self: any(m.computed < len(m.tokens) for m in self.seqs.values()))
+    @rule(data=st.data(), chunk=st.integers(1, 9))
+    def compute(self, data: st.DataObject, chunk: int) -> None:
+        """The workers compute a chunk: write KV to the planned slots, then mark it computed."""
+        candidates = [
+            s for s in self.resident() if self.seqs[s].computed < len(self.seqs[s].tokens)
+        ]
+        if not candidates:
+            return
+        seq_id = data.draw(st.sampled_from(candidates))
+        model = self.seqs[seq_id]
+        end = min(len(model.tokens), model.computed + chunk)
+        table_before = self.manager.block_table(seq_id)
+        slots = self.manager.slot_mapping(seq_id, model.computed, end)
+        for position, slot in zip(range(model.computed, end), slots, strict=True):
+            self.device_kv[slot] = model.kv(position)
+        self.manager.mark_computed(seq_id, end)
+        if self.manager.block_table(seq_id) != table_before:
+            event("compute: sealed block deduplicated")
+        model.computed = end
+        for blocks in range(1, end // BLOCK + 1):
+            self.sealed_prefixes.add((model.identity, tuple(model.tokens[: blocks * BLOCK])))
+
+    @precondition(lambda self: bool(self.resident()))
+    @rule(data=st.data(), token=st.integers(0, 9))
+    def append(self, data: st.DataObject, token: int) -> None:
+        seq_id = data.draw(st.sampled_from(self.resident()))
+        model = self.seqs[seq_id]
+        expected_ok = self.manager.can_append([seq_id])
+        before = self.snapshot()
+        old_table = self.manager.block_table(seq_id)
+        try:
+            copy = self.manager.append_token(seq_id, token)
+        except NoFreeBlocks:
+            assert not expected_ok
+            assert self.snapshot() == before
+            return
+        assert expected_ok
+        table = self.manager.block_table(seq_id)
+        if copy is not None:
+            event("append: copy-on-write")
+            assert copy.src == old_table[-1] and table == [*old_table[:-1], copy.dst]
+            assert copy.num_tokens == len(model.tokens) % BLOCK
+            for offset in range(copy.num_tokens):
+                source = self.device_kv.get(copy.src * BLOCK + offset)
+                assert source is not None
+                self.device_kv[copy.dst * BLOCK + offset] = source
+        else:
+            assert table[: len(old_table)] == old_table
+        model.tokens.append(token)
+
+    @precondition(lambda self: bool(self.resident()))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent_id = data.draw(st.sampled_from(self.resident()))
+        parent = self.seqs[parent_id]
+        child_id = self.next_id
+        if parent.computed < len(parent.tokens):
+            before = self.snapshot()
+            try:
+                self.manager.fork(parent_id, child_id)
+            except InvalidOperation:
+                assert self.snapshot() == before
+                return
+            raise AssertionError("fork with uncomputed tokens must be rejected")
+        self.manager.fork(parent_id, child_id)
+        self.next_id += 1
+        self.seqs[child_id] = ModelSeq(list(parent.tokens), parent.computed, parent.identity)
+        assert self.manager.block_table(child_id) == self.manager.block_table(parent_id)
+
+    @precondition(lambda self: bool(self.seqs))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.manager.free(seq_id)
+        del self.seqs[seq_id]
+        assert not self.manager.has_sequence(seq_id)
+
+    @precondition(lambda self: bool(self.resident()))
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        group = data.draw(
+            st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True)
+        )
+        expected_ok = self.manager.can_swap_out(group)
+        before = self.snapshot()
+        try:
+            pairs = self.manager.swap_out(group)
+        except NoFreeBlocks as failure:
+            event("swap out: cpu full")
+            assert failure.tier == "cpu"
+            assert not expected_ok
+            assert self.snapshot() == before
+            return
+        assert expected_ok
+        assert len({device for device, _ in pairs}) == len({cpu for _, cpu in pairs}) == len(pairs)
+        for device, cpu in pairs:
+            for offset in range(BLOCK):
+                self._copy(
+                    self.device_kv, device * BLOCK + offset, self.cpu_kv, cpu * BLOCK + offset
+                )
+        for seq_id in group:
+            self.seqs[seq_id].swapped = True
+
+    @precondition(lambda self: bool(self.swapped()))
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        group = data.draw(
+            st.lists(st.sampled_from(self.swapped()), min_size=1, max_size=3, unique=True)
+        )
+        expected_ok = self.manager.can_swap_in(group)
+        before = self.snapshot()
+        try:
+            pairs = self.manager.swap_in(group)
+        except NoFreeBlocks as failure:
+            event("swap in: device full")
+            assert failure.tier == "device"
+            assert not expected_ok
+            assert self.snapshot() == before
+            return
+        assert expected_ok
+        for cpu, device in pairs:
+            for offset in range(BLOCK):
+                self._copy(
+                    self.cpu_kv, cpu * BLOCK + offset, self.device_kv, device * BLOCK + offset
+                )
+        for seq_id in group:
+            self.seqs[seq_id].swapped = False
+
+    @staticmethod
+    def _copy(source: dict[int, KV], src: int, target: dict[int, KV], dst: int) -> None:
+        if src in source:
+            target[dst] = source[src]
+        else:
+            target.pop(dst, None)
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def integrity(self) -> None:
+        self.manager.check_integrity()
+
+    @invariant()
+    def matches_model(self) -> None:
+        manager = self.manager
+        used_slots: set[int] = set()
+        used_blocks: set[int] = set()
+        for seq_id, model in self.seqs.items():
+            assert manager.num_tokens(seq_id) == len(model.tokens)
+            assert manager.num_computed_tokens(seq_id) == model.computed
+            assert manager.is_swapped(seq_id) == model.swapped
+            assert manager.token_ids(seq_id) == model.tokens
+            if model.swapped:
+                continue
+            table = manager.block_table(seq_id)
+            assert len(table) == -(-len(model.tokens) // BLOCK)
+            used_blocks.update(table)
+            used_slots.update(manager.slot_mapping(seq_id, 0, len(model.tokens)))
+            for position, slot in enumerate(manager.slot_mapping(seq_id, 0, model.computed)):
+                assert self.device_kv.get(slot) == model.kv(position), (
+                    f"sequence {seq_id} reads wrong KV at position {position}"
+                )
+        pressure = manager.pressure()
+        assert pressure.device.used + pressure.device.available == DEVICE_BLOCKS
+        assert pressure.device.available == manager.num_free_device_blocks()
+        assert 0.0 <= pressure.kv_utilization <= 1.0
+        if not self.swapped():
+            assert pressure.device.used == len(used_blocks)
+            assert pressure.tokens_held == len(used_slots)
+            assert pressure.token_slots_allocated == len(used_blocks) * BLOCK
+            assert pressure.cpu.used == 0
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("BLOCK_MANAGER_EXAMPLES", "200")),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestBlockManagerStateMachine = BlockManagerMachine.TestCase
