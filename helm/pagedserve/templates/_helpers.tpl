@@ -1,0 +1,76 @@
+{{/* Release-scoped name, at most 40 characters (KubeRay appends suffixes to RayCluster names). */}}
+{{- define "pagedserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagedserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pagedserve.labels" -}}
+{{ include "pagedserve.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "pagedserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/*
+The Ray Serve config file (the format `serve run` / `serve deploy` read) embedded in the RayService.
+Each replica gets a placement group: the replica actor's bundle first, then one GPU bundle per
+tensor-parallel rank, packed onto one node.
+*/}}
+{{- define "pagedserve.serveConfig" -}}
+{{- $tp := int .Values.engine.parallel.tensor_parallel_size -}}
+{{- if lt $tp 1 -}}
+{{- fail "engine.parallel.tensor_parallel_size must be at least 1" -}}
+{{- end -}}
+{{- if gt $tp (int .Values.gpuWorkers.gpusPerPod) -}}
+{{- fail "engine.parallel.tensor_parallel_size cannot exceed gpuWorkers.gpusPerPod (a replica's ranks share one node)" -}}
+{{- end -}}
+{{- $auto := .Values.serve.autoscaling -}}
+{{- if gt (int $auto.minReplicas) (int $auto.maxReplicas) -}}
+{{- fail "serve.autoscaling.minReplicas cannot exceed serve.autoscaling.maxReplicas" -}}
+{{- end -}}
+{{- $bundles := list (dict "CPU" .Values.serve.replicaCpus) -}}
+{{- range until $tp -}}
+{{- $bundles = append $bundles (dict "CPU" $.Values.serve.workerCpus "GPU" 1) -}}
+{{- end -}}
+{{- $args := dict "engine" .Values.engine "served_model_name" .Values.servedModelName -}}
+{{- $deployment := dict
+      "name" "GenerationServer"
+      "max_ongoing_requests" (int .Values.serve.maxOngoingRequests)
+      "autoscaling_config" (dict
+        "min_replicas" (int $auto.minReplicas)
+        "max_replicas" (int $auto.maxReplicas)
+        "target_ongoing_requests" $auto.targetOngoingRequests
+        "upscale_delay_s" $auto.upscaleDelayS
+        "downscale_delay_s" $auto.downscaleDelayS)
+      "ray_actor_options" (dict "num_cpus" .Values.serve.replicaCpus)
+      "placement_group_strategy" "STRICT_PACK"
+      "placement_group_bundles" $bundles -}}
+{{- $app := dict
+      "name" .Values.serve.appName
+      "route_prefix" .Values.serve.routePrefix
+      "import_path" .Values.serve.importPath
+      "args" $args
+      "deployments" (list $deployment) -}}
+{{- $config := dict
+      "proxy_location" "EveryNode"
+      "http_options" (dict "host" "0.0.0.0" "port" (int .Values.serve.httpPort))
+      "grpc_options" (dict
+        "port" (int .Values.serve.grpcPort)
+        "grpc_servicer_functions" (list
+          "protos.generation_pb2_grpc.add_GenerationServicer_to_server"
+          "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"))
+      "applications" (list $app) -}}
+{{- toYaml $config -}}
+{{- end -}}
