@@ -1,0 +1,116 @@
+"""`pagedserve` on the command line: subcommands, each in its own small function.
+
+`pagedserve generate` runs the default model with no flags at all; other subcommands (`serve`,
+`bench`) register themselves in `SUBCOMMANDS` from their own modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cluster.config import EngineConfig
+from cluster.errors import ConfigError, RequestRejected
+
+DEFAULT_PROMPT = "Explain in two sentences why paging helps an LLM server use memory well."
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "prompts", nargs="*", help=f"prompts (default: one built-in prompt: {DEFAULT_PROMPT!r})"
+    )
+    parser.add_argument("--raw", action="store_true", help="send prompts as plain text, no chat")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--n", type=int, default=1, help="completions per prompt")
+    # sampling is seeded from the engine's --seed (model.seed) and the request's arrival order
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    EngineConfig.add_cli_arguments(parser)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from cluster.llm import LLM
+    from cluster.sampling_params import SamplingParams
+
+    config = EngineConfig.from_cli_args(args)
+    if vars(args).get("parallel.backend") is None and config.parallel.tensor_parallel_size == 1:
+        config = config.with_overrides({"parallel": {"backend": "local"}})
+    params = SamplingParams(
+        n=args.n,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+    )
+    prompts = args.prompts or [DEFAULT_PROMPT]
+    with LLM(config=config) as llm:
+        if args.raw:
+            results = llm.generate(prompts, params)
+        else:
+            results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    for prompt, result in zip(prompts, results, strict=True):
+        if args.json:
+            record = {
+                "prompt": prompt,
+                "outputs": [
+                    {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+                    for o in result.outputs
+                ],
+                "usage": vars(result.usage),
+            }
+            print(json.dumps(record))
+            continue
+        print(f"### {prompt}")
+        for completion in result.outputs:
+            print(completion.text)
+            print(f"[{completion.finish_reason}, {len(completion.token_ids)} tokens]")
+    return 0
+
+
+SUBCOMMANDS: list[Subcommand] = [
+    Subcommand(
+        "generate",
+        "generate text offline for one or more prompts",
+        _add_generate_arguments,
+        _run_generate,
+    ),
+]
+
+
+def build_parser(subcommands: Sequence[Subcommand]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in subcommands:
+        child = sub.add_parser(command.name, help=command.help)
+        command.add_arguments(child)
+        child.set_defaults(handler=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(SUBCOMMANDS)
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ConfigError, RequestRejected, ValueError) as error:
+        print(f"pagedserve {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Engine configuration: pydantic models loadable from YAML and from command-line flags.
+
+Pydantic lives only here, at the edge; the engine reads the validated values. Every section
+forbids unknown fields, and every refused combination names the field (`section.field`) at fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cluster.errors import ConfigError
+
+if TYPE_CHECKING:
+    from workers import WorkerConfig
+
+MIB = 2**20
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSettings(_Section):
+    model: str = Field("default", description="a .gguf file, an HF directory, or 'default'")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    max_model_len: int | None = Field(None, gt=0, description="default: the model's context")
+    seed: int = Field(0, ge=0, description="seed of requests that do not give one (with a counter)")
+    weights_cache_dir: str | None = None
+
+
+class CacheSettings(_Section):
+    block_size: int = Field(16, gt=0, le=256)
+    num_device_blocks: int | None = Field(None, gt=0)
+    kv_cache_bytes: int | None = Field(None, gt=0, description="device KV budget (CPU backend)")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    num_cpu_blocks: int | None = Field(None, ge=0)
+    swap_space_bytes: int = Field(256 * MIB, ge=0)
+    watermark: float = Field(
+        0.01, ge=0.0, lt=1.0, description="device fraction kept free at admission"
+    )
+    enable_prefix_caching: bool = True
+
+    @model_validator(mode="after")
+    def _one_device_budget(self) -> CacheSettings:
+        if self.num_device_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError(
+                "cache.num_device_blocks and cache.kv_cache_bytes are exclusive: give one"
+            )
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"cache.block_size must be a power of two, got {self.block_size}")
+        return self
+
+
+class ParallelSettings(_Section):
+    tensor_parallel_size: int = Field(1, gt=0)
+    backend: Literal["ray", "local"] = "ray"
+
+    @model_validator(mode="after")
+    def _local_is_single_rank(self) -> ParallelSettings:
+        if self.backend == "local" and self.tensor_parallel_size != 1:
+            raise ValueError(
+                "parallel.backend 'local' runs one in-process rank: "
+                "parallel.tensor_parallel_size must be 1"
+            )
+        return self
+
+
+class SchedulerSettings(_Section):
+    max_num_seqs: int = Field(64, gt=0, description="running sequences (branches) at once")
+    max_num_batched_tokens: int = Field(512, gt=0, description="token budget per step")
+    enable_chunked_prefill: bool = True
+    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
+    max_waiting_requests: int = Field(4096, gt=0, description="admission queue limit")
+    check_integrity: bool = Field(False, description="run the block manager's check every step")
+
+    @model_validator(mode="after")
+    def _budget_covers_decodes(self) -> SchedulerSettings:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"scheduler.max_num_seqs ({self.max_num_seqs}) so every running decode fits a step"
+            )
+        return self
+
+
+class EngineConfig(_Section):
+    """The whole engine configuration. Construct directly, `from_yaml`, or `from_cli_args`."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    parallel: ParallelSettings = Field(default_factory=ParallelSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> EngineConfig:
+        swap_possible = self.cache.num_cpu_blocks != 0 and (
+            self.cache.num_cpu_blocks is not None or self.cache.swap_space_bytes > 0
+        )
+        if self.scheduler.preemption_mode == "swap" and not swap_possible:
+            raise ValueError(
+                "scheduler.preemption_mode 'swap' needs a CPU tier: set cache.num_cpu_blocks > 0 "
+                "or cache.swap_space_bytes > 0"
+            )
+        max_len = self.model.max_model_len
+        if (
+            not self.scheduler.enable_chunked_prefill
+            and max_len is not None
+            and self.scheduler.max_num_batched_tokens < max_len
+        ):
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must "
+                f"be >= model.max_model_len ({max_len}) when chunked prefill is off"
+            )
+        return self
+
+    # --- construction helpers -------------------------------------------------------------
+
+    @classmethod
+    def build(cls, data: dict[str, Any]) -> EngineConfig:
+        """Validate a nested dict; raises ConfigError naming the offending field."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as error:
+            raise ConfigError(_describe(error)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | pathlib.Path) -> EngineConfig:
+        text = pathlib.Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        return cls.build(data)
+
+    def with_overrides(self, overrides: dict[str, dict[str, Any]]) -> EngineConfig:
+        """A copy with `{section: {field: value}}` replaced, validated again."""
+        data = self.model_dump()
+        for section, values in overrides.items():
+            data.setdefault(section, {}).update(values)
+        return EngineConfig.build(data)
+
+    def to_worker_config(self) -> WorkerConfig:
+        from workers import WorkerConfig
+
+        return WorkerConfig(
+            model=self.model.model,
+            dtype=self.model.dtype,
+            block_size=self.cache.block_size,
+            tensor_parallel_size=self.parallel.tensor_parallel_size,
+            num_device_blocks=self.cache.num_device_blocks,
+            kv_cache_bytes=self.cache.kv_cache_bytes,
+            gpu_memory_utilization=self.cache.gpu_memory_utilization,
+            num_cpu_blocks=self.cache.num_cpu_blocks,
+            swap_space_bytes=self.cache.swap_space_bytes,
+            max_model_len=self.model.max_model_len,
+            backend=self.parallel.backend,
+            weights_cache_dir=self.model.weights_cache_dir,
+            seed=self.model.seed,
+        )
+
+    # --- command line -------------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+        """One flag per field, `--field-name` (field names are unique across sections), plus
+        `--config FILE.yaml`; flags given override the file."""
+        parser.add_argument("--config", type=pathlib.Path, default=None, help="YAML config file")
+        for section_name, section_type in _SECTIONS.items():
+            group = parser.add_argument_group(f"{section_name} settings")
+            for name, info in section_type.model_fields.items():
+                flag = "--" + name.replace("_", "-")
+                help_text = info.description or ""
+                default_text = f"(default: {info.default!r})"
+                if info.annotation is bool:
+                    group.add_argument(
+                        flag,
+                        dest=f"{section_name}.{name}",
+                        action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help=f"{help_text} {default_text}".strip(),
+                    )
+                else:
+                    group.add_argument(
+                        flag,
+                        dest=f"{section_name}.{name}",
+                        default=None,
+                        metavar=name.upper(),
+                        help=f"{help_text} {default_text}".strip(),
+                    )
+
+    @staticmethod
+    def section_of(field_name: str) -> str | None:
+        """The section (`model`, `cache`, ...) that holds a field, or None if none does."""
+        for section_name, section_type in _SECTIONS.items():
+            if field_name in section_type.model_fields:
+                return section_name
+        return None
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        base = cls.from_yaml(args.config) if args.config is not None else cls()
+        overrides: dict[str, dict[str, Any]] = {}
+        for key, value in vars(args).items():
+            if value is None or "." not in key:
+                continue
+            section, name = key.split(".", 1)
+            if section in _SECTIONS:
+                overrides.setdefault(section, {})[name] = _parse_flag_value(value)
+        return base.with_overrides(overrides)
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelSettings,
+    "cache": CacheSettings,
+    "parallel": ParallelSettings,
+    "scheduler": SchedulerSettings,
+}
+
+
+def _parse_flag_value(value: Any) -> Any:
+    """Flag strings are handed to pydantic, which coerces them; 'none' means None."""
+    if isinstance(value, str) and value.lower() in ("none", "null"):
+        return None
+    return value
+
+
+def _describe(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        problems.append(f"{location}: {message}" if location else message)
+    return "invalid engine configuration: " + "; ".join(problems)

@@ -1,0 +1,317 @@
+"""The synchronous heart of the engine: requests in, one step at a time, outputs out.
+
+`EngineCore` owns the worker group, the block manager (sized from what the workers agreed on),
+the scheduler and the tokenizer. A step is `begin_step()` (schedule, giving the plan), the
+workers' execution, then `finish_step()` (KV marked computed, tokens applied, outputs built); the
+async engine awaits the execution in between, `step()` runs all three in a row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from block_manager import CacheIdentity, KVCacheManager
+from cluster.cache_keys import CacheKeyFactory
+from cluster.config import EngineConfig
+from cluster.detokenizer import IncrementalDetokenizer, TextTracker
+from cluster.errors import ConfigError, EngineOverloaded, RequestRejected
+from cluster.metrics import EngineMetrics, MetricsRecorder
+from cluster.output_processor import StopLimits, apply_sampled_token
+from cluster.outputs import RequestMetrics, RequestOutput
+from cluster.preemption import PreemptionCostModel
+from cluster.request import Branch, Request, RequestStatus
+from cluster.sampling_params import SamplingParams
+from cluster.scheduler import Scheduler, SchedulerStep
+from cluster.tokenization import PromptRenderer
+from workers import ModelInfo, WorkerGroup, load_tokenizer
+from workers.plan import StepOutput
+
+PromptInput = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
+
+
+class EngineCore:
+    """Single-threaded engine state; not safe to call from two threads at once."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        workers: WorkerGroup | None = None,
+        *,
+        tokenizer: Any | None = None,
+    ) -> None:
+        """`workers` and `tokenizer` default to ones built from `config` (tests inject them)."""
+        self.config = config
+        self.workers = workers if workers is not None else WorkerGroup(config.to_worker_config())
+        info: ModelInfo = self.workers.model_info
+        self.model_info = info
+        self.max_model_len = info.max_model_len
+        sched = config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"scheduler.max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= the "
+                f"model's context ({self.max_model_len}) when chunked prefill is off; raise it or "
+                "set model.max_model_len"
+            )
+        num_blocks = self.workers.num_device_blocks
+        self.block_manager = KVCacheManager(
+            num_device_blocks=num_blocks,
+            num_cpu_blocks=self.workers.num_cpu_blocks,
+            block_size=config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            watermark_blocks=min(num_blocks - 1, math.floor(config.cache.watermark * num_blocks)),
+        )
+        if tokenizer is None:
+            tokenizer = load_tokenizer(config.model.model)
+        self.renderer = PromptRenderer(tokenizer, info.vocab_size)
+        self.cache_keys = CacheKeyFactory(
+            CacheIdentity(
+                model_weights_digest=info.weights_digest,
+                tokenizer_digest=self.renderer.digest,
+                dtype=info.dtype,
+                kv_cache_dtype="auto",
+                block_size=config.cache.block_size,
+                rope=info.rope,
+                quantization=info.quantization,
+            )
+        )
+        self.scheduler = Scheduler(
+            sched,
+            self.block_manager,
+            PreemptionCostModel(kv_bytes_per_block=info.kv_bytes_per_block),
+        )
+        self.limits = StopLimits(frozenset(info.eos_token_ids), self.max_model_len)
+        self.recorder = MetricsRecorder()
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._seq_ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.renderer.tokenizer
+
+    # --- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        tenant_salt: bytes | None = None,
+        chat_template: str | None = None,
+    ) -> Request:
+        """Validates and queues a request. Raises RequestRejected (never servable as asked) or
+        EngineOverloaded (the waiting queue is full)."""
+        arrival = next(self._arrivals)
+        request_id = request_id if request_id is not None else f"req-{arrival}"
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting_requests:
+            raise EngineOverloaded(
+                f"{len(self.scheduler.waiting)} requests are waiting "
+                f"(scheduler.max_waiting_requests = {self.config.scheduler.max_waiting_requests})"
+            )
+        rendered = self.renderer.render(prompt, chat_template=chat_template)
+        ids = rendered.token_ids
+        self._check_fits(ids, params)
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        seed = params.seed if params.seed is not None else self._default_seed(arrival)
+        request = Request(
+            request_id=request_id,
+            arrival_index=arrival,
+            prompt=rendered.text,
+            prompt_token_ids=ids,
+            params=params,
+            settings=params.to_settings(seed),
+            cache_key=self.cache_keys.key(
+                chat_template_digest=rendered.chat_template_digest, tenant_salt=tenant_salt
+            ),
+            max_tokens=max_tokens,
+            branches=[self._new_branch(ids, params, index) for index in range(params.n)],
+            metrics=RequestMetrics(arrival_time=time.time()),
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Frees everything the request holds; its final output (finish_reason "abort")."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort(request)
+        request.metrics.finished_time = time.time()
+        return request.make_output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished() > 0
+
+    # --- steps -------------------------------------------------------------------------------
+
+    def begin_step(self) -> SchedulerStep:
+        step = self.scheduler.schedule()
+        if self.config.scheduler.check_integrity:
+            self.block_manager.check_integrity()
+        self.recorder.observe_pressure(self.block_manager.pressure())
+        return step
+
+    def finish_step(self, step: SchedulerStep, output: StepOutput | None) -> list[RequestOutput]:
+        """Applies the workers' output (None for an empty plan); outputs of touched requests."""
+        now = time.time()
+        outputs = [self._reject_during_admission(request) for request in step.rejected]
+        touched: dict[str, Request] = {}
+        if output is not None:
+            self.recorder.num_steps += 1
+            for work in step.works:
+                if work.request.metrics.first_scheduled_time is None:
+                    work.request.metrics.first_scheduled_time = now
+            for request, branch, sampled in self.scheduler.on_step_done(step, output):
+                self.recorder.num_generated_tokens += 1
+                touched[request.request_id] = request
+                if apply_sampled_token(request, branch, sampled, self.limits):
+                    self.scheduler.finish_branch(request, branch)
+        if self.config.scheduler.check_integrity:
+            self.block_manager.check_integrity()
+        for request in touched.values():
+            self._record_token_times(request, now)
+            if request.finished:
+                self._complete(request, now)
+            outputs.append(request.make_output())
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        step = self.begin_step()
+        output = None if step.is_empty else self.workers.execute(step.plan)
+        return self.finish_step(step, output) + self.resolve_stall(step)
+
+    def resolve_stall(self, step: SchedulerStep) -> list[RequestOutput]:
+        """After an empty step with nothing running (and nothing preempted), the head of the
+        queues cannot fit even in an empty device pool: a swapped head is sent back to be
+        recomputed, a waiting head is finished with an error instead of waiting forever."""
+        if (
+            not step.is_empty
+            or step.preempted
+            or self.scheduler.running
+            or not self.has_unfinished()
+        ):
+            return []
+        request = self.scheduler.unstick_head()
+        if request is None:
+            return []
+        request.error = (
+            "the request cannot be scheduled even with every device block free "
+            f"({self.block_manager.num_device_blocks} blocks, watermark "
+            f"{self.block_manager.watermark_blocks})"
+        )
+        return [self._reject_during_admission(request)]
+
+    def metrics(self) -> EngineMetrics:
+        pressure = self.block_manager.pressure()
+        rec = self.recorder
+        return EngineMetrics(
+            pressure=pressure,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped),
+            preemptions_recompute=self.scheduler.preemptions.recompute,
+            preemptions_swap=self.scheduler.preemptions.swap,
+            prefix_cache_hit_rate=pressure.prefix_hit_rate,
+            peak_kv_utilization=rec.peak_kv_utilization,
+            peak_used_device_blocks=rec.peak_used_device_blocks,
+            num_steps=rec.num_steps,
+            num_generated_tokens=rec.num_generated_tokens,
+            num_finished_requests=rec.num_finished_requests,
+            num_rejected_requests=rec.num_rejected_requests,
+            ttft_seconds=rec.ttft.copy(),
+            tpot_seconds=rec.tpot.copy(),
+        )
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        if len(ids) >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                "tokens and at least one must be left to generate"
+            )
+        max_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_seqs:
+            raise RequestRejected(
+                f"n={params.n} branches exceed scheduler.max_num_seqs ({max_seqs})"
+            )
+        block_size = self.config.cache.block_size
+        needed = -(-len(ids) // block_size) + params.n
+        usable = self.block_manager.num_device_blocks - self.block_manager.watermark_blocks
+        if needed > usable:
+            raise RequestRejected(
+                f"the prompt needs {needed} KV blocks ({len(ids)} tokens in blocks of {block_size}"
+                f" plus one per branch, n={params.n}) but the device pool has {usable} to give "
+                f"({self.block_manager.num_device_blocks} minus a watermark of "
+                f"{self.block_manager.watermark_blocks})"
+            )
+
+    def _new_branch(self, prompt_ids: list[int], params: SamplingParams, index: int) -> Branch:
+        detokenizer = IncrementalDetokenizer(
+            self.renderer, prompt_ids, skip_special_tokens=params.skip_special_tokens
+        )
+        return Branch(
+            seq_id=next(self._seq_ids),
+            index=index,
+            token_ids=list(prompt_ids),
+            text=TextTracker(
+                detokenizer,
+                params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            ),
+        )
+
+    def _default_seed(self, arrival: int) -> int:
+        return (self.config.model.seed * 1_000_003 + arrival * 7919 + 1) % 2**63
+
+    def _record_token_times(self, request: Request, now: float) -> None:
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            self.recorder.ttft.observe(now - metrics.arrival_time)
+        elif metrics.last_token_time is not None:
+            gap = now - metrics.last_token_time
+            metrics.inter_token_times.append(gap)
+            self.recorder.tpot.observe(gap)
+        metrics.last_token_time = now
+
+    def _complete(self, request: Request, now: float) -> None:
+        request.metrics.finished_time = now
+        self.requests.pop(request.request_id, None)
+        self.recorder.num_finished_requests += 1
+
+    def _reject_during_admission(self, request: Request) -> RequestOutput:
+        """A queued request that can no longer fit the device pool. One that has generated
+        tokens (it outgrew the pool) ends with finish_reason "length", keeping its text, as if
+        the pool were its context; one that has not is finished with its error."""
+        grown = any(branch.output_token_ids for branch in request.branches)
+        for branch in request.branches:
+            if branch.finished:
+                continue
+            if grown:
+                branch.text.finish()
+                branch.finish_reason = "length"
+            else:
+                branch.finish_reason = "abort"
+        if grown:
+            request.error = None
+            self.recorder.num_finished_requests += 1
+        else:
+            self.recorder.num_rejected_requests += 1
+        request.status = RequestStatus.FINISHED
+        request.metrics.finished_time = time.time()
+        self.requests.pop(request.request_id, None)
+        return request.make_output()

@@ -1,0 +1,24 @@
+"""Errors the engine raises to its callers (the serving layer maps them to HTTP/gRPC statuses)."""
+
+from __future__ import annotations
+
+
+class RequestRejected(Exception):
+    """The request can never be served as asked: too long for the model's context or larger than
+    the whole KV pool, or invalid input. Maps to HTTP 400; retrying the same request cannot help."""
+
+
+class EngineOverloaded(Exception):
+    """The admission queue is full right now. Maps to HTTP 429/503 with Retry-After."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineDead(RuntimeError):
+    """The engine's step loop stopped after an internal error; no request can make progress."""
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the offending field (e.g. `cache.block_size`)."""

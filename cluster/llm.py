@@ -1,0 +1,124 @@
+"""The offline facade: `LLM(model=...).generate(prompts, SamplingParams(...))`, no Ray knowledge
+needed. It drives `EngineCore` step by step in the calling thread and returns finished outputs in
+the order of the prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cluster.config import EngineConfig
+from cluster.engine_core import EngineCore, PromptInput
+from cluster.errors import ConfigError, RequestRejected
+from cluster.metrics import EngineMetrics
+from cluster.outputs import RequestOutput
+from cluster.sampling_params import SamplingParams
+
+
+def config_from_kwargs(
+    model: str | None, base: EngineConfig | None = None, **kwargs: Any
+) -> EngineConfig:
+    """An EngineConfig from flat keyword arguments (`block_size=8, tensor_parallel_size=2`) over
+    `base`; `model=None` keeps the base's model. Without a base, `backend` defaults to the
+    in-process worker when tensor_parallel_size is 1."""
+    overrides: dict[str, dict[str, Any]] = {}
+    if model is not None:
+        overrides["model"] = {"model": model}
+    for name, value in kwargs.items():
+        section = EngineConfig.section_of(name)
+        if section is None:
+            raise ConfigError(f"LLM() got an unknown setting {name!r}")
+        overrides.setdefault(section, {})[name] = value
+    if base is None and "backend" not in kwargs and kwargs.get("tensor_parallel_size", 1) == 1:
+        overrides.setdefault("parallel", {})["backend"] = "local"
+    return (base or EngineConfig()).with_overrides(overrides)
+
+
+class LLM:
+    """Offline batch generation. Keyword arguments are EngineConfig fields by name."""
+
+    def __init__(
+        self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any
+    ) -> None:
+        """`model` defaults to the config's (SmolLM2-135M-Instruct without a config)."""
+        self.config = config_from_kwargs(model, config, **kwargs)
+        self.engine = EngineCore(self.config)
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Text prompts or {"prompt_token_ids": [...]} dicts; one result per prompt, in order."""
+        if isinstance(prompts, str | Mapping):
+            prompts = [prompts]
+        return self._run(list(prompts), sampling_params, chat_template=None)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; rendered with the chat template."""
+        if messages and isinstance(messages[0], Mapping):
+            conversations: list[Any] = [messages]
+        else:
+            conversations = list(messages)
+        return self._run(conversations, sampling_params, chat_template=chat_template)
+
+    def metrics(self) -> EngineMetrics:
+        return self.engine.metrics()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _run(
+        self,
+        prompts: list[Any],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        *,
+        chat_template: str | None,
+    ) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params, len(prompts))
+        ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            request = self.engine.add_request(prompt, p, chat_template=chat_template)
+            ids.append(request.request_id)
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                if output.error is not None:
+                    for other in ids:
+                        self.engine.abort(other)
+                    raise RequestRejected(f"request {output.request_id}: {output.error}")
+                if output.finished:
+                    finals[output.request_id] = output
+        return [_whole(finals[i]) for i in ids]
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return list(params)
+
+
+def _whole(output: RequestOutput) -> RequestOutput:
+    """The final output with deltas covering everything (an offline result is one delta)."""
+    for completion in output.outputs:
+        completion.delta_text = completion.text
+        completion.delta_token_ids = list(completion.token_ids)
+    return output

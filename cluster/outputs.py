@@ -1,0 +1,95 @@
+"""vLLM-shaped request outputs, as streamed to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time() seconds) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    inter_token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, from arrival."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def mean_tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if not self.inter_token_times:
+            return None
+        return sum(self.inter_token_times) / len(self.inter_token_times)
+
+
+@dataclass
+class Logprob:
+    """One generated token's log-probability and the top alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float | None
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionOutput:
+    """One branch of a request. `text` and `token_ids` are cumulative; the deltas hold what is new
+    since this stream's previous output. `finish_reason` is "stop", "length" or "abort" once done;
+    `stop_reason` is the matched stop string or stop token id (None for EOS or length)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[Logprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of one request: every branch's output so far (ordered by index)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    error: str | None = None
+    """Set when the engine gave up on the request (e.g. it can never fit the KV cache)."""
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=len(self.prompt_token_ids),
+            completion_tokens=sum(len(o.token_ids) for o in self.outputs),
+            cached_tokens=self.num_cached_tokens,
+        )

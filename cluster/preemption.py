@@ -1,0 +1,38 @@
+"""The cost model that picks recompute or swap for a preempted request in `auto` mode.
+
+Recompute costs the forward passes of every token the request will prefill again; swap costs
+moving its KV blocks to the CPU tier and back. Both are estimated in seconds: the per-token
+compute time is learned from the steps the engine runs (an exponential moving average of
+forward seconds per scheduled token), the copy bandwidth is a setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PreemptionCostModel:
+    """Estimates both costs; `prefer_swap` compares them."""
+
+    kv_bytes_per_block: int
+    swap_bytes_per_second: float = 4e9
+    seconds_per_token: float = 1e-3
+    smoothing: float = 0.2
+
+    def observe_step(self, forward_seconds: float, num_tokens: int) -> None:
+        """Learn the compute cost per token from a finished step."""
+        if num_tokens <= 0 or forward_seconds <= 0:
+            return
+        sample = forward_seconds / num_tokens
+        self.seconds_per_token += self.smoothing * (sample - self.seconds_per_token)
+
+    def recompute_seconds(self, tokens_to_recompute: int) -> float:
+        return tokens_to_recompute * self.seconds_per_token
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        """Out now and back in later: the blocks cross the link twice."""
+        return 2 * num_blocks * self.kv_bytes_per_block / self.swap_bytes_per_second
+
+    def prefer_swap(self, *, tokens_to_recompute: int, num_blocks: int) -> bool:
+        return self.swap_seconds(num_blocks) < self.recompute_seconds(tokens_to_recompute)

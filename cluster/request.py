@@ -1,0 +1,127 @@
+"""The engine's per-request state: a request and its sampling branches (one sequence each).
+
+Invariants:
+- `branch.token_ids == request.prompt_token_ids + branch.output_token_ids` always.
+- Before a parallel request forks, only branch 0 holds a sequence in the block manager; the
+  others are created up front (their seq ids reserved) and join at the fork.
+- `worker_table` mirrors the block table the workers cached for the sequence (what they were
+  last sent); `worker_knows` says whether they hold its state at all (sampling settings too).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from cluster.detokenizer import TextTracker
+from cluster.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from cluster.sampling_params import SamplingParams
+from workers.plan import SamplingSettings
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class Branch:
+    """One sampling branch: a sequence id, its tokens, text and finish state."""
+
+    seq_id: int
+    index: int
+    token_ids: list[int]
+    text: TextTracker
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    emitted_tokens: int = 0
+    worker_table: list[int] = field(default_factory=list)
+    worker_knows: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def forget_worker_state(self) -> None:
+        self.worker_table = []
+        self.worker_knows = False
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """What seeds and salts this request's block hashes (`CacheIdentity.digest()`, extra keys)."""
+
+    hash_seed: bytes
+    extra_keys: tuple[bytes, ...] = ()
+
+
+@dataclass
+class Request:
+    """One request: the prompt, its parameters, its branches and where it stands."""
+
+    request_id: str
+    arrival_index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    settings: SamplingSettings
+    cache_key: CacheKey
+    max_tokens: int
+    branches: list[Branch]
+    metrics: RequestMetrics
+    status: RequestStatus = RequestStatus.WAITING
+    forked: bool = False
+    num_cached_tokens: int | None = None
+    swapped_blocks: int = 0
+    error: str | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.branches)
+
+    @property
+    def active_branches(self) -> list[Branch]:
+        """Unfinished branches that own (or, once admitted, will own) a sequence."""
+        if not self.forked:
+            return [] if self.branches[0].finished else [self.branches[0]]
+        return [b for b in self.branches if not b.finished]
+
+    @property
+    def finished(self) -> bool:
+        return all(b.finished for b in self.branches)
+
+    def make_output(self) -> RequestOutput:
+        """A snapshot; advances each branch's streamed position (deltas are since the last one)."""
+        outputs = []
+        for branch in self.branches:
+            delta_text = branch.text.take_delta(finished=branch.finished)
+            delta_ids = branch.output_token_ids[branch.emitted_tokens :]
+            branch.emitted_tokens = len(branch.output_token_ids)
+            outputs.append(
+                CompletionOutput(
+                    index=branch.index,
+                    text=branch.text.streamed_text,
+                    token_ids=list(branch.output_token_ids),
+                    cumulative_logprob=branch.cumulative_logprob,
+                    logprobs=list(branch.logprobs) if branch.logprobs is not None else None,
+                    finish_reason=branch.finish_reason,
+                    stop_reason=branch.stop_reason,
+                    delta_text=delta_text,
+                    delta_token_ids=delta_ids,
+                )
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=outputs,
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens or 0,
+            metrics=self.metrics,
+            error=self.error,
+        )

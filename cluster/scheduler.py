@@ -1,0 +1,429 @@
+"""Continuous batching over the paged KV cache: one `StepPlan` per step.
+
+Each step, in priority order (arrival order; earlier is higher):
+1. Running requests: each active branch first gets its pending (sampled, not yet in the table)
+   token appended (a block when the tail is full, a copy-on-write pair when it is shared); when no
+   block is free, the latest running request is preempted (recompute, or swap to the CPU tier,
+   chosen by `PreemptionCostModel` in `auto`), and the current one if it is the latest. Then the
+   branch's uncomputed tokens (a decode: one; a prefill: a chunk) take from the step's token budget.
+2. If nothing was preempted this step: swapped requests come back first (swap-in), oldest first;
+   only when none is left swapped are waiting requests admitted, oldest first, by allocating their
+   table (prefix-cache hits are shared, the block manager keeps the watermark free). The first one
+   that does not fit stops admission (no overtaking, no starvation). With chunked prefill off,
+   a prompt is only scheduled whole, when the rest of the budget holds it.
+3. The engine calls `unstick_head` when a step had nothing to run and nothing was preempted:
+   the head cannot fit even in an empty pool (a swapped one is recomputed instead, a waiting
+   one is given up on).
+
+Invariants: the plan never has two sequences writing one slot and every write goes to a block its
+writer holds alone (the block manager's tables guarantee both); a request is in exactly one of
+waiting / running / swapped, or finished; no sequence appears in a plan in the step it is released.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from block_manager import KVCacheManager, NeverFits, NoFreeBlocks
+from cluster.config import SchedulerSettings
+from cluster.preemption import PreemptionCostModel
+from cluster.request import Branch, Request, RequestStatus
+from workers.plan import SampledToken, SequenceWork, StepOutput, StepPlan
+
+
+@dataclass
+class ScheduledWork:
+    """One sequence's share of a step, with the request it belongs to."""
+
+    request: Request
+    branch: Branch
+    start: int
+    num_tokens: int
+    num_samples: int
+
+
+@dataclass
+class SchedulerStep:
+    plan: StepPlan
+    works: list[ScheduledWork]
+    rejected: list[Request] = field(default_factory=list)
+    preempted: bool = False
+    """Something was preempted, so swapped and waiting requests were not considered."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(w.num_tokens for w in self.works)
+
+    @property
+    def is_empty(self) -> bool:
+        plan = self.plan
+        return not (plan.sequences or plan.swap_out or plan.swap_in or plan.copy_pairs)
+
+
+@dataclass
+class PreemptionCounts:
+    recompute: int = 0
+    swap: int = 0
+
+
+class Scheduler:
+    """Owns the queues and drives the block manager; the engine owns I/O and text."""
+
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        block_manager: KVCacheManager,
+        cost_model: PreemptionCostModel,
+    ) -> None:
+        self.settings = settings
+        self.bm = block_manager
+        self.cost_model = cost_model
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.preemptions = PreemptionCounts()
+        self._releases: list[int] = []
+        self._step_id = 0
+
+    # --- queue management ----------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        _insert_by_arrival(self.waiting, request)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def unstick_head(self) -> Request | None:
+        """Called when nothing runs and nothing could be scheduled. A swapped head that cannot
+        come back is turned into a recompute (its CPU copy dropped, it waits again) and None is
+        returned; a waiting head that cannot fit is removed and returned, to be rejected."""
+        if self.swapped:
+            request = self.swapped.pop(0)
+            for branch in request.active_branches:
+                self._drop_sequence(branch)
+            request.status = RequestStatus.WAITING
+            _insert_by_arrival(self.waiting, request)
+            return None
+        request = self.waiting.pop(0)
+        for branch in request.branches:
+            self._drop_sequence(branch)
+        return request
+
+    def finish_branch(self, request: Request, branch: Branch) -> None:
+        """A branch ended: its blocks go back (sealed ones stay hit-able), workers forget it."""
+        self._drop_sequence(branch)
+        if request.finished:
+            self._remove(request)
+            request.status = RequestStatus.FINISHED
+
+    def abort(self, request: Request) -> None:
+        """Frees everything the request holds at once; marks unfinished branches aborted."""
+        for branch in request.branches:
+            if not branch.finished:
+                branch.finish_reason = "abort"
+            self._drop_sequence(branch)
+        self._remove(request)
+        request.status = RequestStatus.FINISHED
+
+    # --- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerStep:
+        self._step_id += 1
+        step = SchedulerStep(plan=StepPlan(step_id=self._step_id), works=[])
+        budget = _Budget(self.settings.max_num_batched_tokens)
+        step.preempted = self._schedule_running(step, budget)
+        if not step.preempted:
+            swapped_left = self._schedule_swapped(step, budget)
+            if not swapped_left:
+                self._schedule_waiting(step, budget)
+        step.plan.released = self._releases
+        self._releases = []
+        return step
+
+    def on_step_done(
+        self, step: SchedulerStep, output: StepOutput
+    ) -> list[tuple[Request, Branch, SampledToken]]:
+        """Marks the step's KV computed, forks parallel requests after their prompt, and returns
+        every sampled token with its branch (the engine appends them as text and stops)."""
+        self.cost_model.observe_step(output.forward_seconds, step.num_tokens)
+        sampled: list[tuple[Request, Branch, SampledToken]] = []
+        for work in step.works:
+            self.bm.mark_computed(work.branch.seq_id, work.start + work.num_tokens)
+            if work.num_samples == 0:
+                continue
+            tokens = output.samples.get(work.branch.seq_id)
+            if tokens is None or len(tokens) != work.num_samples:
+                raise RuntimeError(
+                    f"step {step.plan.step_id}: sequence {work.branch.seq_id} expected "
+                    f"{work.num_samples} sampled tokens, got {tokens!r}"
+                )
+            if not work.request.forked:
+                self._fork(work.request)
+                branches = work.request.branches
+            else:
+                branches = [work.branch]
+            sampled.extend((work.request, b, t) for b, t in zip(branches, tokens, strict=True))
+        return sampled
+
+    # --- running ---------------------------------------------------------------------------
+
+    def _schedule_running(self, step: SchedulerStep, budget: _Budget) -> bool:
+        """Appends and schedules every running request; True if any was preempted."""
+        preemptions_before = self._num_preemptions()
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            if self._append_pending(request, step, may_preempt=True):
+                self._schedule_chunks(request, step, budget)
+                index += 1
+            # else the request preempted itself: it was the last one, the loop ends
+        return self._num_preemptions() != preemptions_before
+
+    def _append_pending(self, request: Request, step: SchedulerStep, *, may_preempt: bool) -> bool:
+        """Gives each active branch a table slot for its sampled token, all branches at once.
+        When the blocks are short, later requests are preempted (latest first), possibly this
+        one; False when this request left the device or (without `may_preempt`) must wait."""
+        pending = [
+            b for b in request.active_branches if len(b.token_ids) > self.bm.num_tokens(b.seq_id)
+        ]
+        if not pending:
+            return True
+        seq_ids = [b.seq_id for b in pending]
+        while not self.bm.can_append(seq_ids):
+            if not may_preempt:
+                return False
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        for branch in pending:
+            if len(branch.token_ids) - self.bm.num_tokens(branch.seq_id) != 1:
+                raise RuntimeError(f"sequence {branch.seq_id}: more than one token pending")
+            copy = self.bm.append_token(branch.seq_id, branch.token_ids[-1])
+            if copy is not None:
+                step.plan.copy_pairs.append((copy.src, copy.dst))
+        return True
+
+    def _schedule_chunks(self, request: Request, step: SchedulerStep, budget: _Budget) -> None:
+        """Adds each active branch's uncomputed tokens (within the budget) to the plan."""
+        for branch in request.active_branches:
+            computed = self.bm.num_computed_tokens(branch.seq_id)
+            remaining = self.bm.num_tokens(branch.seq_id) - computed
+            if remaining <= 0:
+                continue
+            if not self.settings.enable_chunked_prefill and remaining > budget.tokens:
+                continue
+            chunk = budget.take(remaining)
+            if chunk == 0:
+                continue
+            is_last = computed + chunk == len(branch.token_ids)
+            num_samples = (1 if request.forked else request.n) if is_last else 0
+            step.works.append(ScheduledWork(request, branch, computed, chunk, num_samples))
+            step.plan.sequences.append(
+                self._sequence_work(request, branch, computed, chunk, num_samples)
+            )
+
+    def _sequence_work(
+        self, request: Request, branch: Branch, start: int, chunk: int, num_samples: int
+    ) -> SequenceWork:
+        table = self.bm.block_table(branch.seq_id)
+        same = _common_prefix_len(branch.worker_table, table)
+        work = SequenceWork(
+            seq_id=branch.seq_id,
+            token_ids=branch.token_ids[start : start + chunk],
+            start_pos=start,
+            table_start=same,
+            table_blocks=table[same:],
+            num_samples=num_samples,
+            branch_index=branch.index,
+            output_index=len(branch.output_token_ids),
+            sampling=None if branch.worker_knows else request.settings,
+        )
+        branch.worker_table = table
+        branch.worker_knows = True
+        return work
+
+    # --- preemption ---------------------------------------------------------------------------
+
+    def _preempt(self, request: Request, step: SchedulerStep) -> None:
+        """Takes a running request off the device by swap or recompute (it leaves `running`)."""
+        seq_ids = [b.seq_id for b in request.active_branches if self.bm.has_sequence(b.seq_id)]
+        self.running.remove(request)
+        if self._choose_swap(request, seq_ids):
+            pairs = self.bm.swap_out(seq_ids)
+            request.swapped_blocks = len(pairs)  # shared blocks stay on the device
+            step.plan.swap_out.extend(pairs)
+            self._forget_on_workers(request.active_branches)
+            request.status = RequestStatus.SWAPPED
+            _insert_by_arrival(self.swapped, request)
+            self.preemptions.swap += 1
+        else:
+            for branch in request.active_branches:
+                self._drop_sequence(branch)
+            request.status = RequestStatus.WAITING
+            _insert_by_arrival(self.waiting, request)
+            self.preemptions.recompute += 1
+
+    def _choose_swap(self, request: Request, seq_ids: list[int]) -> bool:
+        """Swap only fully computed sequences (a half-done prompt has little KV worth keeping)
+        and only when the CPU tier has room; in `auto` the cost model decides."""
+        mode = self.settings.preemption_mode
+        if mode == "recompute" or not seq_ids or self.bm.num_cpu_blocks == 0:
+            return False
+        prefilling = any(
+            self.bm.num_tokens(s) - self.bm.num_computed_tokens(s) > 1 for s in seq_ids
+        )
+        if prefilling or not self.bm.can_swap_out(seq_ids):
+            return False
+        if mode == "swap":
+            return True
+        tokens = len(request.prompt_token_ids) + sum(
+            len(b.output_token_ids) for b in request.active_branches
+        )
+        blocks = len({blk for s in seq_ids for blk in self.bm.block_table(s)})
+        return self.cost_model.prefer_swap(tokens_to_recompute=tokens, num_blocks=blocks)
+
+    # --- swapped and waiting ------------------------------------------------------------------
+
+    def _schedule_swapped(self, step: SchedulerStep, budget: _Budget) -> bool:
+        """Brings swapped requests back, oldest first; True if any is still swapped."""
+        while self.swapped:
+            request = self.swapped[0]
+            seq_ids = [b.seq_id for b in request.active_branches]
+            room_for_appends = request.swapped_blocks + len(seq_ids)
+            if (
+                self._running_seqs() + len(seq_ids) > self.settings.max_num_seqs
+                or self.bm.num_free_device_blocks() < room_for_appends
+                or not self.bm.can_swap_in(seq_ids)
+            ):
+                return True
+            step.plan.swap_in.extend(self.bm.swap_in(seq_ids))
+            self.swapped.pop(0)
+            request.status = RequestStatus.RUNNING
+            _insert_by_arrival(self.running, request)
+            if self._append_pending(request, step, may_preempt=False):
+                self._schedule_chunks(request, step, budget)
+        return False
+
+    def _schedule_waiting(self, step: SchedulerStep, budget: _Budget) -> None:
+        while self.waiting and budget.tokens > 0:
+            request = self.waiting[0]
+            branches = request.active_branches
+            if self._running_seqs() + _seq_demand(request) > self.settings.max_num_seqs:
+                return
+            if not self.settings.enable_chunked_prefill and any(
+                self._uncached_estimate(request, b) > budget.tokens for b in branches
+            ):
+                return
+            try:
+                cached = self._allocate(request, branches)
+            except NoFreeBlocks:
+                return
+            except NeverFits as error:
+                self.waiting.pop(0)
+                request.error = f"the request can never fit in the KV cache: {error}"
+                request.status = RequestStatus.FINISHED
+                step.rejected.append(request)
+                continue
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = cached
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            _insert_by_arrival(self.running, request)
+            self._schedule_chunks(request, step, budget)
+
+    def _allocate(self, request: Request, branches: list[Branch]) -> int:
+        """Allocates every branch's table, all or nothing; returns branch 0's cached tokens."""
+        done: list[Branch] = []
+        cached_first = 0
+        try:
+            for branch in branches:
+                cached = self.bm.allocate(
+                    branch.seq_id,
+                    branch.token_ids,
+                    hash_seed=request.cache_key.hash_seed,
+                    extra_keys=request.cache_key.extra_keys,
+                )
+                if not done:
+                    cached_first = cached
+                done.append(branch)
+        except (NoFreeBlocks, NeverFits):
+            for branch in done:
+                self.bm.free(branch.seq_id)
+            raise
+        return cached_first
+
+    def _uncached_estimate(self, request: Request, branch: Branch) -> int:
+        needed = self.bm.blocks_needed_to_allocate(
+            branch.token_ids,
+            hash_seed=request.cache_key.hash_seed,
+            extra_keys=request.cache_key.extra_keys,
+        )
+        total_blocks = -(-len(branch.token_ids) // self.bm.block_size)
+        cached_tokens = max(0, total_blocks - needed) * self.bm.block_size
+        return len(branch.token_ids) - cached_tokens
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _running_seqs(self) -> int:
+        return sum(_seq_demand(r) for r in self.running)
+
+    def _num_preemptions(self) -> int:
+        return self.preemptions.recompute + self.preemptions.swap
+
+    def _fork(self, request: Request) -> None:
+        parent = request.branches[0]
+        for child in request.branches[1:]:
+            self.bm.fork(parent.seq_id, child.seq_id)
+            child.token_ids = list(request.prompt_token_ids)
+        request.forked = True
+
+    def _drop_sequence(self, branch: Branch) -> None:
+        if self.bm.has_sequence(branch.seq_id):
+            self.bm.free(branch.seq_id)
+        self._forget_on_workers([branch])
+
+    def _forget_on_workers(self, branches: Iterable[Branch]) -> None:
+        for branch in branches:
+            if branch.worker_knows:
+                self._releases.append(branch.seq_id)
+            branch.forget_worker_state()
+
+    def _remove(self, request: Request) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+
+
+class _Budget:
+    """The step's remaining token budget."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    def take(self, wanted: int) -> int:
+        granted = min(wanted, self.tokens)
+        self.tokens -= granted
+        return granted
+
+
+def _seq_demand(request: Request) -> int:
+    """Sequences the request runs once forked (an unforked parallel request will need n)."""
+    return len(request.active_branches) if request.forked else request.n
+
+
+def _insert_by_arrival(queue: list[Request], request: Request) -> None:
+    keys = [r.arrival_index for r in queue]
+    queue.insert(bisect.bisect_left(keys, request.arrival_index), request)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    length = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        length += 1
+    return length

@@ -1,0 +1,126 @@
+"""The engine's view of the tokenizer: prompt encoding, chat rendering and identity digests.
+
+The digests feed the block manager's `CacheIdentity`: two tokenizers that could map the same text
+to different ids, or two chat templates that render the same messages differently, never share
+cached blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from cluster.errors import RequestRejected
+
+NO_TEMPLATE = "none"
+
+ChatMessages = Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt ready for the scheduler: its ids, the text if any, and the template digest."""
+
+    token_ids: list[int]
+    text: str | None
+    chat_template_digest: str = NO_TEMPLATE
+
+
+def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of everything that decides text -> ids: vocabulary, merges, normalization,
+    pre-tokenization, added and special tokens (the fast tokenizer's canonical JSON)."""
+    hasher = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        hasher.update(backend.to_str().encode())
+    else:
+        vocab = sorted(tokenizer.get_vocab().items())
+        hasher.update(json.dumps(vocab).encode())
+    special = {str(k): str(v) for k, v in tokenizer.special_tokens_map.items()}
+    hasher.update(json.dumps(special, sort_keys=True).encode())
+    return hasher.hexdigest()
+
+
+def template_digest(template: str) -> str:
+    return hashlib.sha256(template.encode()).hexdigest()
+
+
+class PromptRenderer:
+    """Encodes text, renders chat messages and checks token ids, for one tokenizer."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.digest = tokenizer_digest(tokenizer)
+
+    def render(
+        self,
+        prompt: str | ChatMessages | Mapping[str, Any],
+        *,
+        chat_template: str | None = None,
+    ) -> RenderedPrompt:
+        """Text, chat messages (a list of {"role", "content"}) or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, str):
+            return RenderedPrompt(token_ids=self.encode(prompt), text=prompt)
+        if isinstance(prompt, Mapping):
+            return self._from_token_ids(prompt)
+        if isinstance(prompt, Sequence):
+            return self.render_chat(prompt, chat_template=chat_template)
+        raise RequestRejected(
+            "prompt must be a string, a list of chat messages or {'prompt_token_ids': [...]}, "
+            f"got {type(prompt).__name__}"
+        )
+
+    def encode(self, text: str) -> list[int]:
+        ids = list(self.tokenizer.encode(text, add_special_tokens=True))
+        if not ids:
+            raise RequestRejected("the prompt is empty after tokenization")
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self, messages: ChatMessages, *, chat_template: str | None = None
+    ) -> RenderedPrompt:
+        """Renders with `chat_template` or the model's own; the digest is of the one used."""
+        template = chat_template or self.tokenizer.chat_template
+        if not template:
+            raise RequestRejected("this model has no chat template; send a text prompt instead")
+        for message in messages:
+            if not isinstance(message, Mapping) or "role" not in message:
+                raise RequestRejected(f"each chat message needs a 'role', got {message!r}")
+        text = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        # the template writes the special tokens itself (e.g. BOS), so none are added here
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise RequestRejected("the chat prompt is empty after rendering")
+        return RenderedPrompt(
+            token_ids=ids, text=text, chat_template_digest=template_digest(template)
+        )
+
+    def _from_token_ids(self, prompt: Mapping[str, Any]) -> RenderedPrompt:
+        if set(prompt) != {"prompt_token_ids"}:
+            raise RequestRejected(
+                "a dict prompt must be exactly {'prompt_token_ids': [...]}, "
+                f"got keys {sorted(prompt)}"
+            )
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, Sequence) or not ids:
+            raise RequestRejected("prompt_token_ids must be a non-empty list of ints")
+        for token in ids:
+            if not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise RequestRejected(
+                    f"prompt_token_ids holds {token!r}, not a token id in [0, {self.vocab_size})"
+                )
+        return RenderedPrompt(token_ids=list(ids), text=None)

@@ -1,0 +1,68 @@
+"""The asyncio engine (in process) and the Ray actor with TP=2, on the tiny Llama."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+
+import pytest
+import ray
+
+from cluster.engine import AsyncEngine, RemoteEngine
+from cluster.outputs import RequestOutput
+from cluster.sampling_params import SamplingParams
+from tests.cluster.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
+
+
+async def collect(stream: object) -> list[RequestOutput]:
+    return [output async for output in stream]  # type: ignore[attr-defined]
+
+
+def test_streams_deltas_and_abort_frees_everything(tiny_model_dir: pathlib.Path) -> None:
+    async def scenario() -> None:
+        engine = AsyncEngine(tiny_config(tiny_model_dir, cache={"num_device_blocks": 40}))
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        keep = asyncio.create_task(collect(engine.generate(PROMPTS[0], GREEDY)))
+        stream = engine.generate(PROMPTS[3], long, request_id="to-abort")
+        first = await anext(stream)
+        assert first.outputs[0].token_ids and not first.finished
+        await engine.abort("to-abort")
+        rest = [o async for o in stream]
+        assert rest and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+        outputs = await keep
+        final = outputs[-1]
+        assert final.finished and len(final.outputs[0].token_ids) == GREEDY.max_tokens
+        assert "".join(o.outputs[0].delta_text for o in outputs) == final.outputs[0].text
+        joined = [t for o in outputs for t in o.outputs[0].delta_token_ids]
+        assert joined == final.outputs[0].token_ids
+        assert final.metrics.ttft is not None and final.metrics.inter_token_times
+        metrics = engine.metrics()
+        assert metrics.pressure.device.used == 0 and metrics.num_running == 0
+        assert metrics.ttft_seconds.count == 2
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture
+def ray_cluster() -> object:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_engine_actor_with_tensor_parallel_two(
+    tiny_model_dir: pathlib.Path, roomy_outputs: list[RequestOutput], ray_cluster: object
+) -> None:
+    expected = greedy_ids(roomy_outputs[:3])
+
+    async def scenario() -> None:
+        config = tiny_config(tiny_model_dir, parallel={"backend": "ray", "tensor_parallel_size": 2})
+        engine = RemoteEngine.start(config)
+        results = await asyncio.gather(*(collect(engine.generate(p, GREEDY)) for p in PROMPTS[:3]))
+        assert [r[-1].outputs[0].token_ids for r in results] == expected
+        metrics = await engine.metrics()
+        assert metrics.pressure.device.used == 0 and metrics.num_finished_requests == 3
+        await engine.shutdown()
+
+    asyncio.run(scenario())

@@ -1,0 +1,82 @@
+"""Configuration: YAML and flags, and invalid combinations refused with the field named."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import pytest
+
+from cluster.config import EngineConfig
+from cluster.errors import ConfigError
+from cluster.sampling_params import SamplingParams
+
+
+def parse(argv: list[str]) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    return EngineConfig.from_cli_args(parser.parse_args(argv))
+
+
+def test_yaml_then_flags_override(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "engine.yaml"
+    path.write_text(
+        "cache:\n  block_size: 8\n  num_device_blocks: 100\n"
+        "scheduler:\n  preemption_mode: swap\n  max_num_seqs: 4\n"
+    )
+    config = parse(["--config", str(path), "--max-num-seqs", "6", "--no-enable-prefix-caching"])
+    assert config.cache.block_size == 8 and config.cache.num_device_blocks == 100
+    assert config.scheduler.preemption_mode == "swap" and config.scheduler.max_num_seqs == 6
+    assert config.cache.enable_prefix_caching is False
+    worker = config.to_worker_config()
+    assert worker.block_size == 8 and worker.num_device_blocks == 100
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--block-size", "12"], "cache.block_size"),
+        (["--num-device-blocks", "10", "--kv-cache-bytes", "100"], "cache.kv_cache_bytes"),
+        (["--backend", "local", "--tensor-parallel-size", "2"], "parallel.tensor_parallel_size"),
+        (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "scheduler.max_num_seqs"),
+        (["--preemption-mode", "swap", "--num-cpu-blocks", "0"], "cache.num_cpu_blocks"),
+        (["--preemption-mode", "sometimes"], "scheduler.preemption_mode"),
+        (
+            ["--no-enable-chunked-prefill", "--max-model-len", "4096"],
+            "scheduler.max_num_batched_tokens",
+        ),
+        (["--watermark", "1.5"], "cache.watermark"),
+    ],
+)
+def test_invalid_settings_name_the_field(argv: list[str], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse(argv)
+
+
+def test_unknown_yaml_field_is_refused(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "engine.yaml"
+    path.write_text("cache:\n  blok_size: 8\n")
+    with pytest.raises(ConfigError, match=r"cache\.blok_size"):
+        EngineConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": 0}, "n must be"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_sampling_params_validation(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accepts_a_single_stop_string() -> None:
+    assert SamplingParams(stop="END").stop == ["END"]

@@ -1,0 +1,97 @@
+"""Incremental detokenization and stop strings against the oracle: one full decode of all tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.detokenizer import IncrementalDetokenizer, TextTracker
+
+TEXTS = [
+    "Hello 世界 🙂 world, naïve café — ok",
+    "emoji run: 👩‍💻🚀🎉 and math ∑∫√ and Ελληνικά",
+    "plain ascii text with   spaces\nand newlines\n\n",
+]
+
+
+def stream(tokenizer: Any, token_ids: list[int], stop: list[str], include: bool) -> tuple[str, Any]:
+    """Feeds tokens one by one, like the engine; returns the concatenated deltas and the match."""
+    tracker = TextTracker(
+        IncrementalDetokenizer(tokenizer, [1], skip_special_tokens=True),
+        stop,
+        include_stop_str_in_output=include,
+    )
+    deltas = []
+    match = None
+    for token in token_ids:
+        match = tracker.add_tokens([token])
+        delta = tracker.take_delta(finished=match is not None)
+        assert "\ufffd" not in delta
+        deltas.append(delta)
+        if match is not None:
+            break
+    if match is None:
+        match = tracker.finish()
+        deltas.append(tracker.take_delta(finished=True))
+    assert "".join(deltas) == tracker.text
+    return "".join(deltas), match
+
+
+def test_streamed_text_equals_full_decode(smollm2_tokenizer: Any) -> None:
+    for text in TEXTS:
+        ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+        assert any("\ufffd" in smollm2_tokenizer.decode([i]) for i in ids) or text.isascii()
+        streamed, match = stream(smollm2_tokenizer, ids, [], include=False)
+        assert match is None
+        assert streamed == smollm2_tokenizer.decode(ids)
+
+
+def test_stop_string_split_across_tokens(smollm2_tokenizer: Any) -> None:
+    text = "The answer is forty-two. END OF ANSWER and then more text"
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    pieces = [smollm2_tokenizer.decode([i]) for i in ids]
+    stop = "two. EN"
+    assert not any(stop in piece for piece in pieces), "the stop string must span tokens"
+    streamed, match = stream(smollm2_tokenizer, ids, [stop], include=False)
+    assert match is not None and match.stop == stop
+    assert streamed == "The answer is forty-"
+    streamed, _ = stream(smollm2_tokenizer, ids, [stop], include=True)
+    assert streamed == "The answer is forty-two. EN"
+
+
+def test_stop_string_inside_a_multibyte_character_run(smollm2_tokenizer: Any) -> None:
+    text = "abc 世界 def"
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    streamed, match = stream(smollm2_tokenizer, ids, ["界 d"], include=False)
+    assert match is not None and streamed == "abc 世"
+
+
+def test_held_back_prefix_is_released_when_it_does_not_complete(smollm2_tokenizer: Any) -> None:
+    ids = smollm2_tokenizer.encode("one STOP? no: STOPPED", add_special_tokens=False)
+    streamed, match = stream(smollm2_tokenizer, ids, ["STOPX"], include=False)
+    assert match is None and streamed == "one STOP? no: STOPPED"
+
+
+ALPHABET = st.sampled_from(list("ab c.世界🙂é\n-"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.lists(ALPHABET, min_size=1, max_size=30).map("".join),
+    stop_start=st.integers(0, 29),
+    stop_len=st.integers(1, 4),
+    include=st.booleans(),
+)
+def test_property_stream_equals_decode_cut_at_first_stop(
+    smollm2_tokenizer: Any, text: str, stop_start: int, stop_len: int, include: bool
+) -> None:
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    full = smollm2_tokenizer.decode(ids)
+    start = min(stop_start, len(full) - 1)
+    stop = full[start : start + stop_len]
+    streamed, match = stream(smollm2_tokenizer, ids, [stop], include=include)
+    first = full.find(stop)
+    assert match is not None
+    assert streamed == full[: first + (len(stop) if include else 0)]

@@ -1,0 +1,44 @@
+"""Shared pieces of the tiny-Llama engine tests: prompts, greedy params and the config builder."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from cluster.config import EngineConfig
+from cluster.llm import LLM
+from cluster.outputs import RequestOutput
+from cluster.sampling_params import SamplingParams
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paged attention stores the KV cache in blocks so that",
+    "1 2 3",
+    "A much longer prompt that spans several blocks of the cache, written so that chunked "
+    "prefill and preemption have real work to do when the pool is small.",
+    "Hello",
+    "Once upon a time, in a land far away,",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def tiny_config(model_dir: pathlib.Path, **sections: dict[str, Any]) -> EngineConfig:
+    base: dict[str, dict[str, Any]] = {
+        "model": {"model": str(model_dir)},
+        "cache": {"block_size": 8, "num_device_blocks": 200, "num_cpu_blocks": 64, "watermark": 0},
+        "parallel": {"backend": "local"},
+        "scheduler": {"check_integrity": True, "max_num_seqs": 8, "max_num_batched_tokens": 256},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    return EngineConfig.build(base)
+
+
+def greedy_ids(outputs: list[RequestOutput]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_all_free(llm: LLM) -> None:
+    pressure = llm.engine.block_manager.pressure()
+    assert pressure.device.used == 0 and pressure.cpu.used == 0
+    assert llm.engine.block_manager.num_free_device_blocks() == pressure.device.total
