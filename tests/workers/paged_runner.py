@@ -1,0 +1,137 @@
+"""Drive a `WorkerGroup` like an engine would, with block tables scattered over the pool.
+
+Used by the parity tests: batched (optionally chunked) prefill of several prompts in one step,
+then batched greedy decode steps, recording every step's logits.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from workers import SampledToken, SamplingSettings, SequenceWork, StepPlan, WorkerGroup
+
+GREEDY = SamplingSettings(temperature=0.0)
+
+
+def scattered_tables(
+    lengths: list[int], block_size: int, num_blocks: int, seed: int
+) -> list[list[int]]:
+    """Disjoint block tables for sequences of `lengths` tokens, ids shuffled over the pool."""
+    needed = [-(-length // block_size) for length in lengths]
+    if sum(needed) > num_blocks:
+        raise ValueError(f"{sum(needed)} blocks needed, the pool has {num_blocks}")
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables, start = [], 0
+    for count in needed:
+        tables.append(ids[start : start + count])
+        start += count
+    return tables
+
+
+@dataclass
+class GreedyRun:
+    """Generated tokens per prompt and, per prompt, the logits `[new_tokens, vocab]`."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def _execute(
+    group: WorkerGroup, plan: StepPlan, rows: dict[int, list[torch.Tensor]]
+) -> dict[int, list[SampledToken]]:
+    """Run `plan`, file each sampled row's logits under its prompt index; returns the samples."""
+    output, logits = group.execute_with_logits(plan)
+    sampled = [work.seq_id for work in plan.sequences if work.num_samples > 0]
+    if sampled:
+        assert logits is not None and logits.shape[0] == len(sampled)
+        for row, seq_id in enumerate(sampled):
+            rows[seq_id].append(logits[row])
+    return output.samples
+
+
+def greedy_generate(
+    group: WorkerGroup,
+    prompts: list[list[int]],
+    new_tokens: int,
+    *,
+    seed: int = 0,
+    prefill_chunk: int | None = None,
+    first_seq_id: int = 0,
+) -> GreedyRun:
+    """Generate `new_tokens` greedy tokens for every prompt through paged KV, then release them."""
+    block_size = group.config.block_size
+    lengths = [len(p) + new_tokens for p in prompts]
+    tables = scattered_tables(lengths, block_size, group.num_device_blocks, seed)
+    seq_ids = [first_seq_id + i for i in range(len(prompts))]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    rows: dict[int, list[torch.Tensor]] = {seq_id: [] for seq_id in seq_ids}
+    step = 0
+    chunk = prefill_chunk or max(len(p) for p in prompts)
+    done = [0] * len(prompts)
+    while any(done[i] < len(p) for i, p in enumerate(prompts)):
+        works = []
+        for i, prompt in enumerate(prompts):
+            if done[i] >= len(prompt):
+                continue
+            piece = prompt[done[i] : done[i] + chunk]
+            first = done[i] == 0
+            final = done[i] + len(piece) == len(prompt)
+            works.append(
+                SequenceWork(
+                    seq_id=seq_ids[i],
+                    token_ids=piece,
+                    start_pos=done[i],
+                    table_start=0 if first else len(tables[i]),
+                    table_blocks=tables[i] if first else [],
+                    num_samples=1 if final else 0,
+                    sampling=GREEDY if first else None,
+                )
+            )
+            done[i] += len(piece)
+        samples = _execute(group, StepPlan(step, works), rows)
+        step += 1
+        for i in range(len(prompts)):
+            if seq_ids[i] in samples:
+                tokens[i].append(samples[seq_ids[i]][0].token_id)
+    for index in range(1, new_tokens):
+        works = [
+            SequenceWork(
+                seq_id=seq_ids[i],
+                token_ids=[tokens[i][-1]],
+                start_pos=len(prompt) + index - 1,
+                table_start=len(tables[i]),
+                num_samples=1,
+                output_index=index,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        samples = _execute(group, StepPlan(step, works), rows)
+        step += 1
+        for i in range(len(prompts)):
+            tokens[i].append(samples[seq_ids[i]][0].token_id)
+    group.execute(StepPlan(step, released=seq_ids))
+    return GreedyRun(tokens, [torch.stack(rows[seq_id]) for seq_id in seq_ids])
+
+
+def hf_greedy(
+    model: torch.nn.Module, prompt: list[int], new_tokens: int
+) -> tuple[list[int], torch.Tensor]:
+    """HF `generate(do_sample=False)` for exactly `new_tokens` tokens (EOS does not stop it):
+    the tokens and the raw logits `[new_tokens, vocab]` of every step."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+        max_new_tokens=new_tokens,
+        min_new_tokens=0,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, torch.cat(out.logits, dim=0).to(torch.float32)

@@ -1,0 +1,104 @@
+"""The sampler against plain-Python oracles: filters, frequencies, stateless seeds, logprobs."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+from workers import SamplingSettings, SequenceWork, StepPlan, WorkerGroup
+from workers.sampling import SampleRequest, sample_rows
+
+LOGITS = [2.0, 1.5, 0.3, -1.0, 0.9, -3.0]
+
+
+def _request(num_samples: int = 1, output_index: int = 0, **settings: float) -> SampleRequest:
+    return SampleRequest(SamplingSettings(**settings), num_samples, 0, output_index)  # type: ignore[arg-type]
+
+
+def _draws(count: int, **settings: float) -> collections.Counter[int]:
+    rows = torch.tensor([LOGITS] * count)
+    requests = [_request(output_index=i, **settings) for i in range(count)]
+    return collections.Counter(t[0].token_id for t in sample_rows(rows, requests, worker_seed=0))
+
+
+def _softmax(values: list[float]) -> list[float]:
+    peak = max(values)
+    weights = [math.exp(v - peak) for v in values]
+    return [w / sum(weights) for w in weights]
+
+
+def test_greedy_is_argmax_for_every_sample() -> None:
+    tokens = sample_rows(torch.tensor([LOGITS]), [_request(3, temperature=0.0)], 0)[0]
+    assert [t.token_id for t in tokens] == [0, 0, 0]
+
+
+def test_frequencies_follow_the_tempered_softmax() -> None:
+    draws = 3000
+    counts = _draws(draws, temperature=0.7)
+    expected = _softmax([v / 0.7 for v in LOGITS])
+    for token, probability in enumerate(expected):
+        spread = 4 * math.sqrt(probability * (1 - probability) / draws) + 1e-3
+        assert abs(counts[token] / draws - probability) <= spread
+
+
+def test_top_k_and_top_p_keep_only_their_tokens() -> None:
+    assert set(_draws(600, top_k=2)) <= {0, 1}
+    assert set(_draws(600, top_k=2)) == {0, 1}
+    probabilities = _softmax(LOGITS)
+    order = sorted(range(len(LOGITS)), key=lambda i: -probabilities[i])
+    nucleus, mass = [], 0.0
+    for token in order:
+        if mass >= 0.8:
+            break
+        nucleus.append(token)
+        mass += probabilities[token]
+    assert set(_draws(600, top_p=0.8)) == set(nucleus)
+    assert set(_draws(50, top_p=1e-6)) == {0}
+
+
+def test_draws_are_stateless_per_seed_branch_and_index() -> None:
+    row = torch.tensor([LOGITS])
+    alone = sample_rows(row, [SampleRequest(SamplingSettings(seed=9), 4, 2, 5)], 0)[0]
+    batch = torch.tensor([[0.0] * 6, LOGITS])
+    requests = [_request(), SampleRequest(SamplingSettings(seed=9), 4, 2, 5)]
+    assert sample_rows(batch, requests, 0)[1] == alone
+    branch_three = sample_rows(row, [SampleRequest(SamplingSettings(seed=9), 1, 3, 5)], 0)[0]
+    assert branch_three[0] == alone[1]
+    seeds = [
+        sample_rows(row, [SampleRequest(SamplingSettings(seed=s), 8, 0, 0)], 0)[0] for s in range(4)
+    ]
+    assert len({tuple(t.token_id for t in tokens) for tokens in seeds}) > 1
+
+
+def test_logprobs_are_the_models_log_softmax() -> None:
+    token = sample_rows(torch.tensor([LOGITS]), [_request(temperature=0.0, logprobs=2)], 0)[0][0]
+    log_z = math.log(sum(math.exp(v) for v in LOGITS))
+    assert token.token_id == 0
+    assert token.logprob == pytest.approx(LOGITS[0] - log_z, abs=1e-5)
+    assert token.top_logprobs is not None
+    assert [t for t, _ in token.top_logprobs] == [0, 1]
+    assert token.top_logprobs[1][1] == pytest.approx(LOGITS[1] - log_z, abs=1e-5)
+    plain = sample_rows(torch.tensor([LOGITS]), [_request(temperature=0.0)], 0)[0][0]
+    assert plain.logprob is None and plain.top_logprobs is None
+
+
+def test_seeded_sampling_ignores_batch_composition(tiny_group: WorkerGroup) -> None:
+    settings = SamplingSettings(temperature=1.0, top_p=0.9, seed=123)
+    prompt = [9, 8, 7, 6, 5]
+    alone = tiny_group.execute(
+        StepPlan(300, [SequenceWork(40, prompt, 0, 0, [10, 11], 3, 0, 4, settings)])
+    )
+    crowd = tiny_group.execute(
+        StepPlan(
+            301,
+            [
+                SequenceWork(41, [1, 2, 3], 0, 0, [12], 1, sampling=settings),
+                SequenceWork(42, prompt, 0, 0, [13, 14], 3, 0, 4, settings),
+            ],
+        )
+    )
+    assert crowd.samples[42] == alone.samples[40]
+    tiny_group.execute(StepPlan(302, released=[40, 41, 42]))

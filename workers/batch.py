@@ -1,0 +1,159 @@
+"""Per-sequence state cached on a rank, and the packed batch a `StepPlan` turns into.
+
+Plans carry deltas only (see `workers.plan`): the rank keeps each sequence's block table and
+sampling settings here. Order within one plan: forks, then releases, then the sequences' table
+splices and settings, so a sequence released and re-scheduled in one plan starts afresh. A plan
+that fails validation leaves the cached state as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.model import AttentionMetadata
+from workers.plan import SamplingSettings, SequenceWork, StepPlan
+from workers.sampling import SampleRequest
+
+
+@dataclass
+class SequenceState:
+    """What a rank remembers about a sequence between steps."""
+
+    block_table: list[int] = field(default_factory=list)
+    sampling: SamplingSettings | None = None
+
+
+@dataclass
+class PackedBatch:
+    """The forward pass input of one step, plus which rows to sample and how."""
+
+    token_ids: torch.Tensor
+    metadata: AttentionMetadata
+    sample_seq_ids: list[int]
+    sample_requests: list[SampleRequest]
+
+
+class SequenceRegistry:
+    """Sequence id -> `SequenceState`, updated from each plan's deltas."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, SequenceState] = {}
+
+    def apply(self, plan: StepPlan) -> dict[int, SequenceState | None]:
+        """Apply forks, releases and table splices; returns a snapshot for `restore`.
+
+        On an inconsistent plan raises ValueError with the registry unchanged.
+        """
+        touched = {child for _, child in plan.forks} | set(plan.released)
+        touched |= {work.seq_id for work in plan.sequences}
+        snapshot = {seq_id: self._copy(seq_id) for seq_id in touched}
+        try:
+            self._apply(plan)
+        except ValueError:
+            self.restore(snapshot)
+            raise
+        return snapshot
+
+    def restore(self, snapshot: dict[int, SequenceState | None]) -> None:
+        """Put back the states `apply` replaced (None: the sequence was not known)."""
+        for seq_id, state in snapshot.items():
+            if state is None:
+                self.states.pop(seq_id, None)
+            else:
+                self.states[seq_id] = state
+
+    def _copy(self, seq_id: int) -> SequenceState | None:
+        state = self.states.get(seq_id)
+        return None if state is None else SequenceState(list(state.block_table), state.sampling)
+
+    def _apply(self, plan: StepPlan) -> None:
+        for parent, child in plan.forks:
+            if parent not in self.states:
+                raise ValueError(f"step {plan.step_id}: fork of unknown sequence {parent}")
+            source = self.states[parent]
+            self.states[child] = SequenceState(list(source.block_table), source.sampling)
+        for seq_id in plan.released:
+            self.states.pop(seq_id, None)
+        for work in plan.sequences:
+            state = self.states.setdefault(work.seq_id, SequenceState())
+            if work.table_start > len(state.block_table):
+                raise ValueError(
+                    f"step {plan.step_id}: sequence {work.seq_id} splices its block table at "
+                    f"{work.table_start} but only {len(state.block_table)} entries are cached"
+                )
+            del state.block_table[work.table_start :]
+            state.block_table.extend(work.table_blocks)
+            if work.sampling is not None:
+                state.sampling = work.sampling
+
+
+def _check_work(plan: StepPlan, work: SequenceWork, state: SequenceState, block_size: int) -> None:
+    if not work.token_ids:
+        raise ValueError(f"step {plan.step_id}: sequence {work.seq_id} has no tokens")
+    if work.start_pos < 0:
+        raise ValueError(f"step {plan.step_id}: sequence {work.seq_id} has start_pos < 0")
+    needed = -(-(work.start_pos + len(work.token_ids)) // block_size)
+    if len(state.block_table) < needed:
+        raise ValueError(
+            f"step {plan.step_id}: sequence {work.seq_id} needs {needed} blocks for "
+            f"{work.start_pos + len(work.token_ids)} tokens but its block table has "
+            f"{len(state.block_table)}"
+        )
+    if work.num_samples > 0 and state.sampling is None:
+        raise ValueError(
+            f"step {plan.step_id}: sequence {work.seq_id} asks for samples but no sampling "
+            "settings were ever sent for it"
+        )
+
+
+def pack_batch(
+    plan: StepPlan, registry: SequenceRegistry, block_size: int, device: torch.device
+) -> PackedBatch:
+    """Token ids, positions, slot mapping, block tables and sample rows of `plan.sequences`."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu_query_lens = [0]
+    context_lens: list[int] = []
+    tables: list[list[int]] = []
+    logits_rows: list[int] = []
+    sample_seq_ids: list[int] = []
+    requests: list[SampleRequest] = []
+    for work in plan.sequences:
+        state = registry.states[work.seq_id]
+        _check_work(plan, work, state, block_size)
+        table = state.block_table
+        end = work.start_pos + len(work.token_ids)
+        token_ids.extend(work.token_ids)
+        span = range(work.start_pos, end)
+        positions.extend(span)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+        cu_query_lens.append(len(token_ids))
+        context_lens.append(end)
+        tables.append(table[: -(-end // block_size)])
+        if work.num_samples > 0:
+            assert state.sampling is not None
+            logits_rows.append(len(token_ids) - 1)
+            sample_seq_ids.append(work.seq_id)
+            requests.append(
+                SampleRequest(
+                    state.sampling, work.num_samples, work.branch_index, work.output_index
+                )
+            )
+    width = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+
+    def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    metadata = AttentionMetadata(
+        positions=tensor(positions, torch.int64),
+        slot_mapping=tensor(slots, torch.int64),
+        cu_query_lens=tensor(cu_query_lens, torch.int32),
+        context_lens=tensor(context_lens, torch.int32),
+        block_tables=tensor(padded, torch.int32).reshape(len(tables), width),
+        logits_indices=tensor(logits_rows, torch.int64),
+    )
+    return PackedBatch(tensor(token_ids, torch.int64), metadata, sample_seq_ids, requests)

@@ -1,0 +1,171 @@
+"""Configuration dataclasses of the workers: what the engine asks for and what the model is.
+
+`WorkerConfig` is what the engine passes in; `ModelInfo` is what the workers report back once the
+model is loaded. `ModelSpec` and `RopeSpec` are the internal, source-independent description of a
+Llama-family model, built from either an HF `config.json` or GGUF metadata (see `model_source`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+SUPPORTED_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What the engine asks of the workers (see the README's Workers section for each field)."""
+
+    model: str = "default"
+    dtype: str = "float32"
+    block_size: int = 16
+    tensor_parallel_size: int = 1
+    num_device_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_cpu_blocks: int | None = None
+    swap_space_bytes: int = 256 * 2**20
+    max_model_len: int | None = None
+    backend: str = "ray"
+    weights_cache_dir: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(SUPPORTED_DTYPES)}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.tensor_parallel_size <= 0:
+            raise ValueError(
+                f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}"
+            )
+        if self.backend not in ("ray", "local"):
+            raise ValueError(f"backend {self.backend!r} is not 'ray' or 'local'")
+        if self.backend == "local" and self.tensor_parallel_size != 1:
+            raise ValueError(
+                "backend 'local' runs one in-process rank: tensor_parallel_size must be 1"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        optional_counts = {
+            "num_device_blocks": self.num_device_blocks,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "num_cpu_blocks": self.num_cpu_blocks,
+            "max_model_len": self.max_model_len,
+        }
+        for name, value in optional_counts.items():
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive when given, got {value}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return SUPPORTED_DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding settings. `kind` is one of default, linear, llama3, yarn.
+
+    Invariant: fields a kind does not use keep their defaults, so `canonical()` is the same text
+    for the same effective rope whatever source (GGUF or HF) it was read from.
+    """
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+
+    def canonical(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-family decoder, independent of where its weights come from.
+
+    `layer_sliding_windows[i]` is layer i's sliding window in tokens (None: full attention).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeSpec
+    attention_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    layer_sliding_windows: tuple[int | None, ...]
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        sizes = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+        }
+        for name, value in sizes.items():
+            if value <= 0:
+                raise ValueError(f"model config: {name} must be positive")
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(
+                f"model config: head_dim must be positive and even, got {self.head_dim}"
+            )
+        if len(self.layer_sliding_windows) != self.num_layers:
+            raise ValueError("model config: one sliding-window entry per layer is required")
+
+    @property
+    def sliding_window(self) -> int | None:
+        windows = [w for w in self.layer_sliding_windows if w is not None]
+        return max(windows) if windows else None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the workers report about the loaded model (the engine sizes and identifies with it)."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    weights_digest: str
+    dtype: str
+    rope: str
+    quantization: str
+    kv_bytes_per_block: int

@@ -1,0 +1,196 @@
+"""GGUF models: metadata -> `ModelSpec`, and a dequantized safetensors cache keyed by digest.
+
+The first start dequantizes every tensor (with the `gguf` package) into float32 under HF names,
+undoing llama.cpp's Q/K row permutation for `llama`/`mistral` files, and writes
+`<cache>/<weights digest>/model.safetensors` atomically (under a file lock, so concurrent ranks
+build it once). Later starts and every rank then read only their shard from that file.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import os
+import pathlib
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from workers.config import ModelSpec, RopeSpec
+from workers.model_source import canonical_architecture
+
+PERMUTED_ARCHITECTURES = ("llama", "mistral")
+"""GGUF architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs)."""
+
+LAYER_TENSOR_NAMES: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GLOBAL_TENSOR_NAMES: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def open_gguf(path: pathlib.Path) -> gguf.GGUFReader:
+    """A reader over `path`; a truncated or corrupt file raises a ValueError naming it."""
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, OSError, KeyError) as error:
+        raise ValueError(f"GGUF file {path} is truncated or corrupt: {error}") from error
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _rope_from_gguf(reader: gguf.GGUFReader, arch: str) -> RopeSpec:
+    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    if any(tensor.name == "rope_freqs.weight" for tensor in reader.tensors):
+        raise ValueError(
+            "GGUF rope_freqs tensor (llama3 rope scaling) is not supported; load the HF directory"
+        )
+    kind = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+    original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0))
+    if kind == "none" or factor == 1.0:
+        return RopeSpec(theta=theta)
+    if kind == "linear":
+        return RopeSpec(theta=theta, kind="linear", factor=factor)
+    if kind == "yarn":
+        return RopeSpec(
+            theta=theta,
+            kind="yarn",
+            factor=factor,
+            original_max_position_embeddings=original,
+            attention_factor=0.1 * float(np.log(factor)) + 1.0,
+        )
+    raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
+
+
+def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
+    """The model description of a GGUF file's metadata."""
+    arch_name = str(_field(reader, "general.architecture", ""))
+    architecture = canonical_architecture(arch_name)
+    shapes = {tensor.name: tensor.shape for tensor in reader.tensors}
+    if "token_embd.weight" not in shapes:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    hidden = int(_field(reader, f"{arch_name}.embedding_length"))
+    heads = int(_field(reader, f"{arch_name}.attention.head_count"))
+    layers = int(_field(reader, f"{arch_name}.block_count"))
+    vocab = int(_field(reader, f"{arch_name}.vocab_size", int(shapes["token_embd.weight"][1])))
+    window = _field(reader, f"{arch_name}.attention.sliding_window")
+    eos: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        value = _field(reader, key)
+        if value is not None and int(value) not in eos:
+            eos.append(int(value))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    head_dim = _field(reader, f"{arch_name}.attention.key_length") or hidden // heads
+    return ModelSpec(
+        architecture=architecture,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch_name}.feed_forward_length")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch_name}.attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(_field(reader, f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(_field(reader, f"{arch_name}.context_length", 2048)),
+        rope=_rope_from_gguf(reader, arch_name),
+        attention_bias="blk.0.attn_q.bias" in shapes,
+        mlp_bias=False,
+        tie_word_embeddings="output.weight" not in shapes,
+        layer_sliding_windows=tuple([int(window) if window else None] * layers),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos),
+    )
+
+
+def quantization_name(reader: gguf.GGUFReader) -> str:
+    """`gguf:<type>` of the most common tensor type among the matrices (e.g. `gguf:Q4_1`)."""
+    counts = collections.Counter(
+        tensor.tensor_type.name for tensor in reader.tensors if len(tensor.shape) > 1
+    )
+    return f"gguf:{counts.most_common(1)[0][0]}" if counts else "gguf:F32"
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor name (None for tensors the model does not use)."""
+    if gguf_name in GLOBAL_TENSOR_NAMES:
+        return GLOBAL_TENSOR_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSOR_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_TENSOR_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: per head (pair, 2) -> (2, pair), rotate-half order."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    restored = weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
+    return restored.reshape(weight.shape)
+
+
+def dequantized_tensors(reader: gguf.GGUFReader, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Every used tensor dequantized to float32 under its HF name, Q/K rows in HF order."""
+    arch = str(_field(reader, "general.architecture", ""))
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as error:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}"
+            ) from error
+        values = np.asarray(values, dtype=np.float32)
+        if arch in PERMUTED_ARCHITECTURES and tensor.name.endswith(
+            ("attn_q.weight", "attn_q.bias")
+        ):
+            values = unpermute_rows(values, spec.num_heads)
+        elif arch in PERMUTED_ARCHITECTURES and tensor.name.endswith(
+            ("attn_k.weight", "attn_k.bias")
+        ):
+            values = unpermute_rows(values, spec.num_kv_heads)
+        tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C", copy=True))
+    return tensors
+
+
+def ensure_dequantized_cache(
+    path: pathlib.Path, spec: ModelSpec, digest: str, cache_root: pathlib.Path
+) -> pathlib.Path:
+    """The cached `model.safetensors` for `digest`, building it once under a file lock."""
+    target = cache_root / digest / "model.safetensors"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache_root / f"{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not target.is_file():
+                partial = target.with_suffix(f".partial.{os.getpid()}")
+                save_file(dequantized_tensors(open_gguf(path), spec), str(partial))
+                os.replace(partial, target)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return target

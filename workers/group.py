@@ -1,0 +1,221 @@
+"""`WorkerGroup`: all tensor-parallel ranks of one model, driven as one.
+
+Backend "ray": one Ray actor per rank, placed together by a placement group (one bundle per rank:
+1 CPU, plus 1 GPU when the cluster has enough GPUs), joined in a torch.distributed group.
+Backend "local": one in-process rank (TP = 1), for tests and offline use.
+
+Every step sends the same plan to every rank (one `ray.put` when there are several, so it is
+serialized once); rank 0's `StepOutput` comes back. The group keeps the last and mean per-step
+call overhead: round-trip wall time minus the time rank 0 spent executing the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.config import ModelInfo, WorkerConfig
+from workers.kv_memory import KVShape
+from workers.loader import ModelDescription, describe_model
+from workers.model_source import resolve_model_path
+from workers.parallel import check_tensor_parallel
+from workers.plan import StepOutput, StepPlan
+from workers.rank import WorkerRank
+from workers.weights_digest import default_cache_root
+
+PLACEMENT_TIMEOUT_S = 120.0
+"""How long to wait for the Ray cluster to fit one bundle per rank before failing."""
+SHUTDOWN_TIMEOUT_S = 30.0
+"""How long ranks get to leave the process group cleanly before they are killed."""
+
+
+@dataclass
+class CallOverhead:
+    """Per-step call overhead (seconds): round trip minus rank 0's own execution time."""
+
+    last: float = 0.0
+    total: float = 0.0
+    steps: int = 0
+
+    def record(self, round_trip: float, on_rank: float) -> None:
+        self.last = max(0.0, round_trip - on_rank)
+        self.total += self.last
+        self.steps += 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.steps if self.steps else 0.0
+
+
+def _max_model_len(config: WorkerConfig, description: ModelDescription) -> int:
+    limit = description.spec.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's context length {limit}"
+        )
+    return config.max_model_len
+
+
+def _model_info(
+    config: WorkerConfig, description: ModelDescription, max_model_len: int
+) -> ModelInfo:
+    spec = description.spec
+    full_shape = KVShape(
+        spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, config.torch_dtype
+    )
+    return ModelInfo(
+        architecture=spec.architecture,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        vocab_size=spec.vocab_size,
+        max_model_len=max_model_len,
+        sliding_window=spec.sliding_window,
+        bos_token_id=spec.bos_token_id,
+        eos_token_ids=spec.eos_token_ids,
+        weights_digest=description.weights_digest,
+        dtype=config.dtype,
+        rope=spec.rope.canonical(),
+        quantization=description.quantization,
+        kv_bytes_per_block=full_shape.bytes_per_block,
+    )
+
+
+class WorkerGroup:
+    """Loads the model on every rank, allocates the KV pools, and executes one plan per step."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        cache_root = pathlib.Path(config.weights_cache_dir or default_cache_root())
+        description = describe_model(resolve_model_path(config.model), cache_root)
+        check_tensor_parallel(description.spec, config.tensor_parallel_size)
+        max_model_len = _max_model_len(config, description)
+        self.model_info = _model_info(config, description, max_model_len)
+        self.overhead = CallOverhead()
+        self._local: WorkerRank | None = None
+        self._actors: list[Any] = []
+        self._placement_group: Any = None
+        args = (config, description, str(cache_root))
+        if config.backend == "local":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._local = WorkerRank(*args, 0, 1, device, max_model_len)
+            self._local.load()
+            self.num_device_blocks = self._local.measure_device_blocks()
+            self.num_cpu_blocks = self._local.cpu_blocks()
+            self._local.allocate(self.num_device_blocks, self.num_cpu_blocks)
+        else:
+            try:
+                self._start_actors(args, max_model_len)
+            except BaseException:
+                self.shutdown()  # no actor or placement group outlives a failed start
+                raise
+
+    def _start_actors(self, args: tuple[Any, ...], max_model_len: int) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        world = self.config.tensor_parallel_size
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False)
+        use_gpu = ray.cluster_resources().get("GPU", 0) >= world
+        bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
+        self._placement_group = placement_group([dict(bundle) for _ in range(world)], "PACK")
+        try:
+            ray.get(self._placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as error:
+            remove_placement_group(self._placement_group)
+            self._placement_group = None
+            raise ValueError(
+                f"could not place {world} worker ranks of {bundle} each within "
+                f"{PLACEMENT_TIMEOUT_S} s; the Ray cluster has {ray.available_resources()}"
+            ) from error
+        actor_class = ray.remote(WorkerRank)
+        for rank in range(world):
+            strategy = PlacementGroupSchedulingStrategy(self._placement_group, rank)
+            options = actor_class.options(
+                num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=strategy
+            )
+            device = "cuda" if use_gpu else "cpu"
+            self._actors.append(options.remote(*args, rank, world, device, max_model_len))
+        host, port = ray.get(self._actors[0].rendezvous_address.remote())
+        ray.get([actor.init_distributed.remote(host, port) for actor in self._actors])
+        ray.get([actor.load.remote() for actor in self._actors])
+        self.num_device_blocks = min(
+            ray.get([actor.measure_device_blocks.remote() for actor in self._actors])
+        )
+        self.num_cpu_blocks = min(ray.get([actor.cpu_blocks.remote() for actor in self._actors]))
+        ray.get(
+            [
+                actor.allocate.remote(self.num_device_blocks, self.num_cpu_blocks)
+                for actor in self._actors
+            ]
+        )
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one step on every rank (blocking); returns rank 0's output."""
+        output, _ = self.execute_with_logits(plan, keep_logits=False)
+        return output
+
+    def execute_with_logits(
+        self, plan: StepPlan, keep_logits: bool = True
+    ) -> tuple[StepOutput, torch.Tensor | None]:
+        """`execute`, plus rank 0's float32 logits of the sampled rows (for tests and tools)."""
+        began = time.perf_counter()
+        if self._local is not None:
+            output, logits = self._local.execute_with_logits(plan, keep_logits)
+        else:
+            import ray
+
+            plan_ref = ray.put(plan) if len(self._actors) > 1 else plan
+            refs = [a.execute_with_logits.remote(plan_ref, keep_logits) for a in self._actors]
+            output, logits = ray.get(refs)[0]
+        assert output is not None
+        self.overhead.record(time.perf_counter() - began, output.forward_seconds)
+        return output, logits
+
+    async def execute_async(self, plan: StepPlan) -> StepOutput:
+        """`execute`, awaitable: the event loop keeps running while the ranks work."""
+        began = time.perf_counter()
+        if self._local is not None:
+            output = await asyncio.to_thread(self._local.execute, plan)
+        else:
+            import ray
+
+            plan_ref = ray.put(plan) if len(self._actors) > 1 else plan
+            results = await asyncio.gather(*[a.execute.remote(plan_ref) for a in self._actors])
+            output = results[0]
+        assert output is not None
+        self.overhead.record(time.perf_counter() - began, output.forward_seconds)
+        return output
+
+    def shutdown(self) -> None:
+        """Stop every rank and release the placement group (idempotent)."""
+        if self._local is not None:
+            self._local.shutdown()
+            self._local = None
+        if self._actors:
+            import ray
+
+            try:
+                ray.get([a.shutdown.remote() for a in self._actors], timeout=SHUTDOWN_TIMEOUT_S)
+            except (ray.exceptions.RayError, ValueError):
+                pass  # a rank that failed or hangs is killed below either way
+            finally:
+                for actor in self._actors:
+                    ray.kill(actor)
+                self._actors = []
+        if self._placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._placement_group)
+            self._placement_group = None

@@ -1,0 +1,171 @@
+"""Building blocks: RMSNorm and the tensor-parallel linear, embedding and LM-head layers.
+
+Each parallel layer knows which rows (column-parallel) or columns (row-parallel) of the full
+checkpoint tensor its rank owns and loads exactly those through a `CheckpointReader`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.checkpoint import CheckpointReader
+from workers.parallel import TensorParallel, even_range
+
+
+class RMSNorm(torch.nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), normalized in float32 (replicated on every rank)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def load(self, reader: CheckpointReader, name: str) -> None:
+        self.weight.copy_(reader.read(name, tuple(self.weight.shape)))
+
+
+@dataclass(frozen=True)
+class RowSegment:
+    """Rows `[start, stop)` of checkpoint tensor `<prefix><name>` (full row count `full_rows`)."""
+
+    name: str
+    full_rows: int
+    start: int
+    stop: int
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """y = x W^T (+ b) where W stacks this rank's row segments of one or more checkpoint tensors.
+
+    Fusing (q, k, v) or (gate, up) into one matmul is a matter of listing several segments.
+    The output stays sharded (no collective).
+    """
+
+    def __init__(
+        self, input_size: int, segments: list[RowSegment], bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.segments = segments
+        rows = sum(segment.stop - segment.start for segment in segments)
+        self.weight = torch.nn.Parameter(
+            torch.zeros(rows, input_size, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(rows, dtype=dtype), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        row = 0
+        for segment in self.segments:
+            count = segment.stop - segment.start
+            weight = reader.read(
+                f"{prefix}{segment.name}.weight",
+                (segment.full_rows, self.input_size),
+                0,
+                segment.start,
+                segment.stop,
+            )
+            self.weight[row : row + count].copy_(weight)
+            if self.bias is not None:
+                bias = reader.read(
+                    f"{prefix}{segment.name}.bias",
+                    (segment.full_rows,),
+                    0,
+                    segment.start,
+                    segment.stop,
+                )
+                self.bias[row : row + count].copy_(bias)
+            row += count
+
+
+class RowParallelLinear(torch.nn.Module):
+    """y = all_reduce(x_shard W_shard^T) (+ b): this rank owns input columns `[start, stop)`."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        columns: tuple[int, int],
+        bias: bool,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.columns = columns
+        self.tp = tp
+        width = columns[1] - columns[0]
+        self.weight = torch.nn.Parameter(
+            torch.zeros(output_size, width, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load(self, reader: CheckpointReader, name: str) -> None:
+        start, stop = self.columns
+        full = (self.output_size, self.input_size)
+        self.weight.copy_(reader.read(f"{name}.weight", full, 1, start, stop))
+        if self.bias is not None:
+            self.bias.copy_(reader.read(f"{name}.bias", (self.output_size,)))
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Rank r owns vocab rows `[start, stop)` (padded to an equal count per rank).
+
+    `embed` looks up its own rows, zeroes the others, and all-reduces; `logits` (the LM head,
+    sharing or not the embedding weight) computes its rows' logits and all-gathers, trimmed to
+    `vocab_size`.
+    """
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.tp = tp
+        self.start, self.stop = even_range(vocab_size, tp)
+        rows_per_rank = -(-vocab_size // tp.world_size)
+        self.weight = torch.nn.Parameter(
+            torch.zeros(rows_per_rank, hidden_size, dtype=dtype), requires_grad=False
+        )
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(token_ids, self.weight)
+        owned = (token_ids >= self.start) & (token_ids < self.stop)
+        local = torch.where(owned, token_ids - self.start, torch.zeros_like(token_ids))
+        vectors = F.embedding(local, self.weight) * owned[:, None].to(self.weight.dtype)
+        return self.tp.all_reduce(vectors)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)
+        return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
+
+    def load(self, reader: CheckpointReader, name: str) -> None:
+        rows = self.stop - self.start
+        weight = reader.read(name, (self.vocab_size, self.hidden_size), 0, self.start, self.stop)
+        self.weight[:rows].copy_(weight)

@@ -1,0 +1,207 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Attention metadata travels explicitly in `AttentionMetadata`; KV is written and read only through
+the `kernels` public API. Tensor parallelism lives in the parallel layers alone: query/KV heads
+and MLP columns are split by rank, `o_proj` and `down_proj` all-reduce, and the vocab-parallel
+embedding and LM head all-reduce / all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import paged_attention, write_kv
+from workers.checkpoint import CheckpointReader
+from workers.config import ModelSpec
+from workers.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    RowSegment,
+    VocabParallelEmbedding,
+)
+from workers.parallel import TensorParallel, even_range, head_layout
+from workers.rope import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's packed batch. Tokens are packed by sequence in `cu_query_lens` order.
+
+    positions / slot_mapping: [tokens] int64; cu_query_lens: [seqs + 1] int32; context_lens:
+    [seqs] int32 (cached tokens including this step's); block_tables: [seqs, max_blocks] int32;
+    logits_indices: [rows] int64, the token rows whose logits the caller wants.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+
+
+class Attention(torch.nn.Module):
+    def __init__(
+        self, spec: ModelSpec, layer_index: int, tp: TensorParallel, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        layout = head_layout(spec, tp)
+        d = spec.head_dim
+        self.head_dim = d
+        self.num_q = layout.num_q
+        self.num_kv = layout.num_kv
+        self.sliding_window = spec.layer_sliding_windows[layer_index]
+        self.scale = d**-0.5
+        q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
+        q_span = (layout.q_start * d, (layout.q_start + layout.num_q) * d)
+        kv_span = (layout.kv_start * d, (layout.kv_start + layout.num_kv) * d)
+        self.qkv_proj = ColumnParallelLinear(
+            spec.hidden_size,
+            [
+                RowSegment("q_proj", q_rows, *q_span),
+                RowSegment("k_proj", kv_rows, *kv_span),
+                RowSegment("v_proj", kv_rows, *kv_span),
+            ],
+            spec.attention_bias,
+            dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            q_rows,
+            spec.hidden_size,
+            q_span,
+            spec.attention_bias and spec.architecture != "qwen2",
+            tp,
+            dtype,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q_width, kv_width = self.num_q * self.head_dim, self.num_kv * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_width, kv_width, kv_width], dim=-1)
+        q = apply_rotary(q.view(tokens, self.num_q, self.head_dim), *cos_sin)
+        k = apply_rotary(k.view(tokens, self.num_kv, self.head_dim), *cos_sin)
+        v = v.reshape(tokens, self.num_kv, self.head_dim)
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            cu_query_lens=metadata.cu_query_lens,
+            context_lens=metadata.context_lens,
+            block_tables=metadata.block_tables,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+        )
+        return self.o_proj(out.reshape(tokens, q_width))
+
+
+class GatedMLP(torch.nn.Module):
+    """down(silu(gate(x)) * up(x)), gate/up column-parallel (fused), down row-parallel."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        full = spec.intermediate_size
+        start, stop = even_range(full, tp)
+        self.width = stop - start
+        self.gate_up_proj = ColumnParallelLinear(
+            spec.hidden_size,
+            [RowSegment("gate_proj", full, start, stop), RowSegment("up_proj", full, start, stop)],
+            spec.mlp_bias,
+            dtype,
+        )
+        self.down_proj = RowParallelLinear(
+            full, spec.hidden_size, (start, stop), spec.mlp_bias, tp, dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.width, self.width], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(
+        self, spec: ModelSpec, layer_index: int, tp: TensorParallel, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.self_attn = Attention(spec, layer_index, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(spec, tp, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        kv_layer: torch.Tensor,
+    ) -> torch.Tensor:
+        attended = self.self_attn(
+            self.input_layernorm(hidden), cos_sin, metadata, kv_layer[0], kv_layer[1]
+        )
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        self.input_layernorm.load(reader, f"{prefix}input_layernorm.weight")
+        self.post_attention_layernorm.load(reader, f"{prefix}post_attention_layernorm.weight")
+        self.self_attn.qkv_proj.load(reader, f"{prefix}self_attn.")
+        self.self_attn.o_proj.load(reader, f"{prefix}self_attn.o_proj")
+        self.mlp.gate_up_proj.load(reader, f"{prefix}mlp.")
+        self.mlp.down_proj.load(reader, f"{prefix}mlp.down_proj")
+
+
+class CausalLM(torch.nn.Module):
+    """One rank's shard of the model: `forward` gives hidden states, `logits` the full vocab."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, dtype)
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(spec, i, tp, dtype) for i in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.lm_head = (
+            self.embed_tokens
+            if spec.tie_word_embeddings
+            else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, dtype)
+        )
+        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: torch.Tensor, metadata: AttentionMetadata, kv_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """Hidden states `[tokens, hidden]` after the final norm; writes this step's KV."""
+        hidden = self.embed_tokens.embed(token_ids)
+        cos_sin = self.rotary.cos_sin(metadata.positions, hidden.dtype)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos_sin, metadata, kv_pool[index])
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[rows, vocab]` of the given hidden rows (identical on every rank)."""
+        return self.lm_head.logits(hidden).to(torch.float32)
+
+    @torch.inference_mode()
+    def load(self, reader: CheckpointReader) -> None:
+        """Load this rank's shard; raises ValueError naming any missing or mis-shaped tensor."""
+        self.embed_tokens.load(reader, "model.embed_tokens.weight")
+        for index, layer in enumerate(self.layers):
+            layer.load(reader, f"model.layers.{index}.")
+        self.norm.load(reader, "model.norm.weight")
+        if not self.spec.tie_word_embeddings:
+            self.lm_head.load(reader, "lm_head.weight")

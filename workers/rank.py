@@ -1,0 +1,255 @@
+"""One tensor-parallel rank: a model shard, a KV pool shard, a CPU swap tier, one step per call.
+
+Lifecycle (driven by `WorkerGroup`, identical whether the rank is a Ray actor or in-process):
+`init_distributed` (TP > 1 only) -> `load` -> `measure_device_blocks` -> `allocate` (with the
+count all ranks agreed on) -> `execute` per step -> `shutdown`. Every rank validates the plan the
+same way before any collective, so a bad plan fails on all ranks instead of hanging one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from kernels import allocate_kv_pool, copy_blocks, swap_blocks
+from workers.batch import SequenceRegistry, pack_batch
+from workers.config import WorkerConfig
+from workers.kv_memory import KVShape, cpu_device_blocks, cpu_swap_blocks, cuda_device_blocks
+from workers.loader import ModelDescription, load_model_shard
+from workers.model import AttentionMetadata, CausalLM
+from workers.parallel import TensorParallel, head_layout
+from workers.plan import BlockPair, StepOutput, StepPlan
+from workers.sampling import check_settings, sample_rows
+
+PROFILE_TOKENS = 2048
+"""Tokens in the CUDA profiling forward pass (a large prefill chunk)."""
+
+
+def free_tcp_address() -> tuple[str, int]:
+    """This host's address and a free TCP port (for rank 0's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    try:
+        host = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        host = "127.0.0.1"
+    return host, port
+
+
+def _pairs_tensor(pairs: list[BlockPair]) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+
+
+class WorkerRank:
+    """Rank `rank` of `world_size`; `device` is "cuda" or "cpu"."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        description: ModelDescription,
+        cache_root: str,
+        rank: int,
+        world_size: int,
+        device: str,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.description = description
+        self.cache_root = cache_root
+        self.tp = TensorParallel(rank, world_size)
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.max_model_len = max_model_len
+        layout = head_layout(description.spec, self.tp)
+        self.kv_shape = KVShape(
+            description.spec.num_layers,
+            config.block_size,
+            layout.num_kv,
+            description.spec.head_dim,
+            config.torch_dtype,
+        )
+        self.registry = SequenceRegistry()
+        self.model: CausalLM | None = None
+        self.device_pool: torch.Tensor | None = None
+        self.cpu_pool: torch.Tensor | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        return free_tcp_address()
+
+    def init_distributed(self, host: str, port: int) -> None:
+        """Join the TP group: NCCL on CUDA, gloo on CPU."""
+        if self.tp.world_size == 1:
+            return
+        dist.init_process_group(
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            init_method=f"tcp://{host}:{port}",
+            rank=self.tp.rank,
+            world_size=self.tp.world_size,
+            timeout=datetime.timedelta(minutes=5),
+        )
+
+    def load(self) -> None:
+        self.model = load_model_shard(
+            self.description,
+            self.tp,
+            self.config.torch_dtype,
+            self.device,
+            pathlib.Path(self.cache_root),
+        )
+
+    def measure_device_blocks(self) -> int:
+        """Blocks this rank can hold (after a profiling forward pass on CUDA)."""
+        if self.device.type == "cpu":
+            return cpu_device_blocks(self.config, self.kv_shape)
+        self._profile_forward()
+        return cuda_device_blocks(self.config, self.kv_shape, self.device)
+
+    def _profile_forward(self) -> None:
+        tokens = min(PROFILE_TOKENS, self.max_model_len)
+        blocks = -(-tokens // self.config.block_size)
+        pool = self._allocate(blocks, self.device)
+        metadata = AttentionMetadata(
+            positions=torch.arange(tokens, device=self.device),
+            slot_mapping=torch.arange(tokens, device=self.device),
+            cu_query_lens=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None, :],
+            logits_indices=torch.tensor([tokens - 1], device=self.device),
+        )
+        assert self.model is not None
+        torch.cuda.reset_peak_memory_stats(self.device)
+        hidden = self.model(
+            torch.zeros(tokens, dtype=torch.int64, device=self.device), metadata, pool
+        )
+        self.model.logits(hidden[metadata.logits_indices])
+        torch.cuda.synchronize(self.device)
+        del pool, hidden
+        torch.cuda.empty_cache()
+
+    def _allocate(self, blocks: int, device: torch.device, pin: bool = False) -> torch.Tensor:
+        return allocate_kv_pool(
+            num_layers=self.kv_shape.num_layers,
+            num_blocks=blocks,
+            block_size=self.kv_shape.block_size,
+            num_kv_heads=self.kv_shape.num_kv_heads,
+            head_dim=self.kv_shape.head_dim,
+            dtype=self.kv_shape.dtype,
+            device=device,
+            pin_memory=pin,
+        )
+
+    def cpu_blocks(self) -> int:
+        return cpu_swap_blocks(self.config, self.kv_shape)
+
+    def allocate(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the device pool and (when `num_cpu_blocks > 0`) the CPU swap pool."""
+        self.device_pool = self._allocate(num_device_blocks, self.device)
+        if num_cpu_blocks > 0:
+            pin = self.device.type == "cuda"
+            self.cpu_pool = self._allocate(num_cpu_blocks, torch.device("cpu"), pin)
+
+    def _check_ids(self, plan: StepPlan) -> None:
+        """Sampling settings valid, token ids inside the vocabulary and block ids inside the
+        pools (checked before anything is written)."""
+        vocab = self.description.spec.vocab_size
+        for work in plan.sequences:
+            if work.sampling is not None:
+                check_settings(work.sampling)
+            if any(not 0 <= token < vocab for token in work.token_ids):
+                raise ValueError(
+                    f"step {plan.step_id}: sequence {work.seq_id} has a token id outside "
+                    f"[0, {vocab})"
+                )
+        assert self.device_pool is not None
+        device_blocks = self.device_pool.shape[2]
+        cpu_blocks = 0 if self.cpu_pool is None else self.cpu_pool.shape[2]
+        for work in plan.sequences:
+            if any(not 0 <= block < device_blocks for block in work.table_blocks):
+                raise ValueError(
+                    f"step {plan.step_id}: sequence {work.seq_id} has a block id outside "
+                    f"[0, {device_blocks})"
+                )
+        checks = [
+            ("swap_out", plan.swap_out, device_blocks, cpu_blocks),
+            ("swap_in", plan.swap_in, cpu_blocks, device_blocks),
+            ("copy_pairs", plan.copy_pairs, device_blocks, device_blocks),
+        ]
+        for name, pairs, source_limit, target_limit in checks:
+            for source, target in pairs:
+                if not (0 <= source < source_limit and 0 <= target < target_limit):
+                    raise ValueError(
+                        f"step {plan.step_id}: {name} pair ({source}, {target}) is out of range "
+                        f"(source pool {source_limit} blocks, target pool {target_limit})"
+                    )
+
+    def _swap(self, plan: StepPlan) -> None:
+        assert self.device_pool is not None
+        if (plan.swap_out or plan.swap_in) and self.cpu_pool is None:
+            raise ValueError(f"step {plan.step_id}: swaps requested but the CPU tier has 0 blocks")
+        if plan.swap_out:
+            assert self.cpu_pool is not None
+            swap_blocks(self.device_pool, self.cpu_pool, _pairs_tensor(plan.swap_out))
+        if plan.swap_in:
+            assert self.cpu_pool is not None
+            swap_blocks(self.cpu_pool, self.device_pool, _pairs_tensor(plan.swap_in))
+        if plan.copy_pairs:
+            copy_blocks(self.device_pool, _pairs_tensor(plan.copy_pairs).to(self.device))
+
+    def execute(self, plan: StepPlan) -> StepOutput | None:
+        """Swaps, copies, forward, and (rank 0) sampling. Ranks other than 0 return None.
+
+        `forward_seconds` is the wall time of the whole step on rank 0 (the caller subtracts
+        it from the round trip to get the call overhead).
+        """
+        output, _ = self.execute_with_logits(plan, keep_logits=False)
+        return output
+
+    def execute_with_logits(
+        self, plan: StepPlan, keep_logits: bool = True
+    ) -> tuple[StepOutput | None, torch.Tensor | None]:
+        """`execute`, plus (rank 0, when asked) the float32 CPU logits of the sampled rows."""
+        began = time.perf_counter()
+        assert self.model is not None and self.device_pool is not None, "rank not allocated"
+        for work in plan.sequences:
+            if work.start_pos + len(work.token_ids) > self.max_model_len:
+                raise ValueError(
+                    f"step {plan.step_id}: sequence {work.seq_id} would reach "
+                    f"{work.start_pos + len(work.token_ids)} tokens > max_model_len "
+                    f"{self.max_model_len}"
+                )
+        snapshot = self.registry.apply(plan)
+        try:
+            batch = pack_batch(plan, self.registry, self.config.block_size, self.device)
+            self._check_ids(plan)
+        except ValueError:
+            self.registry.restore(snapshot)
+            raise
+        self._swap(plan)
+        output = StepOutput(step_id=plan.step_id)
+        logits = None
+        if plan.sequences:
+            hidden = self.model(batch.token_ids, batch.metadata, self.device_pool)
+            if batch.sample_requests:
+                logits = self.model.logits(hidden[batch.metadata.logits_indices])
+                if self.tp.rank == 0:
+                    drawn = sample_rows(logits, batch.sample_requests, self.config.seed)
+                    output.samples = dict(zip(batch.sample_seq_ids, drawn, strict=True))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        output.forward_seconds = time.perf_counter() - began
+        if self.tp.rank != 0:
+            return None, None
+        kept = logits.cpu() if keep_logits and logits is not None else None
+        return output, kept
+
+    def shutdown(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self.model = None
+        self.device_pool = None
+        self.cpu_pool = None

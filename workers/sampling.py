@@ -1,0 +1,100 @@
+"""Rank 0's sampler: greedy, temperature, top-k, top-p, stateless seeds, log-probabilities.
+
+Invariant: a draw depends only on the logits row and (worker seed, request seed, branch index,
+output index), never on the batch or on earlier draws, so recompute, swaps and different batch
+compositions reproduce a seeded result. Draws run on CPU in float32 with a fresh
+`torch.Generator` per token. Reported log-probabilities are those of the model's own
+distribution (log-softmax of the raw logits, before temperature and filters).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from workers.plan import SampledToken, SamplingSettings
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """Draw `num_samples` tokens from one logits row; sample i uses branch `branch_index + i`."""
+
+    settings: SamplingSettings
+    num_samples: int
+    branch_index: int
+    output_index: int
+
+
+def draw_seed(worker_seed: int, request_seed: int, branch: int, output_index: int) -> int:
+    """A 63-bit generator seed that is a pure function of its four arguments."""
+    text = f"{worker_seed}:{request_seed}:{branch}:{output_index}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def filtered_probabilities(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """Softmax of logits/temperature restricted to the top-k and then the top-p nucleus.
+
+    Top-p keeps the smallest prefix of the descending-probability tokens whose mass reaches
+    `top_p` (always at least the most likely token). Returns probabilities over the vocabulary.
+    """
+    scaled = logits / settings.temperature
+    if 0 < settings.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, settings.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if settings.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= settings.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs
+
+
+def check_settings(settings: SamplingSettings) -> None:
+    """Raise a ValueError naming the first out-of-range sampling setting."""
+    if settings.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {settings.temperature}")
+    if settings.top_p <= 0.0:
+        raise ValueError(f"top_p must be > 0, got {settings.top_p}")
+    if settings.logprobs is not None and settings.logprobs < 0:
+        raise ValueError(f"logprobs must be >= 0 when given, got {settings.logprobs}")
+
+
+def sample_rows(
+    logits: torch.Tensor, requests: list[SampleRequest], worker_seed: int
+) -> list[list[SampledToken]]:
+    """One list of drawn tokens per request; `logits` is `[len(requests), vocab]` float32."""
+    logits = logits.to(device="cpu", dtype=torch.float32)
+    results: list[list[SampledToken]] = []
+    for row, request in zip(logits, requests, strict=True):
+        settings = request.settings
+        check_settings(settings)
+        logprobs = torch.log_softmax(row, dim=-1) if settings.logprobs is not None else None
+        probs = None if settings.temperature == 0 else filtered_probabilities(row, settings)
+        tokens: list[SampledToken] = []
+        for i in range(request.num_samples):
+            if probs is None:
+                token = int(torch.argmax(row))
+            else:
+                generator = torch.Generator().manual_seed(
+                    draw_seed(
+                        worker_seed, settings.seed, request.branch_index + i, request.output_index
+                    )
+                )
+                token = int(torch.multinomial(probs, 1, generator=generator))
+            tokens.append(_with_logprobs(token, logprobs, settings.logprobs))
+        results.append(tokens)
+    return results
+
+
+def _with_logprobs(token: int, logprobs: torch.Tensor | None, top: int | None) -> SampledToken:
+    if logprobs is None or top is None:
+        return SampledToken(token)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+        alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return SampledToken(token, float(logprobs[token]), alternatives)
