@@ -1,0 +1,384 @@
+"""The gRPC API (`pagedserve.v1.Generation`, `grpc.health.v1.Health`) over one `AsyncEngine`.
+
+Protobuf lives at this edge only: requests become the engine's prompt and `SamplingParams`,
+engine outputs become `GenerateResponse` messages. The Serve replica (cluster/serve_app.py)
+delegates its gRPC methods here and turns a raised `GrpcAbort` into the call's status.
+
+Status mapping: bad input (unset prompt, invalid sampling values, unknown model, a prompt plus
+`max_tokens` beyond the context) -> INVALID_ARGUMENT; admission queue full -> RESOURCE_EXHAUSTED;
+a stopped engine -> UNAVAILABLE; a missing or unknown API key -> UNAUTHENTICATED. A cancelled
+call closes the `generate` stream, which aborts the request in the engine and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+from ray.serve.grpc_util import RayServegRPCContext
+
+from cluster.engine import AsyncEngine
+from cluster.engine_core import PromptInput
+from cluster.errors import EngineDead, EngineOverloaded, RequestRejected
+from cluster.metrics import EngineMetrics
+from cluster.openai_serving import PromptObserver, context_overflow
+from cluster.outputs import CompletionOutput, Logprob, RequestOutput
+from cluster.sampling_params import SamplingParams
+from protos import generation_pb2 as pb
+
+GRPC_SERVICE_NAME = "pagedserve.v1.Generation"
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+Decode = Callable[[Sequence[int]], str]
+
+
+class GrpcAbort(Exception):
+    """Ends the call with `code` and `details` (the replica sets them on the gRPC context)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+    def __reduce__(self) -> tuple[type[GrpcAbort], tuple[grpc.StatusCode, str]]:
+        # Serve pickles the exception from the replica to its proxy.
+        return (GrpcAbort, (self.code, self.details))
+
+
+def abort_for_engine_error(error: Exception) -> GrpcAbort | None:
+    """The status an engine error maps to; None for an error that is not the client's business."""
+    if isinstance(error, RequestRejected | ValueError):
+        return GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    if isinstance(error, EngineOverloaded):
+        return GrpcAbort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{error}; retry after {error.retry_after_s:g} s",
+        )
+    if isinstance(error, EngineDead):
+        return GrpcAbort(grpc.StatusCode.UNAVAILABLE, str(error))
+    return None
+
+
+def sampling_params_from_proto(proto: pb.SamplingParameters) -> SamplingParams:
+    """Unset optional fields take the engine's defaults; invalid values are INVALID_ARGUMENT."""
+    defaults = SamplingParams()
+    try:
+        return SamplingParams(
+            n=proto.n if proto.HasField("n") else defaults.n,
+            max_tokens=proto.max_tokens if proto.HasField("max_tokens") else defaults.max_tokens,
+            temperature=(
+                proto.temperature if proto.HasField("temperature") else defaults.temperature
+            ),
+            top_p=proto.top_p if proto.HasField("top_p") else defaults.top_p,
+            top_k=proto.top_k if proto.HasField("top_k") else defaults.top_k,
+            seed=proto.seed if proto.HasField("seed") else None,
+            stop=list(proto.stop),
+            stop_token_ids=list(proto.stop_token_ids),
+            logprobs=proto.logprobs if proto.HasField("logprobs") else None,
+            ignore_eos=proto.ignore_eos,
+            include_stop_str_in_output=proto.include_stop_str_in_output,
+        )
+    except ValueError as error:
+        raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {error}") from None
+
+
+def chat_messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
+    if not chat.messages:
+        raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages must not be empty")
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def prompt_from_request(request: pb.GenerateRequest) -> PromptInput:
+    """Text, token ids or chat messages; an unset prompt is INVALID_ARGUMENT."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return request.text
+    if kind == "token_ids":
+        return {"prompt_token_ids": list(request.token_ids.ids)}
+    if kind == "chat":
+        return chat_messages(request.chat)
+    raise GrpcAbort(
+        grpc.StatusCode.INVALID_ARGUMENT, "set one of prompt.text, prompt.token_ids, prompt.chat"
+    )
+
+
+def _token_logprob(token_id: int, logprob: float | None, decode: Decode) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=token_id, logprob=logprob if logprob is not None else 0.0, token=decode([token_id])
+    )
+
+
+def position_logprobs(entries: Sequence[Logprob], decode: Decode) -> list[pb.PositionLogprobs]:
+    """The sampled token and its top alternatives (highest first) at each position."""
+    return [
+        pb.PositionLogprobs(
+            sampled=_token_logprob(entry.token_id, entry.logprob, decode),
+            top=[
+                _token_logprob(token_id, logprob, decode)
+                for token_id, logprob in sorted(entry.top.items(), key=lambda kv: -kv[1])
+            ],
+        )
+        for entry in entries
+    ]
+
+
+def completion_delta(output: CompletionOutput, decode: Decode) -> pb.CompletionDelta:
+    delta = pb.CompletionDelta(
+        index=output.index,
+        text=output.delta_text,
+        token_ids=output.delta_token_ids,
+        finish_reason=FINISH_REASONS.get(output.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+    )
+    if isinstance(output.stop_reason, str):
+        delta.stop_string = output.stop_reason
+    elif isinstance(output.stop_reason, int):
+        delta.stop_token_id = output.stop_reason
+    if output.logprobs is not None and output.delta_token_ids:
+        new = output.logprobs[len(output.token_ids) - len(output.delta_token_ids) :]
+        delta.logprobs.extend(position_logprobs(new, decode))
+    return delta
+
+
+class GenerateStreamEncoder:
+    """Turns one request's stream of `RequestOutput` snapshots into `GenerateResponse` messages:
+    a branch appears in a response when it has new tokens or text, or has just finished (each
+    finish is reported exactly once); the final response carries the usage."""
+
+    def __init__(self, decode: Decode) -> None:
+        self._decode = decode
+        self._reported_finish: set[int] = set()
+
+    def encode(self, output: RequestOutput) -> pb.GenerateResponse | None:
+        response = pb.GenerateResponse(request_id=output.request_id, finished=output.finished)
+        for branch in output.outputs:
+            newly_finished = branch.finished and branch.index not in self._reported_finish
+            if branch.delta_token_ids or branch.delta_text or newly_finished:
+                response.choices.append(completion_delta(branch, self._decode))
+            if newly_finished:
+                self._reported_finish.add(branch.index)
+        if output.finished:
+            usage = output.usage
+            response.usage.CopyFrom(
+                pb.Usage(
+                    prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    total_tokens=usage.total_tokens,
+                    cached_prompt_tokens=usage.cached_tokens,
+                )
+            )
+        if not response.choices and not output.finished:
+            return None
+        return response
+
+
+def cache_stats(metrics: EngineMetrics) -> pb.CacheStats:
+    pressure = metrics.pressure
+    return pb.CacheStats(
+        tiers=[
+            pb.CacheTier(
+                name=name,
+                total_blocks=tier.total,
+                used_blocks=tier.used,
+                free_blocks=tier.free,
+                cached_blocks=tier.evictable_cached,
+            )
+            for name, tier in (("device", pressure.device), ("cpu", pressure.cpu))
+        ],
+        prefix_hit_rate=metrics.prefix_cache_hit_rate,
+        preemptions_recompute=metrics.preemptions_recompute,
+        preemptions_swap=metrics.preemptions_swap,
+        blocks_swapped_out=pressure.swap_out_blocks,
+        blocks_swapped_in=pressure.swap_in_blocks,
+        running=metrics.num_running,
+        waiting=metrics.num_waiting,
+        swapped=metrics.num_swapped,
+    )
+
+
+def health_response(serving: bool) -> health_pb2.HealthCheckResponse:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else (health_pb2.HealthCheckResponse.NOT_SERVING)
+    )
+    return health_pb2.HealthCheckResponse(status=status)
+
+
+class GenerationRpc:
+    """The four `Generation` RPCs over one engine serving one model name."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        observe: PromptObserver | None = None,
+    ) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.observe = observe
+
+    def check_model(self, model: str) -> None:
+        if model and model != self.served_model_name:
+            raise GrpcAbort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model {model!r} is not served here; this server serves "
+                f"{self.served_model_name!r}",
+            )
+
+    async def generate(
+        self, request: pb.GenerateRequest, *, request_id: str, tenant_salt: bytes | None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.check_model(request.model)
+        prompt = prompt_from_request(request)
+        params = sampling_params_from_proto(request.sampling)
+        try:
+            overflow = context_overflow(self.engine, prompt, params.max_tokens, "prompt")
+        except RequestRejected as error:
+            raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        if overflow is not None:
+            raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, overflow)
+        encoder = GenerateStreamEncoder(self.engine.decode)
+        observed = False
+        try:
+            stream = self.engine.generate(
+                prompt, params, request_id=request_id, tenant_salt=tenant_salt
+            )
+            async for output in stream:
+                if self.observe is not None and not observed:
+                    self.observe(prompt, tenant_salt)
+                    observed = True
+                response = encoder.encode(output)
+                if response is not None:
+                    yield response
+        except (RequestRejected, EngineOverloaded, EngineDead, ValueError) as error:
+            mapped = abort_for_engine_error(error)
+            assert mapped is not None
+            raise mapped from None
+
+    def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        self.check_model(request.model)
+        tokenizer: Any = self.engine.tokenizer
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            ids = tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        elif kind == "chat":
+            try:
+                text = self.engine.apply_chat_template(chat_messages(request.chat))
+            except RequestRejected as error:
+                raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "set one of input.text, input.chat")
+        return pb.TokenizeResponse(
+            token_ids=ids, max_model_len=self.engine.model_info().max_model_len
+        )
+
+    def model_info(self, block_size: int, tensor_parallel_size: int) -> pb.ModelInfo:
+        info = self.engine.model_info()
+        return pb.ModelInfo(
+            model=self.served_model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=block_size,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=info.dtype,
+            kv_cache_dtype=info.dtype,
+            weights_digest=info.weights_digest,
+            quantization=info.quantization,
+        )
+
+    def cache_stats(self) -> pb.CacheStats:
+        return cache_stats(self.engine.metrics())
+
+
+def metadata_value(metadata: Sequence[tuple[str, str]], name: str) -> str | None:
+    return next((value for key, value in metadata if key.lower() == name), None)
+
+
+def fail(context: RayServegRPCContext, error: GrpcAbort) -> GrpcAbort:
+    """Sets the status on the call; Serve's proxy returns it when the method then raises."""
+    context.set_code(error.code)
+    context.set_details(error.details)
+    return error
+
+
+class GrpcMethods:
+    """The gRPC methods of the Serve replica, named as the RPCs so Serve's gRPC proxy finds them:
+    `pagedserve.v1.Generation` and `grpc.health.v1.Health`. The replica class inherits them and
+    provides `rpc`, `grpc_block_size`, `grpc_tensor_parallel_size` and `grpc_tenant_salt`."""
+
+    rpc: GenerationRpc
+    grpc_block_size: int
+    grpc_tensor_parallel_size: int
+
+    def grpc_serving(self) -> bool:
+        """Whether the engine is healthy (the replica decides)."""
+        raise NotImplementedError
+
+    def grpc_tenant_salt(self, authorization: str | None) -> bytes | None:
+        """The tenant salt for the call's `authorization` metadata; raises GrpcAbort
+        (UNAUTHENTICATED) for a missing or unknown key when keys are configured."""
+        raise NotImplementedError
+
+    def _salt(self, context: RayServegRPCContext) -> bytes | None:
+        try:
+            return self.grpc_tenant_salt(
+                metadata_value(context.invocation_metadata(), "authorization")
+            )
+        except GrpcAbort as error:
+            raise fail(context, error) from None
+
+    async def Generate(
+        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        salt = self._salt(grpc_context)
+        request_id = f"grpc-{uuid.uuid4().hex}"  # never the client's: ids must not collide
+        try:
+            async for response in self.rpc.generate(
+                request, request_id=request_id, tenant_salt=salt
+            ):
+                yield response
+        except GrpcAbort as error:
+            raise fail(grpc_context, error) from None
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
+    ) -> pb.TokenizeResponse:
+        self._salt(grpc_context)
+        try:
+            return self.rpc.tokenize(request)
+        except GrpcAbort as error:
+            raise fail(grpc_context, error) from None
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, grpc_context: RayServegRPCContext
+    ) -> pb.ModelInfo:
+        self._salt(grpc_context)
+        return self.rpc.model_info(self.grpc_block_size, self.grpc_tensor_parallel_size)
+
+    async def GetCacheStats(
+        self, request: pb.GetCacheStatsRequest, grpc_context: RayServegRPCContext
+    ) -> pb.CacheStats:
+        self._salt(grpc_context)
+        return self.rpc.cache_stats()
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
+    ) -> health_pb2.HealthCheckResponse:
+        if request.service not in ("", GRPC_SERVICE_NAME):
+            error = GrpcAbort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            raise fail(grpc_context, error)
+        return health_response(serving=self.grpc_serving())
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        """Reports the current status once (a replica that stops serving goes away)."""
+        yield await self.Check(request, grpc_context)

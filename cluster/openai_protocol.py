@@ -1,0 +1,461 @@
+"""The OpenAI-compatible HTTP protocol at the edge: request and response models, SSE, errors.
+
+Pydantic lives here and nowhere deeper: a request body is parsed and validated into a request
+model (`parse_request`), turned into the engine's sampling fields (`sampling_kwargs`), and engine
+outputs come back out as response or stream-chunk models.
+
+Invariants:
+- Bad input never becomes a 500: malformed JSON, a wrong type, an out-of-range value or an
+  unsupported feature all raise `OpenAIError` with status 400 and OpenAI's error body
+  (`{"error": {"message", "type", "param", "code"}}`), naming the offending parameter.
+- Types are strict (`"5"` is not an integer, `1` is not a boolean), as in OpenAI's API; unknown
+  fields are ignored so newer clients keep working.
+- `sampling_kwargs` returns exactly the keyword arguments of the engine's `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal, TypedDict, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP_SEQUENCES = 16
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+class OpenAIError(Exception):
+    """An error the HTTP layer returns as OpenAI's error body with `status` and `headers`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorBody(
+                message=self.message, type=self.error_type, param=self.param, code=self.code
+            )
+        )
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """400: the request is malformed or asks for something this server cannot do."""
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def authentication_error(message: str) -> OpenAIError:
+    """401: missing or unknown API key."""
+    return OpenAIError(401, message, error_type="authentication_error", code="invalid_api_key")
+
+
+def overloaded(message: str, retry_after_s: int) -> OpenAIError:
+    """503 with Retry-After: admission control refused the request; the client may retry."""
+    return OpenAIError(
+        503,
+        message,
+        error_type="server_error",
+        code="engine_overloaded",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+_TYPE_TAG = re.compile(r"^[A-Z]|[\[\]-]|^(str|int|float|bool|none|list|dict)$")
+"""Union-member tags pydantic puts into error locations (`'list[int]'`, `'ChatMessage'`)."""
+
+
+def _param_of(loc: tuple[int | str, ...]) -> str:
+    """`('messages', 1, 'content', 'str')` -> `'messages[1].content'`."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif not _TYPE_TAG.search(part):
+            param += f".{part}" if param else part
+    return param
+
+
+def error_from_validation(exc: ValidationError) -> OpenAIError:
+    """Map pydantic's errors to one 400 naming the first offending parameter."""
+    errors = exc.errors(include_url=False)
+    param = _param_of(errors[0]["loc"])
+    messages = list(dict.fromkeys(e["msg"] for e in errors if _param_of(e["loc"]) == param))
+    detail = messages[0] if len(messages) == 1 else "; ".join(messages[:4])
+    return invalid_request(f"Invalid value for '{param}': {detail}", param=param)
+
+
+class _Edge(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Edge):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Edge):
+    """Fields shared by completions and chat completions; `top_k`, `ignore_eos`,
+    `stop_token_ids` and `include_stop_str_in_output` are extensions beyond OpenAI's API."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def _check_supported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise invalid_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        penalties = (
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        )
+        for name, value in penalties:
+            if value not in (None, 0.0):
+                raise invalid_request(f"{name} is not supported by this server", name)
+        if self.logit_bias:
+            raise invalid_request("logit_bias is not supported by this server", "logit_bias")
+        if isinstance(self.stop, list) and any(s == "" for s in self.stop):
+            raise invalid_request("stop sequences must not be empty", "stop")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def _stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class SamplingKwargs(TypedDict):
+    """Keyword arguments of the engine's `SamplingParams`, as the edge derives them."""
+
+    n: int
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    logprobs: int | None
+    ignore_eos: bool
+    include_stop_str_in_output: bool
+
+
+def _sampling_kwargs(
+    request: _SamplingRequest, max_tokens: int | None, logprobs: int | None
+) -> SamplingKwargs:
+    return SamplingKwargs(
+        n=request.n,
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if request.top_k is None or request.top_k < 0 else request.top_k,
+        seed=request.seed,
+        stop=request._stop_list(),
+        stop_token_ids=list(request.stop_token_ids or []),
+        logprobs=logprobs,
+        ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+    )
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Prompt = str | TokenIds
+"""One prompt: text, or token ids that skip the tokenizer."""
+
+
+class CompletionRequest(_SamplingRequest):
+    """`POST /v1/completions`. A list of prompts is a batch: choice `i * n + j` is the `j`-th
+    completion of prompt `i`."""
+
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        """Raise a 400 for a valid request this server cannot honour."""
+        self._check_supported()
+        if self.echo:
+            raise invalid_request("echo is not supported by this server", "echo")
+        if self.suffix:
+            raise invalid_request("suffix is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise invalid_request("best_of other than n is not supported", "best_of")
+
+    def prompts(self) -> list[Prompt]:
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def sampling_kwargs(self) -> SamplingKwargs:
+        """`max_tokens` defaults to 16, as in OpenAI's completions API."""
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        return _sampling_kwargs(self, max_tokens, self.logprobs)
+
+
+class ContentPart(_Edge):
+    """A part of a message's content; only `{"type": "text", "text": ...}` is supported (checked
+    in `ChatCompletionRequest.check_supported` so the error names the part's type)."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Edge):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """`POST /v1/chat/completions`. Text content only; no tools, no structured output."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        """Raise a 400 for a valid request this server cannot honour."""
+        self._check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.tools:
+            raise invalid_request("tools are not supported by this server", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise invalid_request("tool_choice is not supported by this server", "tool_choice")
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                if part.type != "text" or part.text is None:
+                    raise invalid_request(
+                        f"content parts of type {part.type!r} are not supported, only 'text' "
+                        "parts with a 'text' field",
+                        f"messages[{i}].content[{j}]",
+                    )
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise invalid_request(
+                "only response_format {'type': 'text'} is supported", "response_format"
+            )
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template takes them (`developer` is the newer name of `system`)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+    def sampling_kwargs(self) -> SamplingKwargs:
+        """`max_completion_tokens` wins over the deprecated `max_tokens`; neither means "until the
+        context is full" (`max_tokens=None`)."""
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return _sampling_kwargs(self, max_tokens, logprobs)
+
+
+RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
+
+
+def parse_request(body: bytes, model: type[RequestT]) -> RequestT:
+    """Parse a raw JSON body into `model` and check it is supported; every failure is a 400."""
+    try:
+        decoded = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid_request(f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(decoded, dict):
+        raise invalid_request("Request body must be a JSON object")
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise error_from_validation(exc) from None
+    request.check_supported()
+    return request
+
+
+# ---------------------------------------------------------------- responses
+
+FinishReason = Literal["stop", "length"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or (with `object` unchanged, as OpenAI does) one stream chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+SSE_DONE = "data: [DONE]\n\n"
+"""The sentinel that ends every stream."""
+
+
+def sse_event(payload: BaseModel) -> str:
+    """One server-sent event carrying `payload` as JSON (unset optionals are left out)."""
+    return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"

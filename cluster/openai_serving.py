@@ -1,0 +1,459 @@
+"""OpenAI-compatible serving over one `AsyncEngine`: runs completions and chat completions and
+shapes engine outputs into OpenAI responses and server-sent-event chunks.
+
+Invariants:
+- every refusal the engine makes before generating (prompt too long, `max_tokens` beyond the
+  context, queue full, invalid sampling values) is raised as `OpenAIError` before the first byte
+  of a response, so it gets its HTTP status (400, or 503 with Retry-After);
+- an error after streaming began becomes an OpenAI error event, which the `openai` client raises;
+- closing a response stream (client disconnect) closes every engine stream under it, which
+  aborts those requests and frees their blocks;
+- in a stream, each choice's finish is reported exactly once, and a chat choice's first chunk
+  carries the assistant role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from cluster.engine import AsyncEngine
+from cluster.engine_core import PromptInput
+from cluster.errors import EngineDead, EngineOverloaded, RequestRejected
+from cluster.openai_protocol import (
+    SSE_DONE,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    FinishReason,
+    OpenAIError,
+    Prompt,
+    SamplingKwargs,
+    TopLogprob,
+    Usage,
+    invalid_request,
+    overloaded,
+    sse_event,
+)
+from cluster.outputs import CompletionOutput, Logprob, RequestOutput
+from cluster.sampling_params import SamplingParams
+
+
+def prompt_length(engine: AsyncEngine, prompt: PromptInput) -> int:
+    """Tokens the engine will see for `prompt` (chat messages: after the model's template).
+    Raises RequestRejected when the prompt cannot be rendered."""
+    if isinstance(prompt, str):
+        return len(engine.encode(prompt))
+    if isinstance(prompt, Mapping):
+        return len(prompt["prompt_token_ids"])
+    text = engine.apply_chat_template(list(prompt))
+    return len(engine.tokenizer.encode(text, add_special_tokens=False))
+
+
+def context_overflow(
+    engine: AsyncEngine, prompt: PromptInput, max_tokens: int | None, what: str
+) -> str | None:
+    """Why the prompt plus `max_tokens` (None: at least one token) cannot fit in the model's
+    context, or None when it fits. The engine itself would silently shorten `max_tokens`."""
+    context = engine.model_info().max_model_len
+    length = prompt_length(engine, prompt)
+    wanted = length + (max_tokens or 1)
+    if wanted <= context:
+        return None
+    return (
+        f"This model's maximum context length is {context} tokens. However, you requested "
+        f"{wanted} tokens ({length} in the {what}, {max_tokens or 1} for the completion). "
+        f"Please reduce the length of the {what} or of the completion."
+    )
+
+
+ENGINE_ERRORS = (RequestRejected, EngineOverloaded, EngineDead, ValueError)
+Stream = AsyncGenerator[RequestOutput, None]
+PromptObserver = Callable[[PromptInput, bytes | None], None]
+"""Told of every prompt the engine admitted, with its tenant salt (prefix-routing publication)."""
+
+
+def engine_prompt(prompt: Prompt) -> PromptInput:
+    """A completions prompt as the engine takes it (token ids skip the tokenizer)."""
+    return prompt if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+
+
+def http_error(error: Exception) -> OpenAIError:
+    """The HTTP error an engine error maps to."""
+    if isinstance(error, EngineOverloaded):
+        return overloaded(str(error), retry_after_s=max(1, math.ceil(error.retry_after_s)))
+    if isinstance(error, EngineDead):
+        return OpenAIError(503, str(error), error_type="server_error", code="engine_unavailable")
+    return invalid_request(str(error))  # RequestRejected, ValueError
+
+
+def sampling_params(kwargs: SamplingKwargs) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as error:
+        raise invalid_request(str(error)) from None
+
+
+async def _chain(first: RequestOutput, rest: Stream) -> Stream:
+    try:
+        yield first
+        async for output in rest:
+            yield output
+    finally:
+        await rest.aclose()
+
+
+@dataclass
+class _End:
+    error: Exception | None = None
+
+
+async def merge_streams(streams: Sequence[Stream]) -> AsyncGenerator[tuple[int, RequestOutput]]:
+    """Interleaves streams as `(stream index, output)` in arrival order. Closing the merged
+    stream, or an error in any input, closes every input (which aborts their requests)."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | _End]] = asyncio.Queue()
+
+    async def pump(index: int, stream: Stream) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+            await queue.put((index, _End()))
+        except Exception as error:
+            await queue.put((index, _End(error)))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if not isinstance(item, _End):
+                yield index, item
+            elif item.error is not None:
+                raise item.error
+            else:
+                remaining -= 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def total_usage(finals: Sequence[RequestOutput]) -> Usage:
+    usages = [final.usage for final in finals]
+    return Usage.of(
+        prompt_tokens=sum(u.prompt_tokens for u in usages),
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=sum(u.cached_tokens for u in usages),
+    )
+
+
+def finish_reason(output: CompletionOutput) -> FinishReason | None:
+    if output.finish_reason is None:
+        return None
+    return "length" if output.finish_reason == "length" else "stop"
+
+
+def new_logprobs(output: CompletionOutput, whole: bool) -> list[Logprob]:
+    """Logprob entries of the output's new tokens (of all its tokens when `whole`)."""
+    if output.logprobs is None:
+        return []
+    return output.logprobs[0 if whole else len(output.token_ids) - len(output.delta_token_ids) :]
+
+
+class ChunkEncoder(Protocol):
+    def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]: ...
+    def usage_chunk(self, usage: Usage) -> BaseModel: ...
+
+
+class OpenAIServing:
+    """Runs OpenAI requests on the engine and shapes its outputs into OpenAI responses."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        observe: PromptObserver | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model = served_model_name
+        self.observe = observe
+
+    def token_text(self, token_id: int) -> str:
+        return self.engine.decode([token_id], skip_special_tokens=False)
+
+    def check_context(self, prompt: PromptInput, params: SamplingParams, param: str) -> None:
+        """A 400 when the prompt plus `max_tokens` cannot fit in the model's context."""
+        try:
+            overflow = context_overflow(self.engine, prompt, params.max_tokens, param)
+        except RequestRejected as error:
+            raise invalid_request(str(error), param=param) from None
+        if overflow is not None:
+            raise invalid_request(overflow, param=param, code="context_length_exceeded")
+
+    async def start(
+        self, prompts: Sequence[PromptInput], params: SamplingParams, rid: str, salt: bytes | None
+    ) -> list[Stream]:
+        """Queues one engine request per prompt and waits for each one's first output, so a
+        refusal becomes an HTTP status before any byte of a stream is sent."""
+        param = "prompt" if isinstance(prompts[0], str | Mapping) else "messages"
+        for prompt in prompts:
+            self.check_context(prompt, params, param)
+        streams: list[Stream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                stream = self.engine.generate(
+                    prompt, params, request_id=request_id, tenant_salt=salt
+                )
+                try:
+                    first = await anext(stream)
+                except ENGINE_ERRORS as error:
+                    raise http_error(error) from None
+                streams.append(_chain(first, stream))
+                if self.observe is not None:
+                    self.observe(prompt, salt)
+        except BaseException:
+            for started in streams:
+                await started.aclose()
+            raise
+        return streams
+
+    async def finals(self, streams: list[Stream]) -> list[RequestOutput]:
+        last: dict[int, RequestOutput] = {}
+        try:
+            async with contextlib.aclosing(merge_streams(streams)) as merged:
+                async for index, output in merged:
+                    last[index] = output
+        except ENGINE_ERRORS as error:
+            raise http_error(error) from None
+        return [last[i] for i in range(len(streams))]
+
+    async def events(
+        self, streams: list[Stream], encoder: ChunkEncoder, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """SSE text: the encoder's chunks, the usage chunk when asked, then `[DONE]`. An engine
+        error mid-stream becomes an OpenAI error event (the client raises it)."""
+        finals: list[RequestOutput] = []
+        try:
+            async with contextlib.aclosing(merge_streams(streams)) as merged:
+                async for index, output in merged:
+                    for chunk in encoder.chunks(index, output):
+                        yield sse_event(chunk)
+                    if output.finished:
+                        finals.append(output)
+        except ENGINE_ERRORS as error:
+            yield sse_event(http_error(error).body())
+            return
+        if include_usage:
+            yield sse_event(encoder.usage_chunk(total_usage(finals)))
+        yield SSE_DONE
+
+    def completion_logprobs(self, entries: list[Logprob], offset: int) -> CompletionLogprobs:
+        tokens = [self.token_text(e.token_id) for e in entries]
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[e.logprob for e in entries],
+            top_logprobs=[{self.token_text(t): lp for t, lp in e.top.items()} for e in entries],
+            text_offset=list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
+            if tokens
+            else [],
+        )
+
+    def completion_choice(
+        self, prompt_index: int, output: CompletionOutput, n: int, whole: bool
+    ) -> CompletionChoice:
+        """Choice `prompt_index * n + branch`; `whole` for the full text, else the delta."""
+        offset = 0 if whole else len(output.text) - len(output.delta_text)
+        logprobs = None
+        if output.logprobs is not None:
+            logprobs = self.completion_logprobs(new_logprobs(output, whole), offset)
+        return CompletionChoice(
+            index=prompt_index * n + output.index,
+            text=output.text if whole else output.delta_text,
+            logprobs=logprobs,
+            finish_reason=finish_reason(output),
+        )
+
+    def chat_logprobs(self, entries: list[Logprob]) -> ChatLogprobs:
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            text = self.token_text(token_id)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        content = []
+        for entry in entries:
+            sampled = top(entry.token_id, entry.logprob if entry.logprob is not None else 0.0)
+            alternatives = sorted(entry.top.items(), key=lambda kv: -kv[1])
+            content.append(
+                ChatTokenLogprob(
+                    **sampled.model_dump(), top_logprobs=[top(t, lp) for t, lp in alternatives]
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    async def completion(
+        self, request: CompletionRequest, salt: bytes | None
+    ) -> CompletionResponse:
+        params = sampling_params(request.sampling_kwargs())
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        prompts = [engine_prompt(p) for p in request.prompts()]
+        finals = await self.finals(await self.start(prompts, params, rid, salt))
+        choices = [
+            self.completion_choice(i, output, params.n, whole=True)
+            for i, final in enumerate(finals)
+            for output in final.outputs
+        ]
+        return CompletionResponse(
+            id=rid,
+            created=int(time.time()),
+            model=self.model,
+            choices=choices,
+            usage=total_usage(finals),
+        )
+
+    async def stream_completion(
+        self, request: CompletionRequest, salt: bytes | None
+    ) -> AsyncIterator[str]:
+        params = sampling_params(request.sampling_kwargs())
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        prompts = [engine_prompt(p) for p in request.prompts()]
+        streams = await self.start(prompts, params, rid, salt)
+        encoder = CompletionChunks(self, rid, params.n)
+        return self.events(streams, encoder, request.include_usage)
+
+    async def chat(
+        self, request: ChatCompletionRequest, salt: bytes | None
+    ) -> ChatCompletionResponse:
+        params = sampling_params(request.sampling_kwargs())
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        (final,) = await self.finals(await self.start([request.chat_messages()], params, rid, salt))
+        choices = [
+            ChatChoice(
+                index=output.index,
+                message=AssistantMessage(content=output.text),
+                logprobs=self.chat_logprobs(output.logprobs)
+                if output.logprobs is not None
+                else None,
+                finish_reason=finish_reason(output) or "stop",
+            )
+            for output in final.outputs
+        ]
+        return ChatCompletionResponse(
+            id=rid,
+            created=int(time.time()),
+            model=self.model,
+            choices=choices,
+            usage=total_usage([final]),
+        )
+
+    async def stream_chat(
+        self, request: ChatCompletionRequest, salt: bytes | None
+    ) -> AsyncIterator[str]:
+        params = sampling_params(request.sampling_kwargs())
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.start([request.chat_messages()], params, rid, salt)
+        return self.events(streams, ChatChunks(self, rid), request.include_usage)
+
+
+class _Changes:
+    """Which branches of a snapshot have something to send: new tokens or text, or a finish
+    not yet reported (each finish is reported exactly once)."""
+
+    def __init__(self) -> None:
+        self.finished: set[tuple[int, int]] = set()
+
+    def of(self, index: int, output: RequestOutput) -> list[CompletionOutput]:
+        changed = []
+        for branch in output.outputs:
+            newly_finished = branch.finished and (index, branch.index) not in self.finished
+            if branch.delta_token_ids or branch.delta_text or newly_finished:
+                changed.append(branch)
+            if newly_finished:
+                self.finished.add((index, branch.index))
+        return changed
+
+
+class CompletionChunks:
+    """`text_completion` chunks, one choice each, as OpenAI streams them."""
+
+    def __init__(self, serving: OpenAIServing, rid: str, n: int) -> None:
+        self.serving, self.rid, self.n = serving, rid, n
+        self.created = int(time.time())
+        self.changes = _Changes()
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> BaseModel:
+        return CompletionResponse(
+            id=self.rid,
+            created=self.created,
+            model=self.serving.model,
+            choices=choices,
+            usage=usage,
+        )
+
+    def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]:
+        return [
+            self._chunk([self.serving.completion_choice(index, branch, self.n, whole=False)])
+            for branch in self.changes.of(index, output)
+        ]
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._chunk([], usage)
+
+
+class ChatChunks:
+    """`chat.completion.chunk`s: a choice's first chunk carries the assistant role."""
+
+    def __init__(self, serving: OpenAIServing, rid: str) -> None:
+        self.serving, self.rid = serving, rid
+        self.created = int(time.time())
+        self.changes = _Changes()
+        self.started: set[int] = set()
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> BaseModel:
+        return ChatCompletionChunk(
+            id=self.rid,
+            created=self.created,
+            model=self.serving.model,
+            choices=choices,
+            usage=usage,
+        )
+
+    def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]:
+        chunks = []
+        for branch in self.changes.of(index, output):
+            role = None if branch.index in self.started else "assistant"
+            self.started.add(branch.index)
+            entries = new_logprobs(branch, whole=False)
+            delta = ChatDelta(role=role, content=branch.delta_text)
+            logprobs = self.serving.chat_logprobs(entries) if branch.logprobs is not None else None
+            choice = ChatChunkChoice(
+                index=branch.index,
+                delta=delta,
+                logprobs=logprobs,
+                finish_reason=finish_reason(branch),
+            )
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._chunk([], usage)

@@ -1,0 +1,199 @@
+"""Prometheus exposition of engine metrics: a custom collector over `EngineMetrics` snapshots.
+
+`render_prometheus` turns one snapshot per replica into Prometheus' text format, each sample
+labelled with its `replica`. Nothing is registered globally: every render builds its own registry,
+so a scrape always reflects the snapshots passed in and nothing else.
+
+Invariants of the exposition:
+- block gauges per tier satisfy `free + cached + used == capacity` (as the block manager's
+  `TierPressure` does);
+- histogram buckets are cumulative, end with `+Inf`, and the `+Inf` bucket equals `_count`;
+- counters are the engine's cumulative counts since it started (they never decrease while the
+  engine lives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from cluster.metrics import EngineMetrics, Histogram
+
+PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+PREFIX = "pagedserve"
+
+SnapshotSource = Callable[[], Mapping[str, EngineMetrics]]
+"""Returns the current snapshot of each replica, keyed by replica id."""
+
+
+def cumulative_buckets(histogram: Histogram) -> list[tuple[str, float]]:
+    """Prometheus buckets `(le, observations <= le)` from the engine's per-bucket counts."""
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in zip(histogram.bounds, histogram.counts, strict=False):
+        running += count
+        buckets.append((repr(float(bound)), float(running)))
+    buckets.append(("+Inf", float(histogram.count)))
+    return buckets
+
+
+class EngineMetricsCollector(Collector):
+    """Yields one family per metric with one sample (set) per replica on every `collect()`."""
+
+    def __init__(self, source: SnapshotSource) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = self._source()
+        yield from self._blocks(snapshots)
+        yield from self._queues(snapshots)
+        yield from self._prefix_cache(snapshots)
+        yield from self._preemption_and_swaps(snapshots)
+        yield from self._throughput(snapshots)
+        yield from self._latency(snapshots)
+
+    def _blocks(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
+        capacity = GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_capacity_blocks",
+            "KV cache blocks in a tier",
+            labels=["replica", "tier"],
+        )
+        blocks = GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_blocks",
+            "KV cache blocks by state: free, cached (unreferenced but hit-able), used",
+            labels=["replica", "tier", "state"],
+        )
+        usage = GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_usage_ratio",
+            "Fraction of a tier's blocks referenced by sequences",
+            labels=["replica", "tier"],
+        )
+        slot_use = GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_slot_utilization_ratio",
+            "Device token slots holding a token over slots allocated (1 - internal waste)",
+            labels=["replica"],
+        )
+        waste = GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_waste_slots",
+            "Allocated device token slots holding no token (partial tail blocks)",
+            labels=["replica"],
+        )
+        for replica, m in snapshots.items():
+            for tier_name, tier in (("device", m.pressure.device), ("cpu", m.pressure.cpu)):
+                capacity.add_metric([replica, tier_name], tier.total)
+                blocks.add_metric([replica, tier_name, "free"], tier.free)
+                blocks.add_metric([replica, tier_name, "cached"], tier.evictable_cached)
+                blocks.add_metric([replica, tier_name, "used"], tier.used)
+                usage.add_metric([replica, tier_name], tier.used / tier.total if tier.total else 0)
+            slot_use.add_metric([replica], m.pressure.kv_utilization)
+            waste.add_metric([replica], m.pressure.waste_slots)
+        yield from (capacity, blocks, usage, slot_use, waste)
+
+    def _queues(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
+        requests = GaugeMetricFamily(
+            f"{PREFIX}_sequences",
+            "Sequence groups by scheduler queue: running, waiting (admission), swapped (CPU tier)",
+            labels=["replica", "queue"],
+        )
+        for replica, m in snapshots.items():
+            requests.add_metric([replica, "running"], m.num_running)
+            requests.add_metric([replica, "waiting"], m.num_waiting)
+            requests.add_metric([replica, "swapped"], m.num_swapped)
+        yield requests
+
+    def _prefix_cache(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
+        hit_rate = GaugeMetricFamily(
+            f"{PREFIX}_prefix_cache_hit_ratio",
+            "Prompt tokens found in the prefix cache over prompt tokens looked up",
+            labels=["replica"],
+        )
+        queried = CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_query_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            labels=["replica"],
+        )
+        hits = CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV came from the prefix cache",
+            labels=["replica"],
+        )
+        for replica, m in snapshots.items():
+            hit_rate.add_metric([replica], m.prefix_cache_hit_rate)
+            queried.add_metric([replica], m.pressure.prefix_query_tokens)
+            hits.add_metric([replica], m.pressure.prefix_hit_tokens)
+        yield from (hit_rate, queried, hits)
+
+    def _preemption_and_swaps(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
+        preemptions = CounterMetricFamily(
+            f"{PREFIX}_preemptions",
+            "Sequence groups preempted, by mode (recompute drops KV, swap moves it to CPU)",
+            labels=["replica", "mode"],
+        )
+        swapped = CounterMetricFamily(
+            f"{PREFIX}_swapped_blocks",
+            "KV blocks copied between the device and the CPU tier",
+            labels=["replica", "direction"],
+        )
+        cow = CounterMetricFamily(
+            f"{PREFIX}_copy_on_write_blocks",
+            "Shared tail blocks copied before a write",
+            labels=["replica"],
+        )
+        for replica, m in snapshots.items():
+            preemptions.add_metric([replica, "recompute"], m.preemptions_recompute)
+            preemptions.add_metric([replica, "swap"], m.preemptions_swap)
+            swapped.add_metric([replica, "out"], m.pressure.swap_out_blocks)
+            swapped.add_metric([replica, "in"], m.pressure.swap_in_blocks)
+            cow.add_metric([replica], m.pressure.cow_copies)
+        yield from (preemptions, swapped, cow)
+
+    def _throughput(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
+        steps = CounterMetricFamily(f"{PREFIX}_steps", "Engine steps run", labels=["replica"])
+        tokens = CounterMetricFamily(
+            f"{PREFIX}_generated_tokens", "Tokens sampled", labels=["replica"]
+        )
+        requests = CounterMetricFamily(
+            f"{PREFIX}_requests",
+            "Requests that left the engine, by outcome",
+            labels=["replica", "outcome"],
+        )
+        for replica, m in snapshots.items():
+            steps.add_metric([replica], m.num_steps)
+            tokens.add_metric([replica], m.num_generated_tokens)
+            requests.add_metric([replica, "finished"], m.num_finished_requests)
+            requests.add_metric([replica, "rejected"], m.num_rejected_requests)
+        yield from (steps, tokens, requests)
+
+    def _latency(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
+        ttft = HistogramMetricFamily(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token",
+            labels=["replica"],
+        )
+        tpot = HistogramMetricFamily(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "Seconds between consecutive output tokens of a sequence",
+            labels=["replica"],
+        )
+        for replica, m in snapshots.items():
+            for family, histogram in ((ttft, m.ttft_seconds), (tpot, m.tpot_seconds)):
+                family.add_metric(
+                    [replica], buckets=cumulative_buckets(histogram), sum_value=histogram.total
+                )
+        yield from (ttft, tpot)
+
+
+def render_prometheus(snapshots: Mapping[str, EngineMetrics]) -> bytes:
+    """Prometheus text exposition (format 0.0.4) of the given replicas' snapshots."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineMetricsCollector(lambda: snapshots))
+    return generate_latest(registry)

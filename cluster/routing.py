@@ -1,0 +1,221 @@
+"""Prefix-aware request routing across replicas, through Ray Serve's own extension point (a
+custom `RequestRouter`, set with `request_router_config` on the deployment).
+
+A request that carries its prompt's block hashes (keyword `block_hashes` of a handle call, see
+`RoutedRequest`) goes to the replica that holds the longest prefix of them, unless that replica is
+overloaded; a request without hashes, or whose prefix no replica holds, goes to the less busy of
+the two least loaded replicas. Replicas publish what they hold through Serve's routing stats
+(`record_routing_stats`, see `routing_stats`); every router merges those into a bounded
+`PrefixIndex`, and records where it just sent a request so a repeat that arrives before the next
+publication follows it.
+
+Invariants:
+- the choice only ranks replicas: Serve still probes queue lengths and moves on to the next rank
+  when a replica is full, so routing never makes a request fail;
+- a replica is overloaded when its ongoing requests reach `overload_fraction` of its
+  `max_ongoing_requests`, when its engine has `max_waiting` requests waiting, or when its KV
+  cache is used beyond `max_kv_utilization`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cluster.autoscaling import kv_used_fraction
+from cluster.metrics import EngineMetrics
+from cluster.outputs import RequestOutput
+from cluster.prefix_index import BlockHasher, PrefixIndex, PublishedBlocks
+from cluster.sampling_params import SamplingParams
+
+BLOCK_HASHES_KWARG = "block_hashes"
+ROUTER_CLASS_PATH = "cluster.routing:PrefixAwareRouter"
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """A generation request sent through a deployment handle (the router reads
+    `block_hashes`, passed as a keyword argument of the same name)."""
+
+    prompt: str | dict[str, list[int]]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    authorization: str | None = None
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class RoutedOutput:
+    """One output of a handle `generate` stream, with the replica that produced it."""
+
+    replica_id: str
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The load figures a replica publishes next to its block hashes; `kv_utilization` is the
+    fraction of device blocks referenced (`kv_used_fraction`)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_utilization: float = 0.0
+
+    @classmethod
+    def of(cls, metrics: EngineMetrics) -> LoadReport:
+        return cls(metrics.num_running, metrics.num_waiting, kv_used_fraction(metrics.pressure))
+
+
+def routing_stats(published: PublishedBlocks, load: LoadReport, version: int) -> dict[str, Any]:
+    """What `record_routing_stats` returns: Serve hands it to every router as `routing_stats`."""
+    return {"version": version, "block_hashes": published.snapshot(), "load": load}
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """The thresholds of `PrefixAwareRouter` (its `request_router_kwargs`)."""
+
+    max_indexed_blocks: int = 65536
+    overload_fraction: float = 0.75
+    max_waiting: int = 4
+    max_kv_utilization: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.max_indexed_blocks < 1:
+            raise ValueError(f"max_indexed_blocks must be >= 1, got {self.max_indexed_blocks}")
+        if not 0.0 < self.overload_fraction <= 1.0:
+            raise ValueError(f"overload_fraction must be in (0, 1], got {self.overload_fraction}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if not 0.0 < self.max_kv_utilization <= 1.0:
+            raise ValueError(f"max_kv_utilization must be in (0, 1], got {self.max_kv_utilization}")
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the choice needs to know of one replica."""
+
+    replica: Any
+    ongoing: int
+    max_ongoing: int
+    load: LoadReport
+
+    def overloaded(self, policy: RoutingPolicy) -> bool:
+        return (
+            self.ongoing >= max(1, int(policy.overload_fraction * self.max_ongoing))
+            or self.load.num_waiting >= policy.max_waiting
+            or self.load.kv_utilization >= policy.max_kv_utilization
+        )
+
+    def busyness(self) -> int:
+        return self.ongoing + self.load.num_running + self.load.num_waiting
+
+
+def rank_replicas(
+    views: list[ReplicaView],
+    prefix_blocks: dict[Any, int],
+    policy: RoutingPolicy,
+    rng: random.Random,
+) -> list[list[Any]]:
+    """Ranks for Serve: the not-overloaded replica with the longest held prefix (ties: the less
+    busy) alone first; without one, the two least busy replicas (Serve probes both and takes the
+    shorter queue, as its power-of-two router does); then all the others, least busy first.
+    """
+    if not views:
+        return []
+    order = sorted(views, key=lambda v: (v.busyness(), rng.random()))
+    usable = [v for v in order if not v.overloaded(policy)]
+    holders = [v for v in usable if prefix_blocks.get(v.replica, 0) > 0]
+    if holders:
+        first = [max(holders, key=lambda v: (prefix_blocks[v.replica], -v.busyness()))]
+    else:
+        first = (usable or order)[:2]
+    rest = [v.replica for v in order if v not in first]
+    return [[v.replica for v in first], rest] if rest else [[v.replica for v in first]]
+
+
+class PrefixAwareRouter(RequestRouter):
+    """Serve request router: longest held prefix first, unless overloaded (see module doc)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.policy = RoutingPolicy(**kwargs)
+        self.index = PrefixIndex(self.policy.max_indexed_blocks)
+        self._synced_versions: dict[ReplicaID, int] = {}
+        self._rng = random.Random()
+
+    def _sync(self, candidates: list[RunningReplica]) -> None:
+        live = {c.replica_id for c in candidates}
+        for gone in set(self._synced_versions) - live:
+            self.index.forget(gone)
+            del self._synced_versions[gone]
+        for candidate in candidates:
+            stats = candidate.routing_stats or {}
+            version = stats.get("version")
+            if version is None or self._synced_versions.get(candidate.replica_id) == version:
+                continue
+            self.index.sync(candidate.replica_id, stats.get("block_hashes", []))
+            self._synced_versions[candidate.replica_id] = version
+
+    def _view(self, candidate: RunningReplica) -> ReplicaView:
+        ongoing = self.replica_queue_len_cache.get(candidate.replica_id) or 0
+        load = (candidate.routing_stats or {}).get("load", LoadReport())
+        return ReplicaView(candidate.replica_id, ongoing, candidate.max_ongoing_requests, load)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        self._sync(candidate_replicas)
+        hashes = request_block_hashes(pending_request)
+        prefix = self.index.longest_prefixes(hashes) if hashes else {}
+        by_id = {c.replica_id: c for c in candidate_replicas}
+        views = [self._view(c) for c in candidate_replicas]
+        ranks = rank_replicas(views, prefix, self.policy, self._rng)
+        return [[by_id[rid] for rid in rank] for rank in ranks if rank]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        hashes = request_block_hashes(pending_request)
+        if hashes:
+            self.index.record(replica_id, hashes)
+
+
+def request_block_hashes(pending_request: PendingRequest | None) -> list[bytes]:
+    if pending_request is None:
+        return []
+    hashes = pending_request.kwargs.get(BLOCK_HASHES_KWARG) or []
+    return [h for h in hashes if isinstance(h, bytes)]
+
+
+class RoutedClient:
+    """Calls `GenerationServer.generate` through a deployment handle with the prompt's block
+    hashes attached, so `PrefixAwareRouter` can route it (token-id prompts are hashed here; a
+    text prompt travels without hashes and goes to the least busy replica)."""
+
+    def __init__(self, handle: Any, authorization: str | None = None) -> None:
+        self.handle = handle
+        self.authorization = authorization
+        self._hasher: BlockHasher | None = None
+
+    async def hasher(self) -> BlockHasher:
+        if self._hasher is None:
+            self._hasher = await self.handle.block_hasher.remote(self.authorization)
+        return self._hasher
+
+    async def generate(
+        self, prompt: str | dict[str, list[int]], params: SamplingParams
+    ) -> AsyncIterator[RoutedOutput]:
+        hashes: list[bytes] = []
+        if isinstance(prompt, dict):
+            hashes = (await self.hasher()).hashes(prompt["prompt_token_ids"])
+        request = RoutedRequest(prompt, params, self.authorization)
+        stream = self.handle.options(stream=True).generate.remote(
+            request, **{BLOCK_HASHES_KWARG: hashes}
+        )
+        async for item in stream:
+            yield item

@@ -1,0 +1,342 @@
+"""The Ray Serve application: one deployment whose replica owns one engine and serves it over
+OpenAI-compatible HTTP (a FastAPI ingress) and gRPC (`GrpcMethods`, which Serve's gRPC proxy
+routes to by RPC name).
+
+`serve run cluster/serve_config.yaml` builds it through `build_app(args)`; `args` is
+`ServeAppArgs`, whose engine section is `cluster.config.EngineConfig`.
+
+Invariants:
+- a replica touches its engine only from its own event loop (every method here is async);
+- the tenant salt that keys the prefix cache is derived on the server from the API key's tenant;
+  no request field can choose it, so tenants never share cached blocks;
+- a request that is cancelled (client disconnect, gRPC cancel) closes its engine stream, which
+  aborts the request and frees its blocks;
+- bad input is a 400 with OpenAI's error body; admission refusal a 503 with Retry-After;
+- every prompt the engine admits is hashed into the replica's published block record, which
+  Serve hands to the prefix-aware router (`cluster.routing`) through `record_routing_stats`;
+  `record_autoscaling_stats` reports KV pressure to the autoscaling policy
+  (`cluster.autoscaling`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.autoscaling import autoscaling_stats
+from cluster.config import EngineConfig
+from cluster.engine import AsyncEngine
+from cluster.grpc_service import GenerationRpc, GrpcAbort, GrpcMethods
+from cluster.metrics import EngineMetrics
+from cluster.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    authentication_error,
+    invalid_request,
+    parse_request,
+)
+from cluster.openai_serving import OpenAIServing
+from cluster.prefix_index import BlockHasher
+from cluster.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
+from cluster.routing import ROUTER_CLASS_PATH, RoutedOutput, RoutedRequest
+from cluster.routing_replica import ReplicaBlocks
+
+DEPLOYMENT_NAME = "GenerationServer"
+ROUTING_STATS_PERIOD_S = 1.0
+
+
+class RoutingArgs(BaseModel):
+    """Prefix-aware routing settings of a replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    published_blocks: int = Field(
+        4096, ge=1, description="block hashes a replica publishes to the routers (newest kept)"
+    )
+
+
+class HealthArgs(BaseModel):
+    """When a replica reports itself unhealthy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stuck_after_s: float = Field(
+        60.0, gt=0, description="an engine with work whose step count has not moved this long"
+    )
+
+
+class ServeAppArgs(BaseModel):
+    """The `args` of the Serve application (validated when the app is built)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    served_model_name: str = Field("SmolLM2-135M-Instruct", min_length=1)
+    engine: dict[str, Any] = Field(default_factory=dict, description="cluster.config.EngineConfig")
+    api_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="API key -> tenant name; empty: no authentication and one shared tenant",
+    )
+
+    routing: RoutingArgs = Field(default_factory=RoutingArgs)
+    health: HealthArgs = Field(default_factory=HealthArgs)
+    shared_prefixes: list[str] = Field(
+        default_factory=list,
+        description=(
+            "operator-chosen prompt prefixes (e.g. a system prompt) whose KV blocks all tenants "
+            "may share; needs per-block tenant salts in the engine (see README, Serving)"
+        ),
+    )
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.build(self.engine)
+
+    def check_supported(self) -> None:
+        """Raises ValueError for a setting this build cannot honour."""
+        if self.shared_prefixes:
+            raise ValueError(
+                "shared_prefixes: sharing a prefix across tenants needs the engine to salt only "
+                "the blocks after the shared prefix (AsyncEngine.generate(..., "
+                "shared_prefix_tokens=N)), which this engine does not offer yet; remove "
+                "shared_prefixes"
+            )
+
+
+@dataclass
+class StepProgress:
+    """Stuck-engine detection from the engine's public metrics: it has requests running or
+    waiting, yet its step count has not moved for `stuck_after_s` (a step loop that died with
+    requests in flight looks the same). Returns the reason, or None while healthy."""
+
+    stuck_after_s: float
+    last_steps: int = -1
+    last_change_s: float = 0.0
+    was_idle: bool = True
+
+    def problem(self, metrics: EngineMetrics, now_s: float) -> str | None:
+        """The clock restarts whenever the engine stepped or was last seen without work."""
+        idle = not (metrics.num_running + metrics.num_waiting)
+        if metrics.num_steps != self.last_steps or idle or self.was_idle:
+            self.last_steps, self.last_change_s, self.was_idle = metrics.num_steps, now_s, idle
+            return None
+        idle_s = now_s - self.last_change_s
+        if idle_s < self.stuck_after_s:
+            return None
+        return (
+            f"engine stuck: {metrics.num_running} running and {metrics.num_waiting} waiting "
+            f"requests, no step for {idle_s:.0f} s"
+        )
+
+
+class Unauthenticated(Exception):
+    """A missing or unknown API key (HTTP 401, gRPC UNAUTHENTICATED)."""
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    """Maps API keys to tenants, and tenants to the prefix-cache salt."""
+
+    tenants_by_key: Mapping[str, str] = field(default_factory=dict)
+
+    def salt_for(self, authorization: str | None) -> bytes | None:
+        """The tenant salt for an `Authorization: Bearer <key>` value; None when no keys are
+        configured (everyone is one tenant). Raises Unauthenticated for a missing/unknown key."""
+        if not self.tenants_by_key:
+            return None
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Unauthenticated("an API key is required: send 'Authorization: Bearer <key>'")
+        tenant = None
+        for known, name in self.tenants_by_key.items():  # compare with every key: constant time
+            if hmac.compare_digest(known.encode(), key.strip().encode()):
+                tenant = name
+        if tenant is None:
+            raise Unauthenticated("the API key is not valid")
+        return hashlib.sha256(b"pagedserve.tenant\x00" + tenant.encode()).digest()
+
+
+def build_http_api(server: GenerationServer) -> FastAPI:
+    """The OpenAI-compatible routes of one replica (plus /health and /metrics)."""
+    api = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @api.exception_handler(OpenAIError)
+    async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
+        return JSONResponse(error.body().model_dump(), error.status, headers=error.headers)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths and wrong methods, in OpenAI's error shape too."""
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return await openai_error(request, OpenAIError(error.status_code, message))
+
+    @api.get("/health")
+    async def health() -> JSONResponse:
+        problem = server.health_problem()
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        text = render_prometheus({server.replica_id: server.engine.metrics()})
+        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        server.http_tenant_salt(request)
+        card = ModelCard(
+            id=server.args.served_model_name,
+            created=server.created,
+            max_model_len=server.engine.model_info().max_model_len,
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        salt = server.http_tenant_salt(request)
+        parsed = parse_request(await request.body(), CompletionRequest)
+        server.check_model(parsed.model)
+        if parsed.stream:
+            events = await server.openai.stream_completion(parsed, salt)
+            return StreamingResponse(events, media_type="text/event-stream")
+        response = await server.openai.completion(parsed, salt)
+        return JSONResponse(response.model_dump(exclude_none=True))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        salt = server.http_tenant_salt(request)
+        parsed = parse_request(await request.body(), ChatCompletionRequest)
+        server.check_model(parsed.model)
+        if parsed.stream:
+            events = await server.openai.stream_chat(parsed, salt)
+            return StreamingResponse(events, media_type="text/event-stream")
+        response = await server.openai.chat(parsed, salt)
+        return JSONResponse(response.model_dump(exclude_none=True))
+
+    return api
+
+
+@serve.deployment(
+    name=DEPLOYMENT_NAME,
+    request_router_config=RequestRouterConfig(
+        request_router_class=ROUTER_CLASS_PATH,
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+    ),
+)
+@serve.ingress()
+class GenerationServer(GrpcMethods):
+    """One replica: one engine, its HTTP routes, its gRPC methods, and `generate` for handle
+    callers (which the prefix-aware router routes by the prompt's block hashes)."""
+
+    async def __init__(self, args: dict[str, Any]) -> None:
+        self.args = ServeAppArgs.model_validate(args)
+        self.args.check_supported()
+        config = self.args.engine_config()
+        self.engine = AsyncEngine(config)
+        self.tenancy = Tenancy(self.args.api_keys)
+        self.blocks = ReplicaBlocks(self.engine, self.args.routing.published_blocks)
+        name = self.args.served_model_name
+        self.openai = OpenAIServing(self.engine, name, observe=self.blocks.observe)
+        self.rpc = GenerationRpc(self.engine, name, observe=self.blocks.observe)
+        self.grpc_block_size = config.cache.block_size
+        self.grpc_tensor_parallel_size = config.parallel.tensor_parallel_size
+        self.created = int(time.time())
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.progress = StepProgress(self.args.health.stuck_after_s)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_http_api(self)
+
+    async def __del__(self) -> None:
+        """Serve calls this when it stops the replica: stop the step loop and the workers."""
+        await self.engine.shutdown()
+
+    def health_problem(self) -> str | None:
+        """Why this replica should not get traffic, or None."""
+        return self.progress.problem(self.engine.metrics(), time.monotonic())
+
+    def grpc_serving(self) -> bool:
+        return self.health_problem() is None
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically and replaces a replica for which it raises."""
+        problem = self.health_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve calls this periodically; every router of this deployment receives it."""
+        return self.blocks.routing_stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this periodically; the autoscaling policy receives it."""
+        return autoscaling_stats(self.engine.metrics())
+
+    async def block_hasher(self, authorization: str | None = None) -> BlockHasher:
+        """How a handle caller with this API key hashes token-id prompts for routing."""
+        return self.blocks.hasher(self.tenancy.salt_for(authorization))
+
+    async def generate(
+        self, request: RoutedRequest, block_hashes: list[bytes] | None = None
+    ) -> AsyncIterator[RoutedOutput]:
+        """Streams the engine's outputs for a handle caller; `block_hashes` is read by the router
+        only. Raises Unauthenticated, RequestRejected, EngineOverloaded like the engine."""
+        salt = self.tenancy.salt_for(request.authorization)
+        request_id = request.request_id or f"handle-{uuid.uuid4().hex}"
+        stream = self.engine.generate(
+            request.prompt, request.params, request_id=request_id, tenant_salt=salt
+        )
+        observed = False
+        try:
+            async for output in stream:
+                if not observed:
+                    self.blocks.observe(request.prompt, salt)
+                    observed = True
+                yield RoutedOutput(self.replica_id, output)
+        finally:
+            await stream.aclose()
+
+    def http_tenant_salt(self, request: Request) -> bytes | None:
+        try:
+            return self.tenancy.salt_for(request.headers.get("authorization"))
+        except Unauthenticated as error:
+            raise authentication_error(str(error)) from None
+
+    def grpc_tenant_salt(self, authorization: str | None) -> bytes | None:
+        try:
+            return self.tenancy.salt_for(authorization)
+        except Unauthenticated as error:
+            raise GrpcAbort(grpc.StatusCode.UNAUTHENTICATED, str(error)) from None
+
+    def check_model(self, model: str) -> None:
+        if model != self.args.served_model_name:
+            raise invalid_request(
+                f"The model '{model}' does not exist; this server serves "
+                f"'{self.args.served_model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The Serve application builder named by `import_path` in the Serve config; validates the
+    arguments (the engine config included) before any replica starts."""
+    validated = ServeAppArgs.model_validate(args)
+    validated.engine_config()
+    validated.check_supported()
+    return GenerationServer.bind(validated.model_dump())

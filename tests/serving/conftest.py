@@ -1,0 +1,145 @@
+"""A real local Ray cluster running the Serve app with the tiny model, shared by the serving tests,
+and an independent oracle: HF transformers with the same weights, decoding greedily."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import transformers
+from prometheus_client.parser import text_string_to_metric_families
+
+API_KEYS = {"key-alice": "alice", "key-alice-2": "alice", "key-bob": "bob"}
+MODEL = "tiny"
+MAX_MODEL_LEN = 512
+SERVICER_FUNCTIONS = [
+    "protos.generation_pb2_grpc.add_GenerationServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+
+
+def engine_section(model_dir: pathlib.Path) -> dict[str, Any]:
+    """Small on purpose: 4 running sequences and 3 waiting requests at most, so overload is easy
+    to provoke; 256 blocks of 4 tokens."""
+    return {
+        "model": {"model": str(model_dir), "max_model_len": MAX_MODEL_LEN},
+        "parallel": {"backend": "local"},
+        "cache": {"block_size": 4, "num_device_blocks": 256, "num_cpu_blocks": 16},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_waiting_requests": 3},
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Served:
+    http_base: str
+    grpc_target: str
+
+    def metrics(self) -> dict[str, float]:
+        """The replica's Prometheus samples, keyed `name{label=value,...}` (labels sorted)."""
+        text = httpx.get(f"{self.http_base}/metrics", timeout=10).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(
+                    f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "replica"
+                )
+                samples[f"{sample.name}{{{labels}}}"] = sample.value
+        return samples
+
+    def wait_until_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
+        """Polls until no sequence runs or waits and no device block is referenced."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            samples = self.metrics()
+            busy = (
+                samples["pagedserve_sequences{queue=running}"]
+                + samples["pagedserve_sequences{queue=waiting}"]
+                + samples["pagedserve_kv_cache_blocks{state=used,tier=device}"]
+            )
+            if busy == 0 or time.monotonic() > deadline:
+                return samples
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def served(tiny_model_dir: pathlib.Path) -> Iterator[Served]:
+    import ray
+    from ray import serve
+
+    from cluster.serve_app import GenerationServer
+
+    http_port, grpc_port = free_port(), free_port()
+    started_ray = not ray.is_initialized()  # reuse a cluster another fixture started
+    if started_ray:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": http_port},
+            grpc_options={"port": grpc_port, "grpc_servicer_functions": SERVICER_FUNCTIONS},
+        )
+        args = {
+            "served_model_name": MODEL,
+            "engine": engine_section(tiny_model_dir),
+            "api_keys": API_KEYS,
+        }
+        app = GenerationServer.options(
+            ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64
+        ).bind(args)
+        serve.run(app, name="pagedserve", route_prefix="/")
+        yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
+    finally:
+        serve.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
+@dataclass
+class GreedyOracle:
+    """Greedy decoding with HF transformers on the same weights, ignoring EOS."""
+
+    model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+
+    def prompt_ids(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        text = self.tokenizer.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """The greedy tokens and each one's log-probability."""
+        ids = list(prompt_ids)
+        logprobs = []
+        for _ in range(max_tokens):
+            logits = self.model(torch.tensor([ids])).logits[0, -1].float()
+            log_softmax = torch.log_softmax(logits, dim=-1)
+            token = int(torch.argmax(logits))
+            ids.append(token)
+            logprobs.append(float(log_softmax[token]))
+        return ids[len(prompt_ids) :], logprobs
+
+    def text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_model_dir: pathlib.Path) -> GreedyOracle:
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    return GreedyOracle(model.eval(), tokenizer)

@@ -1,0 +1,46 @@
+"""The Serve app's arguments and tenancy, without a cluster: validation names the bad field, and the
+tenant salt depends on the key's tenant only."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.errors import ConfigError
+from cluster.serve_app import ServeAppArgs, Tenancy, Unauthenticated, build_app
+
+KEYS = {"k1": "alice", "k2": "alice", "k3": "bob"}
+
+
+def test_salt_is_per_tenant_not_per_key() -> None:
+    tenancy = Tenancy(KEYS)
+    alice_1 = tenancy.salt_for("Bearer k1")
+    assert alice_1 == tenancy.salt_for("bearer k2")
+    assert alice_1 != tenancy.salt_for("Bearer k3")
+    assert alice_1 is not None and len(alice_1) == 32
+
+
+@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer  ", "Basic k1", "Bearer k4", "k1"])
+def test_missing_or_unknown_keys_are_refused(header: str | None) -> None:
+    with pytest.raises(Unauthenticated):
+        Tenancy(KEYS).salt_for(header)
+
+
+def test_without_keys_everyone_is_one_tenant_with_no_salt() -> None:
+    assert Tenancy().salt_for(None) is None
+    assert Tenancy().salt_for("Bearer anything") is None
+
+
+def test_build_app_rejects_a_bad_engine_section_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"cache\.block_size"):
+        build_app({"engine": {"cache": {"block_size": 3}}})
+    with pytest.raises(ValidationError, match="unknown_option"):
+        ServeAppArgs.model_validate({"unknown_option": 1})
+
+
+def test_build_app_binds_the_deployment_with_validated_args() -> None:
+    app = build_app({"served_model_name": "m", "api_keys": KEYS})
+    deployment = app._bound_deployment  # the one deployment of the app
+    assert deployment.name == "GenerationServer"
+    (args,) = deployment.init_args
+    assert ServeAppArgs.model_validate(args).api_keys == KEYS

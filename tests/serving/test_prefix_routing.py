@@ -1,0 +1,100 @@
+"""Prefix-aware routing on a real local Ray cluster: two replicas of the Serve deployment behind
+`PrefixAwareRouter`. A prompt that repeats a prefix goes to the replica that computed it, and that
+replica's engine reports the prefix as cached (`num_cached_tokens`, the engine's own count)."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cluster.routing import RoutedClient, RoutedOutput
+from cluster.sampling_params import SamplingParams
+from tests.serving.conftest import MODEL, Served, engine_section
+
+PREFIX_TOKENS = 24  # 6 blocks of 4
+GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def routed_app(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[object]:
+    """A second application on the session's Serve instance, with two replicas."""
+    from ray import serve
+
+    from cluster.serve_app import GenerationServer
+
+    args = {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
+    app = GenerationServer.options(
+        num_replicas=2, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16
+    ).bind(args)
+    handle = serve.run(app, name="routed", route_prefix="/routed")
+    yield handle
+    serve.delete("routed")
+
+
+async def run_one(client: RoutedClient, ids: list[int]) -> RoutedOutput:
+    last = None
+    async for item in client.generate({"prompt_token_ids": ids}, GREEDY):
+        last = item
+    assert last is not None and last.output.finished
+    return last
+
+
+def test_a_repeated_prefix_goes_to_the_replica_that_holds_it(routed_app: object) -> None:
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(3, 250) for _ in range(PREFIX_TOKENS)] for _ in range(3)]
+
+    async def scenario() -> list[tuple[int, RoutedOutput]]:
+        client = RoutedClient(routed_app)
+        results = []
+        for round_ in range(4):
+            for which, prefix in enumerate(prefixes):
+                tail = [rng.randrange(3, 250) for _ in range(3)]
+                results.append((which, await run_one(client, prefix + tail)))
+                assert round_ >= 0
+        return results
+
+    results = asyncio.run(scenario())
+    published_check(routed_app, prefixes)
+    replicas_by_prefix: dict[int, set[str]] = {}
+    for which, result in results:
+        replicas_by_prefix.setdefault(which, set()).add(result.replica_id)
+    assert all(len(replicas) == 1 for replicas in replicas_by_prefix.values()), replicas_by_prefix
+    repeats = results[len(prefixes) :]
+    assert all(r.output.num_cached_tokens >= PREFIX_TOKENS for _, r in repeats)
+    first_round = results[: len(prefixes)]
+    assert all(r.output.num_cached_tokens == 0 for _, r in first_round)
+
+
+def published_check(handle: Any, prefixes: list[list[int]]) -> None:
+    """What the replicas publish for the routers are the hashes a client computes for the same
+    prompts (the engine's chain): every prefix served is published, whole."""
+
+    async def both() -> tuple[set[bytes], Any]:
+        published: set[bytes] = set()
+        for _ in range(30):  # unhinted calls land on either replica; 30 reach both
+            stats = await handle.record_routing_stats.remote()
+            published |= set(stats["block_hashes"])
+        return published, await RoutedClient(handle).hasher()
+
+    published, hasher = asyncio.run(both())
+    for prefix in prefixes:
+        chain = hasher.hashes([*prefix, 0])
+        assert len(chain) == PREFIX_TOKENS // 4
+        assert set(chain) <= published
+
+
+def test_a_prompt_without_hashes_is_still_served(routed_app: object) -> None:
+    async def scenario() -> RoutedOutput:
+        last = None
+        async for item in RoutedClient(routed_app).generate("Hello there", GREEDY):
+            last = item
+        assert last is not None
+        return last
+
+    result = asyncio.run(scenario())
+    assert result.output.finished and len(result.output.outputs[0].token_ids) == 2

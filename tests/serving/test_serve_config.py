@@ -1,0 +1,86 @@
+"""The shipped Serve config is a valid Ray Serve config whose engine section is a valid engine
+config, and it describes the same application as the Helm chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.config import gRPCOptions
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.config import EngineConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_PATH = REPO_ROOT / "cluster" / "serve_config.yaml"
+
+
+def load_config() -> ServeDeploySchema:
+    return ServeDeploySchema.model_validate(yaml.safe_load(CONFIG_PATH.read_text()))
+
+
+def test_serve_config_parses_with_rays_schema_on_the_default_ports() -> None:
+    config = load_config()
+    assert config.http_options.port == 8000
+    assert config.grpc_options.port == 9000
+    callables = gRPCOptions(
+        grpc_servicer_functions=config.grpc_options.grpc_servicer_functions
+    ).grpc_servicer_func_callable
+    assert [f.__module__ for f in callables] == [
+        "protos.generation_pb2_grpc",
+        "grpc_health.v1.health_pb2_grpc",
+    ]
+
+
+def test_the_application_autoscales_and_its_engine_section_is_an_engine_config() -> None:
+    (app,) = load_config().applications
+    assert app.route_prefix == "/"
+    assert app.import_path == "cluster.serve_app:build_app"
+    (deployment,) = app.deployments
+    autoscaling = deployment.autoscaling_config
+    assert 1 <= autoscaling["min_replicas"] < autoscaling["max_replicas"]
+    assert autoscaling["target_ongoing_requests"] <= deployment.max_ongoing_requests
+    engine = EngineConfig.build(app.args["engine"])
+    assert engine.model.model == "default"
+    assert engine.parallel.tensor_parallel_size == 1
+
+
+def test_it_agrees_with_the_helm_chart_on_the_application() -> None:
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk ships Linux x86_64 only")
+    with helm.Chart.load(REPO_ROOT / "helm" / "pagedserve") as chart:
+        rendered = chart.render(name="demo")
+    rayservice = yaml.safe_load(rendered["pagedserve/templates/rayservice.yaml"])
+    chart_config = ServeDeploySchema.model_validate(
+        yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    )
+    local = load_config()
+    assert chart_config.grpc_options == local.grpc_options
+    assert chart_config.http_options == local.http_options
+    (chart_app,), (local_app,) = chart_config.applications, local.applications
+    assert (chart_app.name, chart_app.route_prefix, chart_app.import_path) == (
+        local_app.name,
+        local_app.route_prefix,
+        local_app.import_path,
+    )
+    assert [d.name for d in chart_app.deployments] == [d.name for d in local_app.deployments]
+    assert chart_app.args["served_model_name"] == local_app.args["served_model_name"]
+    (chart_deployment,), (local_deployment,) = chart_app.deployments, local_app.deployments
+    for key in ("policy",):
+        assert chart_deployment.autoscaling_config[key] == local_deployment.autoscaling_config[key]
+    assert chart_deployment.request_router_config == local_deployment.request_router_config
+
+
+def test_the_deployment_uses_our_router_and_autoscaling_policy() -> None:
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+    from cluster.autoscaling import KVPressurePolicy
+    from cluster.routing import PrefixAwareRouter
+
+    (deployment,) = load_config().applications[0].deployments
+    router = RequestRouterConfig.model_validate(deployment.request_router_config)
+    assert router.get_request_router_class() is PrefixAwareRouter
+    autoscaling = AutoscalingConfig.model_validate(deployment.autoscaling_config)
+    assert autoscaling.policy.policy_function == "cluster.autoscaling:KVPressurePolicy"
+    policy_class = autoscaling.policy.get_policy()
+    assert policy_class.__name__ == KVPressurePolicy.__name__

@@ -1,0 +1,47 @@
+"""One smoke test with the real default model: the application exactly as
+`cluster/serve_config.yaml` ships it (SmolLM2-135M-Instruct), deployed next to the tiny one,
+answers a factual question."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from tests.serving.conftest import Served
+
+CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "serve_config.yaml"
+ROUTE = "/smollm2"
+
+
+@pytest.fixture(scope="module")
+def smollm2(served: Served) -> Iterator[tuple[openai.OpenAI, str]]:
+    from ray import serve
+
+    from cluster.serve_app import GenerationServer, build_app
+
+    (app,) = yaml.safe_load(CONFIG.read_text())["applications"]
+    build_app(app["args"])  # validates the shipped args, engine section included
+    deployment = GenerationServer.options(ray_actor_options={"num_cpus": 0})
+    serve.run(deployment.bind(app["args"]), name="smollm2", route_prefix=ROUTE)
+    try:
+        client = openai.OpenAI(base_url=f"{served.http_base}{ROUTE}/v1", api_key="-", max_retries=0)
+        yield client, app["args"]["served_model_name"]
+    finally:
+        serve.delete("smollm2")
+
+
+def test_smollm2_knows_the_capital_of_france(smollm2: tuple[openai.OpenAI, str]) -> None:
+    client, model = smollm2
+    response = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    (choice,) = response.choices
+    assert "Paris" in (choice.message.content or "")
+    assert choice.finish_reason == "stop"  # the model ended its answer itself (EOS)
