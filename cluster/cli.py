@@ -1,7 +1,7 @@
 """`pagedserve` on the command line: subcommands, each in its own small function.
 
-`pagedserve generate` runs the default model with no flags at all; other subcommands (`serve`,
-`bench`) register themselves in `SUBCOMMANDS` from their own modules.
+`pagedserve generate` runs the default model with no flags at all; `serve` and `bench` live in
+`cluster/cli_serve.py`. Every subcommand is one `Subcommand` entry of `SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from cluster import cli_serve
 from cluster.config import EngineConfig
 from cluster.errors import ConfigError, RequestRejected
 
@@ -88,6 +89,18 @@ SUBCOMMANDS: list[Subcommand] = [
         "generate text offline for one or more prompts",
         _add_generate_arguments,
         _run_generate,
+    ),
+    Subcommand(
+        "serve",
+        "serve the model over OpenAI-compatible HTTP (:8000) and gRPC (:9000) with Ray Serve",
+        cli_serve.add_serve_arguments,
+        cli_serve.run_serve,
+    ),
+    Subcommand(
+        "bench",
+        "run one of the benchmarks (python -m benchmarks.NAME)",
+        cli_serve.add_bench_arguments,
+        cli_serve.run_bench,
     ),
 ]
 

@@ -1,0 +1,141 @@
+"""`pagedserve serve` and `pagedserve bench`: the service and the benchmarks from the command line.
+
+`serve` runs the Ray Serve application of `cluster/serve_config.yaml` (the file `serve run` takes,
+shipped inside the package) exactly as `serve run` would, after applying the few overrides given as
+flags, and prints where each API listens. `bench NAME` runs `python -m benchmarks.NAME` with the
+remaining arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cluster.errors import ConfigError
+
+BENCHMARKS: tuple[str, ...] = (
+    "block_manager",
+    "kernels",
+    "workers",
+    "throughput",
+    "serving",
+)
+"""Modules under `benchmarks/` that `pagedserve bench NAME` runs."""
+
+
+def shipped_serve_config() -> Path:
+    """The Serve config YAML shipped with the package (`cluster/serve_config.yaml`)."""
+    return Path(str(resources.files("cluster") / "serve_config.yaml"))
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a Ray Serve config YAML (default: the shipped cluster/serve_config.yaml)",
+    )
+    parser.add_argument("--host", default=None, help="HTTP bind address (default: from config)")
+    parser.add_argument("--http-port", type=int, default=None, help="HTTP port (default 8000)")
+    parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
+    parser.add_argument(
+        "--model", default=None, help="engine model: a .gguf file, an HF directory or 'default'"
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+
+
+def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Loads the Serve config, applies the flag overrides and validates it with Ray's schema."""
+    from ray.serve.schema import ServeDeploySchema
+
+    path: Path = args.config or shipped_serve_config()
+    try:
+        config = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"--config: cannot read {path}: {error}") from error
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--config: {path} is not valid YAML: {error}") from error
+    if not isinstance(config, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping, got {type(config).__name__}")
+    http = config.setdefault("http_options", {})
+    grpc = config.setdefault("grpc_options", {})
+    if args.host is not None:
+        http["host"] = args.host
+    if args.http_port is not None:
+        http["port"] = args.http_port
+    if args.grpc_port is not None:
+        grpc["port"] = args.grpc_port
+    if args.model is not None:
+        for app in config.get("applications", []):
+            engine = app.setdefault("args", {}).setdefault("engine", {})
+            engine.setdefault("model", {})["model"] = args.model
+    try:
+        ServeDeploySchema.model_validate(config)
+    except Exception as error:  # pydantic's ValidationError, named by Ray's schema
+        raise ConfigError(f"{path}: not a valid Ray Serve config: {error}") from error
+    return config
+
+
+def describe_endpoints(config: dict[str, Any]) -> list[str]:
+    """One line per API: where it listens once the application is up."""
+    http = config.get("http_options", {})
+    grpc = config.get("grpc_options", {})
+    host = http.get("host", "127.0.0.1")
+    shown_host = "localhost" if host in ("0.0.0.0", "::") else host
+    http_port = http.get("port", 8000)
+    grpc_port = grpc.get("port", 9000)
+    lines = [
+        f"OpenAI-compatible HTTP: http://{shown_host}:{http_port}/v1 "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)",
+        f"gRPC: {shown_host}:{grpc_port} (pagedserve.v1.Generation, grpc.health.v1.Health)",
+    ]
+    for app in config.get("applications", []):
+        lines.append(f"application {app.get('name', 'default')!r} at route {app['route_prefix']}")
+    return lines
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    config = resolve_serve_config(args)
+    if args.print_config:
+        print(yaml.safe_dump(config, sort_keys=False))
+        return 0
+    with tempfile.NamedTemporaryFile(
+        "w", prefix="pagedserve-serve-", suffix=".yaml", delete=False
+    ) as handle:
+        yaml.safe_dump(config, handle, sort_keys=False)
+    print("pagedserve serve: starting a local Ray cluster and the Serve application; once ready:")
+    for line in describe_endpoints(config):
+        print(f"  {line}")
+    sys.stdout.flush()
+    serve_cli = Path(sys.executable).with_name("serve")
+    command = [str(serve_cli), "run", handle.name]
+    # `serve run` owns the process from here: Ctrl-C shuts the application down.
+    os.execv(command[0], command)
+    return 0  # pragma: no cover - execv does not return
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=BENCHMARKS, help="which benchmark to run")
+    parser.add_argument(
+        "bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark (e.g. --json)"
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    module = f"benchmarks.{args.name}"
+    sys.argv = [module, *args.bench_args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0

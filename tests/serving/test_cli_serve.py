@@ -1,0 +1,84 @@
+"""`pagedserve serve` / `pagedserve bench`: config resolution, overrides and bad input."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.cli import SUBCOMMANDS, build_parser, main
+from cluster.cli_serve import (
+    BENCHMARKS,
+    describe_endpoints,
+    resolve_serve_config,
+    shipped_serve_config,
+)
+from cluster.config import EngineConfig
+from cluster.errors import ConfigError
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    return build_parser(SUBCOMMANDS).parse_args(["serve", *argv])
+
+
+def test_shipped_config_is_the_repository_file() -> None:
+    repository_file = Path(__file__).resolve().parents[2] / "cluster" / "serve_config.yaml"
+    assert shipped_serve_config().read_text() == repository_file.read_text()
+
+
+def test_defaults_listen_on_serve_default_ports() -> None:
+    config = resolve_serve_config(_serve_args())
+    assert config["http_options"]["port"] == 8000
+    assert config["grpc_options"]["port"] == 9000
+    lines = describe_endpoints(config)
+    assert any("http://localhost:8000/v1" in line for line in lines)
+    assert any(":9000" in line and "pagedserve.v1.Generation" in line for line in lines)
+
+
+def test_flags_override_ports_host_and_model_and_engine_config_still_parses() -> None:
+    config = resolve_serve_config(
+        _serve_args(
+            "--http-port",
+            "8123",
+            "--grpc-port",
+            "9123",
+            "--host",
+            "127.0.0.1",
+            "--model",
+            "/m.gguf",
+        )
+    )
+    assert config["http_options"] == {**config["http_options"], "host": "127.0.0.1", "port": 8123}
+    assert config["grpc_options"]["port"] == 9123
+    engine = config["applications"][0]["args"]["engine"]
+    assert engine["model"]["model"] == "/m.gguf"
+    assert EngineConfig.build(engine).model.model == "/m.gguf"
+    assert any("http://127.0.0.1:8123/v1" in line for line in describe_endpoints(config))
+
+
+def test_unreadable_or_invalid_config_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve_serve_config(_serve_args("--config", str(tmp_path / "missing.yaml")))
+    not_a_mapping = tmp_path / "list.yaml"
+    not_a_mapping.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        resolve_serve_config(_serve_args("--config", str(not_a_mapping)))
+    bad_schema = tmp_path / "bad.yaml"
+    bad_schema.write_text(yaml.safe_dump({"applications": [{"name": "x"}]}))
+    with pytest.raises(ConfigError, match="not a valid Ray Serve config"):
+        resolve_serve_config(_serve_args("--config", str(bad_schema)))
+
+
+def test_cli_reports_a_bad_config_with_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_every_listed_benchmark_module_exists() -> None:
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    for name in BENCHMARKS:
+        assert (benchmarks / f"{name}.py").is_file(), name
