@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import torch
 
+from kernels import metadata as _metadata
 from kernels import swap, torch_cpu, validation
+from kernels.metadata import PreparedAttention, prepare_attention
 from kernels.reference import allocate_kv_pool
 
 __all__ = [
+    "PreparedAttention",
     "allocate_kv_pool",
     "copy_blocks",
     "paged_attention",
+    "prepare_attention",
     "swap_blocks",
     "write_kv",
 ]
@@ -30,19 +34,38 @@ def write_kv(
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor | None = None,
+    *,
+    metadata: PreparedAttention | None = None,
 ) -> None:
     """Write token i's K/V ``[H_kv, D]`` into slot ``slot_mapping[i]`` (block*block_size+offset).
 
-    A slot of -1 is padding and skipped; every other cache entry is left bit-identical.
+    A slot of -1 is padding and skipped; every other cache entry is left bit-identical. Pass
+    either ``slot_mapping`` (its values validated on every call) or ``metadata`` from
+    ``prepare_attention(..., slot_mapping=...)`` (validated once per step; each call then checks
+    only shapes, dtypes and devices).
     """
-    validation.check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    validation.check_kv_operands(key, value, k_cache, v_cache)
+    if (slot_mapping is None) == (metadata is None):
+        raise ValueError("write_kv takes exactly one of slot_mapping and metadata")
+    if metadata is not None:
+        _metadata.check_prepared(metadata, key.shape[0], k_cache, writes=True)
+        all_slots, slots, rows = metadata.slot_mapping, metadata.write_slots, metadata.write_rows
+    else:
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        host = validation.check_slot_mapping(slot_mapping, key.shape[0], num_slots, k_cache.device)
+        all_slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+        keep = host >= 0
+        slots, rows = all_slots, None
+        if not bool(keep.all()):
+            slots, rows = host[keep].to(k_cache.device), torch.nonzero(keep).view(-1)
     if k_cache.is_cuda:
         from kernels import triton_cache_ops
 
-        triton_cache_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        triton_cache_ops.write_kv(key, value, k_cache, v_cache, all_slots)
     else:
-        torch_cpu.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        assert slots is not None, "validated: prepared with a slot_mapping"
+        torch_cpu.write_kv(key, value, k_cache, v_cache, slots, rows)
 
 
 def paged_attention(
@@ -50,12 +73,13 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     *,
-    cu_query_lens: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor | None = None,
+    context_lens: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    metadata: PreparedAttention | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a packed mixed batch of prefill chunks and decodes.
 
@@ -64,27 +88,42 @@ def paged_attention(
     ``block_tables`` ``[num_seqs, max_blocks]``. Query token j of a sequence with q_len tokens is at
     position ``context_len - q_len + j`` and sees positions ``<=`` its own (and ``>`` its position
     minus ``sliding_window``). Returns ``[num_tokens, H_q, D]`` in query's dtype, fp32 accumulation.
+
+    Instead of the three metadata tensors (validated on every call), pass ``metadata`` from
+    ``prepare_attention`` (validated once per step and shared by every layer).
     """
-    batch = validation.check_paged_attention(
-        query,
-        k_cache,
-        v_cache,
-        cu_query_lens,
-        context_lens,
-        block_tables,
-        scale,
-        sliding_window,
-        out,
-    )
+    validation.check_attention_operands(query, k_cache, v_cache, scale, sliding_window, out)
+    tensors = (cu_query_lens, context_lens, block_tables)
+    if metadata is None:
+        if any(t is None for t in tensors):
+            raise ValueError(
+                "paged_attention needs cu_query_lens, context_lens and block_tables, or metadata"
+            )
+        metadata = prepare_attention(
+            cu_query_lens,  # type: ignore[arg-type]
+            context_lens,  # type: ignore[arg-type]
+            block_tables,  # type: ignore[arg-type]
+            num_blocks=k_cache.shape[0],
+            block_size=k_cache.shape[1],
+            device=query.device,
+        )
+    elif any(t is not None for t in tensors):
+        raise ValueError("paged_attention takes metadata or the metadata tensors, not both")
+    _metadata.check_prepared(metadata, query.shape[0], k_cache)
     result = torch.empty_like(query) if out is None else out
     if query.is_cuda:
         from kernels import triton_attention
 
-        return triton_attention.paged_attention(
-            query, k_cache, v_cache, block_tables, batch, float(scale), sliding_window, result
+        num_kv_heads = k_cache.shape[2]
+        batch = metadata.attention_batch(
+            num_kv_heads, query.shape[1] // num_kv_heads, k_cache.shape[3]
         )
+        return triton_attention.paged_attention(
+            query, k_cache, v_cache, metadata.block_tables, batch, float(scale), sliding_window,
+            result,
+        )  # fmt: skip
     return torch_cpu.paged_attention(
-        query, k_cache, v_cache, block_tables, batch, float(scale), sliding_window, result
+        query, k_cache, v_cache, metadata, float(scale), sliding_window, result
     )
 
 

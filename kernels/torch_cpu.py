@@ -1,10 +1,13 @@
 """The fast plain-torch path, used for CPU tensors.
 
-Attention loops over sequences (never over tokens): one ``index_select`` per cache gathers a
-sequence's blocks through its block table into a buffer reused across sequences (so it stays in the
-CPU cache), then a decode token attends with two batched matmuls and a prefill chunk with one
-``scaled_dot_product_attention`` call. GQA never repeats a K/V head in memory: the query heads of a
-KV head are the rows of one matmul.
+Works from a ``PreparedAttention`` (``kernels.metadata``): the per-step gather indices, masks and
+write slots are computed once and every layer reuses them. Decodes are attended in a handful of
+batched calls: the decode sequences, sorted by context length, are cut into groups whose padded
+gather stays bounded (``DECODE_GROUP_TOKENS``); one ``index_select`` per cache gathers a group's
+blocks into a reused ``[seqs, width * block_size, H_kv, D]`` buffer and one
+``scaled_dot_product_attention`` call attends with a key mask, GQA folded into the query rows
+(``[seqs, H_kv, group, D]``) so no K/V head is ever repeated. A prefill chunk (several query
+tokens) gathers its own blocks and attends with one causal SDPA call.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.validation import AttentionBatch
+from kernels.metadata import DecodeGroup, PreparedAttention
 
 
 def write_kv(
@@ -20,13 +23,13 @@ def write_kv(
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor | None,
 ) -> None:
-    """Scatter the tokens with a slot >= 0 into the flattened ``[num_slots, H_kv, D]`` caches."""
-    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, key, value = slots[keep], key[keep], value[keep]
+    """Copy token ``rows`` (all when None) into int64 ``slots`` of the ``[num_slots, H_kv, D]``
+    views of the caches (validated: in range, distinct)."""
+    if rows is not None:
+        key, value = key.index_select(0, rows), value.index_select(0, rows)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
 
@@ -47,22 +50,6 @@ def _visible_mask(
     if sliding_window is not None:
         visible &= keys > positions - sliding_window
     return visible
-
-
-def _decode_one(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One query token over its keys: ``query [H_kv, group, D]``, keys/values ``[n, H_kv, D]``.
-
-    Two batched matmuls over the gathered (cache-resident) buffer in fp32; no mask is needed because
-    the caller passes exactly the keys the token sees. Returns ``[H_kv, group, D]`` in fp32.
-    """
-    if keys.dtype != torch.float32:
-        keys, values = keys.float(), values.float()
-    scores = torch.bmm(query.float(), keys.permute(1, 2, 0))
-    scores.mul_(scale)
-    weights = torch.softmax(scores, dim=-1)
-    return torch.bmm(weights, values.transpose(0, 1))
 
 
 def _prefill_one(
@@ -90,49 +77,87 @@ def _prefill_one(
     return attended.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
 
 
+def _window_bias(
+    group: DecodeGroup, block_size: int, sliding_window: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Key bias of a decode group under a sliding window: positions ``[ctx - window, ctx)``."""
+    context_lens = group.context_lens
+    positions = torch.arange(group.width * block_size, device=context_lens.device)
+    visible = (positions < context_lens) & (positions >= context_lens - sliding_window)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return bias.masked_fill_(~visible, float("-inf"))
+
+
+def _attend_decodes(
+    query: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    buffers: tuple[torch.Tensor, torch.Tensor],
+    group: DecodeGroup,
+    geometry: tuple[int, int, int, int],
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """One gather per cache and one SDPA call for every decode of ``group``; fills its rows."""
+    block_size, num_kv_heads, group_size, head_dim = geometry
+    seqs, count = group.num_seqs, group.block_ids.shape[0]
+    shape = (seqs, group.width * block_size, num_kv_heads, head_dim)
+    keys = torch.index_select(k_flat, 0, group.block_ids, out=buffers[0][:count]).view(shape)
+    values = torch.index_select(v_flat, 0, group.block_ids, out=buffers[1][:count]).view(shape)
+    if group.row_range is not None:
+        q = query[group.row_range[0] : group.row_range[1]]
+    else:
+        q = query.index_select(0, group.rows)
+    q = q.reshape(seqs, num_kv_heads, group_size, head_dim)
+    if sliding_window is not None:
+        bias = _window_bias(group, block_size, sliding_window, query.dtype)
+    elif group.key_bias is not None:
+        bias = group.key_bias.to(query.dtype)
+    else:
+        bias = None
+    attended = F.scaled_dot_product_attention(
+        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias, scale=scale
+    ).reshape(seqs, num_kv_heads * group_size, head_dim)
+    if group.row_range is not None:
+        out[group.row_range[0] : group.row_range[1]] = attended
+    else:
+        out.index_copy_(0, group.rows, attended)
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    batch: AttentionBatch,
+    metadata: PreparedAttention,
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention over a validated batch; writes into ``out`` and returns it.
-
-    One gather buffer per call, reused by every sequence: fresh allocations of this size would be
-    page-faulted in each time, and a reused buffer stays in the CPU cache for the attention.
-    """
-    block_size, num_kv_heads, group = batch.block_size, batch.num_kv_heads, batch.group_size
-    head_dim = batch.head_dim
-    tables = block_tables.to(device=k_cache.device, dtype=torch.int64)
-    max_blocks = max((-(-ctx // block_size) for ctx in batch.context_lens), default=0) + 1
-    k_buffer = k_cache.new_empty((max_blocks, *k_cache.shape[1:]))
-    v_buffer = v_cache.new_empty((max_blocks, *v_cache.shape[1:]))
-    for seq in range(batch.num_seqs):
-        q_len, context_len = batch.query_lens[seq], batch.context_lens[seq]
-        if q_len == 0:
-            continue
-        start = batch.query_starts[seq]
+    """Attention over validated, prepared metadata; writes into ``out`` and returns it."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group_size = query.shape[1] // num_kv_heads
+    geometry = (block_size, num_kv_heads, group_size, head_dim)
+    k_flat = k_cache.reshape(k_cache.shape[0], -1)  # a view: a layer's cache is contiguous
+    v_flat = v_cache.reshape(v_cache.shape[0], -1)
+    buffers = metadata.workspace.buffers(k_cache)
+    for group in metadata.decode_groups:
+        _attend_decodes(query, k_flat, v_flat, buffers, group, geometry, scale, sliding_window, out)
+    for chunk in metadata.prefills:
+        q_len, context_len, start = chunk.query_len, chunk.context_len, chunk.start
         first_query = context_len - q_len
         first_key = 0 if sliding_window is None else max(0, first_query - sliding_window + 1)
         first_block = first_key // block_size
-        last_block = -(-context_len // block_size)
-        ids = tables[seq, first_block:last_block]
-        count = last_block - first_block
+        ids = chunk.block_ids[first_block:]
+        count = ids.shape[0]
         skip = first_key - first_block * block_size
-        keys = torch.index_select(k_cache, 0, ids, out=k_buffer[:count])
-        values = torch.index_select(v_cache, 0, ids, out=v_buffer[:count])
+        keys = torch.index_select(k_flat, 0, ids, out=buffers[0][:count])
+        values = torch.index_select(v_flat, 0, ids, out=buffers[1][:count])
         keys = keys.view(-1, num_kv_heads, head_dim)[skip : skip + context_len - first_key]
         values = values.view(-1, num_kv_heads, head_dim)[skip : skip + context_len - first_key]
-        q = query[start : start + q_len].view(q_len, num_kv_heads, group, head_dim)
-        if q_len == 1:
-            attended = _decode_one(q[0], keys, values, scale).unsqueeze(0)
-        else:
-            attended = _prefill_one(q, keys, values, scale, first_key, context_len, sliding_window)
-        out[start : start + q_len] = attended.reshape(q_len, num_kv_heads * group, head_dim)
+        q = query[start : start + q_len].reshape(q_len, num_kv_heads, group_size, head_dim)
+        attended = _prefill_one(q, keys, values, scale, first_key, context_len, sliding_window)
+        out[start : start + q_len] = attended.reshape(q_len, num_kv_heads * group_size, head_dim)
     return out
 
 

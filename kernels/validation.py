@@ -89,20 +89,16 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         _fail(f"cache shape {tuple(k_cache.shape)} has an empty dimension")
 
 
-def check_write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+def check_kv_operands(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 ) -> None:
-    """Validate a KV write: shapes agree, slots are -1 or in range, and no slot is written twice."""
+    """Cheap facts of a KV write (no values read): shapes, dtypes, devices, contiguity."""
     check_cache_pair(k_cache, v_cache)
     _check_float_tensor("key", key, 3)
     _check_float_tensor("value", value, 3)
     if key.shape != value.shape:
         _fail(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if tuple(key.shape[1:]) != (num_kv_heads, head_dim):
         _fail(
             f"key/value heads x dim {tuple(key.shape[1:])} do not match the cache's "
@@ -114,13 +110,18 @@ def check_write_kv(
         _fail(f"key/value on {key.device}/{value.device} but the cache is on {k_cache.device}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         _fail("k_cache and v_cache must be contiguous (a layer's views of the KV pool are)")
-    _check_index_tensor("slot_mapping", slot_mapping, 1, k_cache.device)
-    if slot_mapping.shape[0] != key.shape[0]:
-        _fail(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+
+
+def check_slot_mapping(
+    slot_mapping: torch.Tensor, num_tokens: int, num_slots: int, device: torch.device
+) -> torch.Tensor:
+    """Slots are -1 or in ``[0, num_slots)``, one per token, none twice; returns the host copy."""
+    _check_index_tensor("slot_mapping", slot_mapping, 1, device)
+    if slot_mapping.shape[0] != num_tokens:
+        _fail(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
     slots = slot_mapping.detach().to("cpu", torch.int64)
     if slots.numel() == 0:
-        return
-    num_slots = num_blocks * block_size
+        return slots
     if int(slots.min()) < -1 or int(slots.max()) >= num_slots:
         _fail(
             f"slot_mapping has slots outside [-1, {num_slots}): min {int(slots.min())}, "
@@ -129,24 +130,35 @@ def check_write_kv(
     written = slots[slots >= 0]
     if written.unique().numel() != written.numel():
         _fail("slot_mapping writes the same slot more than once in one call")
+    return slots
 
 
-def check_paged_attention(
+def check_write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Validate a KV write: shapes agree, slots are -1 or in range, and no slot is written twice."""
+    check_kv_operands(key, value, k_cache, v_cache)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    check_slot_mapping(slot_mapping, key.shape[0], num_slots, k_cache.device)
+
+
+def check_attention_operands(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cu_query_lens: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor | None,
-) -> AttentionBatch:
-    """Validate a paged-attention call and return its host-side batch description."""
+) -> None:
+    """Cheap facts of an attention call (no values read): shapes, dtypes, devices, scale, window."""
     check_cache_pair(k_cache, v_cache)
     _check_float_tensor("query", query, 3)
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_tokens, num_q_heads, q_head_dim = query.shape
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_q_heads, q_head_dim = query.shape[1], query.shape[2]
     if q_head_dim != head_dim:
         _fail(f"query head_dim {q_head_dim} differs from the cache's {head_dim}")
     if num_q_heads % num_kv_heads != 0:
@@ -168,9 +180,32 @@ def check_paged_attention(
             _fail(f"out must be a tensor shaped like query {tuple(query.shape)}")
         if out.dtype != query.dtype or out.device != query.device:
             _fail(f"out must have query's dtype {query.dtype} and device {query.device}")
-    _check_index_tensor("cu_query_lens", cu_query_lens, 1, query.device)
-    _check_index_tensor("context_lens", context_lens, 1, query.device)
-    _check_index_tensor("block_tables", block_tables, 2, query.device)
+
+
+@dataclass(frozen=True)
+class CheckedLengths:
+    """Host copies of validated attention metadata (int64)."""
+
+    cu_query_lens: torch.Tensor
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+def check_attention_metadata(
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    num_tokens: int,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+) -> CheckedLengths:
+    """Value checks of the per-step metadata: packing, lengths, capacity and used block ids."""
+    _check_index_tensor("cu_query_lens", cu_query_lens, 1, device)
+    _check_index_tensor("context_lens", context_lens, 1, device)
+    _check_index_tensor("block_tables", block_tables, 2, device)
     num_seqs = context_lens.shape[0]
     if cu_query_lens.shape[0] != num_seqs + 1:
         _fail(
@@ -184,12 +219,11 @@ def check_paged_attention(
     if num_seqs == 0:
         if num_tokens != 0:
             _fail(f"no sequences but {num_tokens} query tokens")
-    else:
-        if int(cu[0]) != 0 or int(cu[-1]) != num_tokens:
-            _fail(
-                f"cu_query_lens must start at 0 and end at num_tokens {num_tokens}, "
-                f"got {int(cu[0])}..{int(cu[-1])}"
-            )
+    elif int(cu[0]) != 0 or int(cu[-1]) != num_tokens:
+        _fail(
+            f"cu_query_lens must start at 0 and end at num_tokens {num_tokens}, "
+            f"got {int(cu[0])}..{int(cu[-1])}"
+        )
     q_lens = cu[1:] - cu[:-1]
     if bool((q_lens < 0).any()):
         _fail("cu_query_lens must be non-decreasing")
@@ -202,21 +236,46 @@ def check_paged_attention(
             f"a context_len of {int(ctx.max())} exceeds block_tables capacity "
             f"{max_blocks} x {block_size}"
         )
+    tables = block_tables.detach().to("cpu", torch.int64)
     if num_seqs and max_blocks:
-        tables = block_tables.detach().to("cpu", torch.int64)
         blocks_used = (ctx + block_size - 1) // block_size
         used = torch.arange(max_blocks).unsqueeze(0) < blocks_used.unsqueeze(1)
         ids = tables[used]
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
             _fail(f"block_tables holds block ids outside [0, {num_blocks}) within a context")
+    return CheckedLengths(cu, q_lens, ctx, tables)
+
+
+def check_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor | None,
+) -> AttentionBatch:
+    """Validate a paged-attention call and return its host-side batch description."""
+    check_attention_operands(query, k_cache, v_cache, scale, sliding_window, out)
+    checked = check_attention_metadata(
+        cu_query_lens,
+        context_lens,
+        block_tables,
+        num_tokens=query.shape[0],
+        num_blocks=k_cache.shape[0],
+        block_size=k_cache.shape[1],
+        device=query.device,
+    )
     return AttentionBatch(
-        query_starts=tuple(int(x) for x in cu[:-1]),
-        query_lens=tuple(int(x) for x in q_lens),
-        context_lens=tuple(int(x) for x in ctx),
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        group_size=num_q_heads // num_kv_heads,
-        head_dim=head_dim,
+        query_starts=tuple(checked.cu_query_lens[:-1].tolist()),
+        query_lens=tuple(checked.query_lens.tolist()),
+        context_lens=tuple(checked.context_lens.tolist()),
+        block_size=k_cache.shape[1],
+        num_kv_heads=k_cache.shape[2],
+        group_size=query.shape[1] // k_cache.shape[2],
+        head_dim=k_cache.shape[3],
     )
 
 

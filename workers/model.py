@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_attention, write_kv
+from kernels import PreparedAttention, paged_attention, prepare_attention, write_kv
 from workers.checkpoint import CheckpointReader
 from workers.config import ModelSpec
 from workers.layers import (
@@ -42,6 +42,18 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
+
+    def prepare_kernels(self, kv_pool: torch.Tensor) -> PreparedAttention:
+        """Validate this step's metadata once for every layer of `kv_pool` (ValueError if bad)."""
+        return prepare_attention(
+            self.cu_query_lens,
+            self.context_lens,
+            self.block_tables,
+            num_blocks=kv_pool.shape[2],
+            block_size=kv_pool.shape[3],
+            slot_mapping=self.slot_mapping,
+            device=kv_pool.device,
+        )
 
 
 class Attention(torch.nn.Module):
@@ -82,7 +94,7 @@ class Attention(torch.nn.Module):
         self,
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
+        metadata: PreparedAttention,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -92,16 +104,14 @@ class Attention(torch.nn.Module):
         q = apply_rotary(q.view(tokens, self.num_q, self.head_dim), *cos_sin)
         k = apply_rotary(k.view(tokens, self.num_kv, self.head_dim), *cos_sin)
         v = v.reshape(tokens, self.num_kv, self.head_dim)
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, metadata=metadata)
         out = paged_attention(
             q,
             k_cache,
             v_cache,
-            cu_query_lens=metadata.cu_query_lens,
-            context_lens=metadata.context_lens,
-            block_tables=metadata.block_tables,
             scale=self.scale,
             sliding_window=self.sliding_window,
+            metadata=metadata,
         )
         return self.o_proj(out.reshape(tokens, q_width))
 
@@ -143,7 +153,7 @@ class DecoderLayer(torch.nn.Module):
         self,
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
+        metadata: PreparedAttention,
         kv_layer: torch.Tensor,
     ) -> torch.Tensor:
         attended = self.self_attn(
@@ -187,8 +197,9 @@ class CausalLM(torch.nn.Module):
         """Hidden states `[tokens, hidden]` after the final norm; writes this step's KV."""
         hidden = self.embed_tokens.embed(token_ids)
         cos_sin = self.rotary.cos_sin(metadata.positions, hidden.dtype)
+        prepared = metadata.prepare_kernels(kv_pool)  # validated once, shared by every layer
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos_sin, metadata, kv_pool[index])
+            hidden = layer(hidden, cos_sin, prepared, kv_pool[index])
         return self.norm(hidden)
 
     @torch.inference_mode()
