@@ -27,6 +27,7 @@ BENCHMARKS: tuple[str, ...] = (
     "workers",
     "throughput",
     "serving",
+    "layouts",
 )
 """Modules under `benchmarks/` that `pagedserve bench NAME` runs."""
 

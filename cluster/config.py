@@ -44,6 +44,12 @@ class CacheSettings(_Section):
         0.01, ge=0.0, lt=1.0, description="device fraction kept free at admission"
     )
     enable_prefix_caching: bool = True
+    kv_layout: Literal["paged", "contiguous", "virtual"] = Field(
+        "paged",
+        description="KV memory layout: paged blocks, contiguous max-length reservations, or "
+        "per-sequence virtual ranges committed on demand (CPU); prefix caching, swap and n > 1 "
+        "need 'paged'",
+    )
 
     @model_validator(mode="after")
     def _one_device_budget(self) -> CacheSettings:
@@ -101,6 +107,16 @@ class EngineConfig(_Section):
         swap_possible = self.cache.num_cpu_blocks != 0 and (
             self.cache.num_cpu_blocks is not None or self.cache.swap_space_bytes > 0
         )
+        if self.cache.kv_layout == "virtual" and self.parallel.tensor_parallel_size != 1:
+            raise ValueError(
+                "cache.kv_layout 'virtual' runs on one rank (CPU): "
+                "parallel.tensor_parallel_size must be 1"
+            )
+        if self.cache.kv_layout != "paged" and self.scheduler.preemption_mode == "swap":
+            raise ValueError(
+                f"cache.kv_layout {self.cache.kv_layout!r} has no CPU swap tier: set "
+                "scheduler.preemption_mode to 'recompute' or 'auto'"
+            )
         if self.scheduler.preemption_mode == "swap" and not swap_possible:
             raise ValueError(
                 "scheduler.preemption_mode 'swap' needs a CPU tier: set cache.num_cpu_blocks > 0 "
@@ -146,6 +162,7 @@ class EngineConfig(_Section):
     def to_worker_config(self) -> WorkerConfig:
         from workers import WorkerConfig
 
+        paged = self.cache.kv_layout == "paged"
         return WorkerConfig(
             model=self.model.model,
             dtype=self.model.dtype,
@@ -154,12 +171,15 @@ class EngineConfig(_Section):
             num_device_blocks=self.cache.num_device_blocks,
             kv_cache_bytes=self.cache.kv_cache_bytes,
             gpu_memory_utilization=self.cache.gpu_memory_utilization,
-            num_cpu_blocks=self.cache.num_cpu_blocks,
-            swap_space_bytes=self.cache.swap_space_bytes,
+            # the non-paged layouts have no swap tier: no CPU pool is allocated for them
+            num_cpu_blocks=self.cache.num_cpu_blocks if paged else None,
+            swap_space_bytes=self.cache.swap_space_bytes if paged else 0,
             max_model_len=self.model.max_model_len,
             backend=self.parallel.backend,
             weights_cache_dir=self.model.weights_cache_dir,
             seed=self.model.seed,
+            kv_layout=self.cache.kv_layout,
+            kv_virtual_slots=self.scheduler.max_num_seqs,
         )
 
     # --- command line -------------------------------------------------------------------------

@@ -9,26 +9,29 @@ async engine awaits the execution in between, `step()` runs all three in a row.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from block_manager import CacheIdentity, KVCacheManager
+from block_manager import CacheIdentity
+from block_manager.reserved_range import RangeKVManager
+from block_manager.virtual import VirtualKVManager
 from cluster.cache_keys import CacheKeyFactory
 from cluster.config import EngineConfig
 from cluster.detokenizer import IncrementalDetokenizer, TextTracker
 from cluster.errors import ConfigError, EngineOverloaded, RequestRejected
+from cluster.kv_layouts import LayoutRecorder, build_kv_manager, layout_usage
 from cluster.metrics import EngineMetrics, MetricsRecorder
 from cluster.output_processor import StopLimits, apply_sampled_token
 from cluster.outputs import RequestMetrics, RequestOutput
 from cluster.preemption import PreemptionCostModel
-from cluster.request import Branch, Request, RequestStatus
+from cluster.prefix_index import prompt_block_hashes
+from cluster.request import Branch, CacheKey, Request, RequestStatus
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import Scheduler, SchedulerStep
-from cluster.tokenization import PromptRenderer
+from cluster.tokenization import PromptRenderer, RenderedPrompt
 from workers import ModelInfo, WorkerGroup, load_tokenizer
-from workers.plan import StepOutput
+from workers.plan import StepOutput, StepPlan
 
 PromptInput = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
 
@@ -56,13 +59,11 @@ class EngineCore:
                 f"model's context ({self.max_model_len}) when chunked prefill is off; raise it or "
                 "set model.max_model_len"
             )
-        num_blocks = self.workers.num_device_blocks
-        self.block_manager = KVCacheManager(
-            num_device_blocks=num_blocks,
-            num_cpu_blocks=self.workers.num_cpu_blocks,
-            block_size=config.cache.block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            watermark_blocks=min(num_blocks - 1, math.floor(config.cache.watermark * num_blocks)),
+        self.block_manager = build_kv_manager(
+            config, info, self.workers.num_device_blocks, self.workers.num_cpu_blocks
+        )
+        self.layout_recorder = LayoutRecorder(
+            config.cache.kv_layout, info.kv_bytes_per_block / config.cache.block_size
         )
         if tokenizer is None:
             tokenizer = load_tokenizer(config.model.model)
@@ -103,9 +104,14 @@ class EngineCore:
         request_id: str | None = None,
         tenant_salt: bytes | None = None,
         chat_template: str | None = None,
+        shared_prefix_tokens: int = 0,
     ) -> Request:
         """Validates and queues a request. Raises RequestRejected (never servable as asked) or
-        EngineOverloaded (the waiting queue is full)."""
+        EngineOverloaded (the waiting queue is full).
+
+        `shared_prefix_tokens`: the prompt's first tokens that are an operator-shared prefix
+        (e.g. a system prompt); its whole blocks are cached without the tenant salt, so every
+        tenant shares them, while every later block stays salted per tenant."""
         arrival = next(self._arrivals)
         request_id = request_id if request_id is not None else f"req-{arrival}"
         if request_id in self.requests:
@@ -118,9 +124,16 @@ class EngineCore:
         rendered = self.renderer.render(prompt, chat_template=chat_template)
         ids = rendered.token_ids
         self._check_fits(ids, params)
+        cache_key = self.cache_key_for(rendered, tenant_salt, shared_prefix_tokens)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        ranges = self.block_manager if isinstance(self.block_manager, RangeKVManager) else None
+        if ranges is not None and params.n > 1:
+            raise RequestRejected(
+                f"n={params.n}: cache.kv_layout {ranges.layout!r} gives every sequence its own "
+                "range and cannot fork one; parallel sampling needs the 'paged' layout"
+            )
         seed = params.seed if params.seed is not None else self._default_seed(arrival)
         request = Request(
             request_id=request_id,
@@ -129,16 +142,60 @@ class EngineCore:
             prompt_token_ids=ids,
             params=params,
             settings=params.to_settings(seed),
-            cache_key=self.cache_keys.key(
-                chat_template_digest=rendered.chat_template_digest, tenant_salt=tenant_salt
-            ),
+            cache_key=cache_key,
             max_tokens=max_tokens,
             branches=[self._new_branch(ids, params, index) for index in range(params.n)],
             metrics=RequestMetrics(arrival_time=time.time()),
         )
+        if ranges is not None:  # the reservation a contiguous layout makes at admission
+            for branch in request.branches:
+                ranges.set_max_tokens(branch.seq_id, len(ids) + max_tokens)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    def cache_key_for(
+        self, rendered: RenderedPrompt, tenant_salt: bytes | None, shared_prefix_tokens: int = 0
+    ) -> CacheKey:
+        """The key a rendered prompt's blocks are cached under: its template's identity seed,
+        the tenant salt, and `shared_prefix_tokens // block_size` leading unsalted blocks.
+        Raises RequestRejected for a shared prefix longer than the prompt."""
+        num_prompt_tokens = len(rendered.token_ids)
+        if (
+            isinstance(shared_prefix_tokens, bool)
+            or not isinstance(shared_prefix_tokens, int)
+            or not 0 <= shared_prefix_tokens <= num_prompt_tokens
+        ):
+            raise RequestRejected(
+                f"shared_prefix_tokens must be an int in [0, {num_prompt_tokens}] (the prompt's "
+                f"length), got {shared_prefix_tokens!r}"
+            )
+        return self.cache_keys.key(
+            chat_template_digest=rendered.chat_template_digest,
+            tenant_salt=tenant_salt,
+            unsalted_blocks=shared_prefix_tokens // self.config.cache.block_size,
+        )
+
+    def prompt_block_hashes(
+        self,
+        prompt: PromptInput,
+        *,
+        tenant_salt: bytes | None,
+        chat_template: str | None = None,
+        shared_prefix_tokens: int = 0,
+    ) -> list[bytes]:
+        """Chain hashes of the prompt's blocks a prefix lookup could hit (its full blocks but
+        the one holding the last token), exactly as the block manager keys them. Raises
+        RequestRejected for a prompt the engine cannot render."""
+        rendered = self.renderer.render(prompt, chat_template=chat_template)
+        key = self.cache_key_for(rendered, tenant_salt, shared_prefix_tokens)
+        return prompt_block_hashes(
+            rendered.token_ids,
+            hash_seed=key.hash_seed,
+            extra_keys=key.extra_keys,
+            block_size=self.config.cache.block_size,
+            shared_prefix_blocks=key.unsalted_blocks,
+        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Frees everything the request holds; its final output (finish_reason "abort")."""
@@ -146,6 +203,7 @@ class EngineCore:
         if request is None:
             return None
         self.scheduler.abort(request)
+        self._forget_limits(request)
         request.metrics.finished_time = time.time()
         return request.make_output()
 
@@ -156,9 +214,15 @@ class EngineCore:
 
     def begin_step(self) -> SchedulerStep:
         step = self.scheduler.schedule()
+        bm = self.block_manager
+        if isinstance(bm, VirtualKVManager) and not step.is_empty:
+            step.plan.decommit = bm.take_decommits()
         if self.config.scheduler.check_integrity:
-            self.block_manager.check_integrity()
-        self.recorder.observe_pressure(self.block_manager.pressure())
+            bm.check_integrity()
+        pressure = bm.pressure()
+        self.recorder.observe_pressure(pressure)
+        running = sum(len(r.active_branches) for r in self.scheduler.running)
+        self.layout_recorder.observe(layout_usage(bm, pressure), running)
         return step
 
     def finish_step(self, step: SchedulerStep, output: StepOutput | None) -> list[RequestOutput]:
@@ -168,6 +232,7 @@ class EngineCore:
         touched: dict[str, Request] = {}
         if output is not None:
             self.recorder.num_steps += 1
+            self.layout_recorder.observe_output(output, len(step.plan.decommit))
             for work in step.works:
                 if work.request.metrics.first_scheduled_time is None:
                     work.request.metrics.first_scheduled_time = now
@@ -188,7 +253,19 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         step = self.begin_step()
         output = None if step.is_empty else self.workers.execute(step.plan)
-        return self.finish_step(step, output) + self.resolve_stall(step)
+        outputs = self.finish_step(step, output) + self.resolve_stall(step)
+        if not self.has_unfinished():
+            self.flush_decommits()
+        return outputs
+
+    def flush_decommits(self) -> None:
+        """`virtual` layout: return the memory of ended sequences now, in a plan of its own
+        (step id -1, nothing else in it), instead of with the next step's plan."""
+        bm = self.block_manager
+        if isinstance(bm, VirtualKVManager) and bm.has_pending_decommits():
+            ranges = bm.take_decommits()
+            output = self.workers.execute(StepPlan(step_id=-1, decommit=ranges))
+            self.layout_recorder.observe_output(output, len(ranges))
 
     def resolve_stall(self, step: SchedulerStep) -> list[RequestOutput]:
         """After an empty step with nothing running (and nothing preempted), the head of the
@@ -288,7 +365,13 @@ class EngineCore:
             self.recorder.tpot.observe(gap)
         metrics.last_token_time = now
 
+    def _forget_limits(self, request: Request) -> None:
+        if isinstance(self.block_manager, RangeKVManager):
+            for branch in request.branches:
+                self.block_manager.forget(branch.seq_id)
+
     def _complete(self, request: Request, now: float) -> None:
+        self._forget_limits(request)
         request.metrics.finished_time = now
         self.requests.pop(request.request_id, None)
         self.recorder.num_finished_requests += 1
@@ -314,4 +397,5 @@ class EngineCore:
         request.status = RequestStatus.FINISHED
         request.metrics.finished_time = time.time()
         self.requests.pop(request.request_id, None)
+        self._forget_limits(request)
         return request.make_output()

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from block_manager import KVCacheManager, NeverFits, NoFreeBlocks
+from block_manager.reserved_range import RangeKVManager
 from cluster.config import SchedulerSettings
 from cluster.preemption import PreemptionCostModel
 from cluster.request import Branch, Request, RequestStatus
@@ -74,7 +75,7 @@ class Scheduler:
     def __init__(
         self,
         settings: SchedulerSettings,
-        block_manager: KVCacheManager,
+        block_manager: KVCacheManager | RangeKVManager,
         cost_model: PreemptionCostModel,
     ) -> None:
         self.settings = settings
@@ -346,6 +347,7 @@ class Scheduler:
                     branch.token_ids,
                     hash_seed=request.cache_key.hash_seed,
                     extra_keys=request.cache_key.extra_keys,
+                    unsalted_blocks=request.cache_key.unsalted_blocks,
                 )
                 if not done:
                     cached_first = cached
@@ -361,6 +363,7 @@ class Scheduler:
             branch.token_ids,
             hash_seed=request.cache_key.hash_seed,
             extra_keys=request.cache_key.extra_keys,
+            unsalted_blocks=request.cache_key.unsalted_blocks,
         )
         total_blocks = -(-len(branch.token_ids) // self.bm.block_size)
         cached_tokens = max(0, total_blocks - needed) * self.bm.block_size

@@ -14,6 +14,7 @@ import torch
 
 from workers.model import AttentionMetadata
 from workers.plan import SamplingSettings, SequenceWork, StepPlan
+from workers.range_attention import contiguous_runs
 from workers.sampling import SampleRequest
 
 
@@ -109,9 +110,17 @@ def _check_work(plan: StepPlan, work: SequenceWork, state: SequenceState, block_
 
 
 def pack_batch(
-    plan: StepPlan, registry: SequenceRegistry, block_size: int, device: torch.device
+    plan: StepPlan,
+    registry: SequenceRegistry,
+    block_size: int,
+    device: torch.device,
+    contiguous: bool = False,
 ) -> PackedBatch:
-    """Token ids, positions, slot mapping, block tables and sample rows of `plan.sequences`."""
+    """Token ids, positions, slot mapping, block tables and sample rows of `plan.sequences`.
+
+    `contiguous` (the contiguous and virtual KV layouts): every table must be one run of block
+    ids, and the metadata carries each run's first block for the non-paged attention path.
+    """
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -155,5 +164,6 @@ def pack_batch(
         context_lens=tensor(context_lens, torch.int32),
         block_tables=tensor(padded, torch.int32).reshape(len(tables), width),
         logits_indices=tensor(logits_rows, torch.int64),
+        range_first_blocks=contiguous_runs(tables) if contiguous else None,
     )
     return PackedBatch(tensor(token_ids, torch.int64), metadata, sample_seq_ids, requests)

@@ -18,6 +18,8 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
+KV_LAYOUTS = ("paged", "contiguous", "virtual")
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -36,8 +38,16 @@ class WorkerConfig:
     backend: str = "ray"
     weights_cache_dir: str | None = None
     seed: int = 0
+    kv_layout: str = "paged"
+    """paged | contiguous | virtual: how the engine addresses the pool (see `virtual_pool`)."""
+    kv_virtual_slots: int = 0
+    """`virtual` layout: sequence slots of the virtual pool (the engine's max running seqs)."""
 
     def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout {self.kv_layout!r} is not one of {list(KV_LAYOUTS)}")
+        if self.kv_layout == "virtual" and self.kv_virtual_slots <= 0:
+            raise ValueError("kv_layout 'virtual' needs kv_virtual_slots > 0")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(SUPPORTED_DTYPES)}")
         if self.block_size <= 0:

@@ -24,6 +24,7 @@ from workers.layers import (
     VocabParallelEmbedding,
 )
 from workers.parallel import TensorParallel, even_range, head_layout
+from workers.range_attention import RangeAttention, range_attention
 from workers.rope import RotaryEmbedding, apply_rotary
 
 
@@ -42,6 +43,9 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
+    range_first_blocks: list[int] | None = None
+    """Contiguous and virtual KV layouts: each sequence's first block. Its KV is the run
+    `first, first + 1, ...` and attention takes the non-paged path (`range_attention`)."""
 
     def prepare_kernels(self, kv_pool: torch.Tensor) -> PreparedAttention:
         """Validate this step's metadata once for every layer of `kv_pool` (ValueError if bad)."""
@@ -94,7 +98,7 @@ class Attention(torch.nn.Module):
         self,
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        metadata: PreparedAttention,
+        metadata: PreparedAttention | RangeAttention,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -104,6 +108,21 @@ class Attention(torch.nn.Module):
         q = apply_rotary(q.view(tokens, self.num_q, self.head_dim), *cos_sin)
         k = apply_rotary(k.view(tokens, self.num_kv, self.head_dim), *cos_sin)
         v = v.reshape(tokens, self.num_kv, self.head_dim)
+        if isinstance(metadata, RangeAttention):
+            prepared = metadata.prepared
+            write_kv(k, v, k_cache, v_cache, metadata=prepared)
+            out = range_attention(
+                q,
+                k_cache,
+                v_cache,
+                query_starts=prepared.query_starts,
+                query_lens=prepared.query_lens,
+                context_lens=prepared.context_lens,
+                first_blocks=metadata.first_blocks,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+            )
+            return self.o_proj(out.reshape(tokens, q_width))
         write_kv(k, v, k_cache, v_cache, metadata=metadata)
         out = paged_attention(
             q,
@@ -153,7 +172,7 @@ class DecoderLayer(torch.nn.Module):
         self,
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        metadata: PreparedAttention,
+        metadata: PreparedAttention | RangeAttention,
         kv_layer: torch.Tensor,
     ) -> torch.Tensor:
         attended = self.self_attn(
@@ -198,8 +217,11 @@ class CausalLM(torch.nn.Module):
         hidden = self.embed_tokens.embed(token_ids)
         cos_sin = self.rotary.cos_sin(metadata.positions, hidden.dtype)
         prepared = metadata.prepare_kernels(kv_pool)  # validated once, shared by every layer
+        step: PreparedAttention | RangeAttention = prepared
+        if metadata.range_first_blocks is not None:
+            step = RangeAttention(prepared, metadata.range_first_blocks)
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos_sin, prepared, kv_pool[index])
+            hidden = layer(hidden, cos_sin, step, kv_pool[index])
         return self.norm(hidden)
 
     @torch.inference_mode()

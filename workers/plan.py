@@ -82,6 +82,9 @@ class StepPlan:
     table and sampling settings; applied before `sequences` are read."""
     released: list[int] = field(default_factory=list)
     """Sequence ids whose cached state the worker drops (finished, aborted, or preempted)."""
+    decommit: list[BlockPair] = field(default_factory=list)
+    """`[first, end)` device block ranges whose physical memory the worker returns to the OS
+    before the forward pass (the `virtual` KV layout: ranges of ended sequences); else empty."""
 
 
 @dataclass(frozen=True)
@@ -100,3 +103,8 @@ class StepOutput:
     step_id: int
     samples: dict[int, list[SampledToken]] = field(default_factory=dict)
     forward_seconds: float = 0.0
+    page_faults: int = 0
+    """Minor page faults rank 0's process took during the step's forward pass (getrusage)."""
+    kv_backed_bytes: int | None = None
+    """Bytes of rank 0's KV pool physically resident after the step (the `virtual` layout's
+    mapping, measured with mincore); None for a pool that is committed whole."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import pathlib
+import resource
 import socket
 import time
 
@@ -25,6 +26,7 @@ from workers.model import AttentionMetadata, CausalLM
 from workers.parallel import TensorParallel, head_layout
 from workers.plan import BlockPair, StepOutput, StepPlan
 from workers.sampling import check_settings, sample_rows
+from workers.virtual_pool import VirtualKVPool, virtual_geometry
 
 PROFILE_TOKENS = 2048
 """Tokens in the CUDA profiling forward pass (a large prefill chunk)."""
@@ -77,6 +79,7 @@ class WorkerRank:
         self.model: CausalLM | None = None
         self.device_pool: torch.Tensor | None = None
         self.cpu_pool: torch.Tensor | None = None
+        self.virtual_pool: VirtualKVPool | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         return free_tcp_address()
@@ -147,11 +150,53 @@ class WorkerRank:
         return cpu_swap_blocks(self.config, self.kv_shape)
 
     def allocate(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate the device pool and (when `num_cpu_blocks > 0`) the CPU swap pool."""
-        self.device_pool = self._allocate(num_device_blocks, self.device)
+        """Allocate the device pool and (when `num_cpu_blocks > 0`) the CPU swap pool.
+
+        Under the `virtual` KV layout the device pool is a virtual reservation of one slot per
+        sequence (see `workers.virtual_pool`); `num_device_blocks` is then the physical budget,
+        which the engine's layout manager enforces.
+        """
+        if self.config.kv_layout == "virtual":
+            self.virtual_pool = self._allocate_virtual()
+            self.device_pool = self.virtual_pool.tensor
+        else:
+            self.device_pool = self._allocate(num_device_blocks, self.device)
         if num_cpu_blocks > 0:
             pin = self.device.type == "cuda"
             self.cpu_pool = self._allocate(num_cpu_blocks, torch.device("cpu"), pin)
+
+    def _allocate_virtual(self) -> VirtualKVPool:
+        if self.device.type != "cpu":
+            raise ValueError(
+                "kv_layout 'virtual' is implemented on CPU only (an anonymous mmap); the CUDA "
+                "virtual memory management path is not implemented"
+            )
+        shape = self.kv_shape
+        element = torch.empty((), dtype=shape.dtype).element_size()
+        geometry = virtual_geometry(
+            self.config.kv_virtual_slots,
+            self.max_model_len,
+            shape.block_size,
+            shape.block_size * shape.num_kv_heads * shape.head_dim * element,
+        )
+        return VirtualKVPool(
+            shape.num_layers,
+            geometry.num_blocks,
+            shape.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.dtype,
+        )
+
+    def _decommit(self, plan: StepPlan) -> None:
+        if not plan.decommit:
+            return
+        if self.virtual_pool is None:
+            raise ValueError(
+                f"step {plan.step_id}: decommit ranges sent but kv_layout is "
+                f"{self.config.kv_layout!r}, not 'virtual'"
+            )
+        self.virtual_pool.decommit(plan.decommit)
 
     def _check_ids(self, plan: StepPlan) -> None:
         """Sampling settings valid, token ids inside the vocabulary and block ids inside the
@@ -224,8 +269,15 @@ class WorkerRank:
                 )
         snapshot = self.registry.apply(plan)
         try:
-            batch = pack_batch(plan, self.registry, self.config.block_size, self.device)
+            batch = pack_batch(
+                plan,
+                self.registry,
+                self.config.block_size,
+                self.device,
+                contiguous=self.config.kv_layout != "paged",
+            )
             self._check_ids(plan)
+            self._decommit(plan)
         except ValueError:
             self.registry.restore(snapshot)
             raise
@@ -233,7 +285,9 @@ class WorkerRank:
         output = StepOutput(step_id=plan.step_id)
         logits = None
         if plan.sequences:
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             hidden = self.model(batch.token_ids, batch.metadata, self.device_pool)
+            output.page_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             if batch.sample_requests:
                 logits = self.model.logits(hidden[batch.metadata.logits_indices])
                 if self.tp.rank == 0:
@@ -242,6 +296,8 @@ class WorkerRank:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         output.forward_seconds = time.perf_counter() - began
+        if self.virtual_pool is not None:
+            output.kv_backed_bytes = self.virtual_pool.resident_bytes()
         if self.tp.rank != 0:
             return None, None
         kept = logits.cpu() if keep_logits and logits is not None else None
@@ -253,3 +309,4 @@ class WorkerRank:
         self.model = None
         self.device_pool = None
         self.cpu_pool = None
+        self.virtual_pool = None

@@ -1,0 +1,159 @@
+"""The `cache.kv_layout` setting: which manager the scheduler drives, and its accounting.
+
+`build_kv_manager` returns the paged `KVCacheManager` or a range manager (`ContiguousKVManager`,
+`VirtualKVManager`) behind the same interface, so the scheduler, model, sampling and workload
+are the same under every layout. `LayoutRecorder` samples, every step, bytes reserved, bytes
+physically backed and bytes holding live tokens (plus internal fragmentation and reservation
+waste apart), and sums the page faults and decommits the workers report.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from block_manager import KVCacheManager, PressureSnapshot
+from block_manager.contiguous import ContiguousKVManager
+from block_manager.reserved_range import LayoutUsage, RangeKVManager
+from block_manager.virtual import VirtualKVManager
+from cluster.config import EngineConfig
+from workers import ModelInfo
+from workers.plan import StepOutput
+from workers.virtual_pool import virtual_geometry
+
+KVManager = KVCacheManager | RangeKVManager
+
+
+def build_kv_manager(
+    config: EngineConfig, info: ModelInfo, num_device_blocks: int, num_cpu_blocks: int
+) -> KVManager:
+    """The manager of `config.cache.kv_layout` over a budget of `num_device_blocks` blocks."""
+    cache = config.cache
+    watermark = min(num_device_blocks - 1, math.floor(cache.watermark * num_device_blocks))
+    if cache.kv_layout == "paged":
+        return KVCacheManager(
+            num_device_blocks=num_device_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            block_size=cache.block_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            watermark_blocks=watermark,
+        )
+    if cache.kv_layout == "contiguous":
+        return ContiguousKVManager(
+            num_device_blocks=num_device_blocks,
+            block_size=cache.block_size,
+            max_model_len=info.max_model_len,
+            watermark_blocks=watermark,
+        )
+    tp = config.parallel.tensor_parallel_size
+    plane_block_bytes = info.kv_bytes_per_block // (2 * info.num_layers * tp)
+    geometry = virtual_geometry(
+        config.scheduler.max_num_seqs, info.max_model_len, cache.block_size, plane_block_bytes
+    )
+    return VirtualKVManager(
+        num_device_blocks=num_device_blocks,
+        block_size=cache.block_size,
+        max_model_len=info.max_model_len,
+        num_slots=geometry.num_slots,
+        slot_blocks=geometry.slot_blocks,
+        commit_blocks=geometry.commit_blocks,
+        watermark_blocks=watermark,
+    )
+
+
+def paged_usage(pressure: PressureSnapshot) -> LayoutUsage:
+    """The paged layout in `LayoutUsage` terms: blocks held by sequences are reserved and backed
+    alike; the unfilled part of partial tails is its only (internal) waste."""
+    return LayoutUsage(
+        reserved_slots=pressure.token_slots_allocated,
+        backed_slots=pressure.token_slots_allocated,
+        live_slots=pressure.tokens_held,
+        internal_fragmentation_slots=pressure.waste_slots,
+        reservation_waste_slots=0,
+        pool_slots=pressure.device.total * pressure.block_size,
+    )
+
+
+def layout_usage(manager: KVManager, pressure: PressureSnapshot) -> LayoutUsage:
+    """`manager`'s accounting now; `pressure` is its `pressure()` of this instant."""
+    if isinstance(manager, KVCacheManager):
+        return paged_usage(pressure)
+    return manager.usage()
+
+
+@dataclass(frozen=True)
+class UsageSample:
+    """One step's accounting, in bytes (all ranks together)."""
+
+    time: float
+    reserved_bytes: int
+    backed_bytes: int
+    live_bytes: int
+    internal_fragmentation_bytes: int
+    reservation_waste_bytes: int
+    running_sequences: int
+
+
+@dataclass
+class LayoutRecorder:
+    """Per-step samples (kept only when `keep_samples`) plus running peaks and totals."""
+
+    layout: str
+    bytes_per_slot: float
+    keep_samples: bool = False
+    samples: list[UsageSample] = field(default_factory=list)
+    peak_running_sequences: int = 0
+    peak_backed_bytes: int = 0
+    peak_live_bytes: int = 0
+    sum_backed_bytes: float = 0.0
+    sum_live_bytes: float = 0.0
+    sum_reserved_bytes: float = 0.0
+    sum_internal_fragmentation_bytes: float = 0.0
+    sum_reservation_waste_bytes: float = 0.0
+    num_samples: int = 0
+    page_faults: int = 0
+    decommit_ranges: int = 0
+    forward_seconds: float = 0.0
+    measured_backed_bytes: list[tuple[float, int]] = field(default_factory=list)
+    """(time, bytes) the workers measured resident (virtual layout), kept with `keep_samples`."""
+
+    def observe(self, usage: LayoutUsage, running_sequences: int) -> None:
+        scale = self.bytes_per_slot
+        sample = UsageSample(
+            time=time.perf_counter(),
+            reserved_bytes=round(usage.reserved_slots * scale),
+            backed_bytes=round(usage.backed_slots * scale),
+            live_bytes=round(usage.live_slots * scale),
+            internal_fragmentation_bytes=round(usage.internal_fragmentation_slots * scale),
+            reservation_waste_bytes=round(usage.reservation_waste_slots * scale),
+            running_sequences=running_sequences,
+        )
+        if self.keep_samples:
+            self.samples.append(sample)
+        self.num_samples += 1
+        self.peak_running_sequences = max(self.peak_running_sequences, running_sequences)
+        self.peak_backed_bytes = max(self.peak_backed_bytes, sample.backed_bytes)
+        self.peak_live_bytes = max(self.peak_live_bytes, sample.live_bytes)
+        self.sum_backed_bytes += sample.backed_bytes
+        self.sum_live_bytes += sample.live_bytes
+        self.sum_reserved_bytes += sample.reserved_bytes
+        self.sum_internal_fragmentation_bytes += sample.internal_fragmentation_bytes
+        self.sum_reservation_waste_bytes += sample.reservation_waste_bytes
+
+    def observe_output(self, output: StepOutput, decommit_ranges: int) -> None:
+        self.page_faults += output.page_faults
+        self.forward_seconds += output.forward_seconds
+        self.decommit_ranges += decommit_ranges
+        if self.keep_samples and output.kv_backed_bytes is not None:
+            self.measured_backed_bytes.append((time.perf_counter(), output.kv_backed_bytes))
+
+    def waste_fraction(self) -> float:
+        """Time-averaged (backed - live) / backed over the sampled steps (0 when nothing backed)."""
+        if self.sum_backed_bytes == 0:
+            return 0.0
+        return (self.sum_backed_bytes - self.sum_live_bytes) / self.sum_backed_bytes
+
+    def utilization(self) -> float:
+        """Time-averaged live / backed: 1 - `waste_fraction`."""
+        return 1.0 - self.waste_fraction()
