@@ -69,6 +69,18 @@ def check_hash_seed(seed: bytes) -> bytes:
     return bytes(seed)
 
 
+def check_unsalted_blocks(unsalted_blocks: int, num_full_blocks: int) -> int:
+    """Unsalted blocks must be an int in [0, the sequence's full blocks] (whole prompt blocks)."""
+    if type(unsalted_blocks) is not int or unsalted_blocks < 0:
+        raise InvalidOperation(f"unsalted_blocks must be an int >= 0, got {unsalted_blocks!r}")
+    if unsalted_blocks > num_full_blocks:
+        raise InvalidOperation(
+            f"unsalted_blocks {unsalted_blocks} exceeds the sequence's {num_full_blocks} full "
+            "blocks (only whole prompt blocks go unsalted)"
+        )
+    return unsalted_blocks
+
+
 def block_hash(
     parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str | bytes] = ()
 ) -> bytes:
@@ -84,19 +96,27 @@ def block_key(parent: bytes, token_bytes: bytes, suffix: bytes) -> bytes:
     return parent + (len(token_bytes) // 4).to_bytes(4, "little") + token_bytes + suffix
 
 
+def block_suffix(index: int, suffix: bytes, unsalted_blocks: int) -> bytes:
+    """The extra-key bytes of block `index`: none for the first `unsalted_blocks` blocks (an
+    operator-shared prefix, the same for every tenant), `suffix` for the rest."""
+    return _NO_EXTRA_KEYS if index < unsalted_blocks else suffix
+
+
 def chain_blocks(
-    parent: bytes, data: bytes, block_size: int, suffix: bytes
+    parent: bytes, data: bytes, block_size: int, suffix: bytes, unsalted_blocks: int = 0
 ) -> tuple[list[bytes], list[bytes]]:
     """Preimages and chain hashes of the consecutive full blocks in `data` (u32le token bytes).
 
-    `suffix` is ``encode_extra_keys(...)``; each hash equals `block_hash` of that block.
+    `suffix` is ``encode_extra_keys(...)``, used from block `unsalted_blocks` on (the blocks
+    before it carry no extra keys); each hash equals `block_hash` of that block.
     """
     prefix, width = block_size.to_bytes(4, "little"), block_size * 4
     sha256 = hashlib.sha256
     keys: list[bytes] = []
     digests: list[bytes] = []
     for start in range(0, len(data) - width + 1, width):
-        key = parent + prefix + data[start : start + width] + suffix
+        extra = _NO_EXTRA_KEYS if start < unsalted_blocks * width else suffix
+        key = parent + prefix + data[start : start + width] + extra
         parent = sha256(key).digest()
         keys.append(key)
         digests.append(parent)
@@ -111,19 +131,23 @@ def match_cached_prefix(
     block_size: int,
     suffix: bytes,
     max_blocks: int,
+    unsalted_blocks: int = 0,
 ) -> tuple[list[int], list[bytes]]:
     """Blocks and chain hashes of the longest cached chain prefix (at most `max_blocks` blocks).
 
     `cached` maps a block's exact hash preimage to the block and `block_hashes[block]` is its
     hash, so each step is one exact dictionary lookup; a hit's hash is read, not recomputed.
+    The first `unsalted_blocks` blocks are looked up without extra keys (see `block_suffix`).
     """
     prefix, width = block_size.to_bytes(4, "little"), block_size * 4
     lookup = cached.get
     blocks: list[int] = []
     hashes: list[bytes] = []
     parent = seed
+    unsalted_end = unsalted_blocks * width
     for start in range(0, max_blocks * width, width):
-        block = lookup(parent + prefix + data[start : start + width] + suffix)
+        extra = _NO_EXTRA_KEYS if start < unsalted_end else suffix
+        block = lookup(parent + prefix + data[start : start + width] + extra)
         if block is None:
             break
         digest = block_hashes[block]

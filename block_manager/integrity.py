@@ -7,8 +7,10 @@ Verified, for the device tier and the CPU tier alike:
 3. unsealed free blocks precede cached ones (they are reused first); the index and the per-block
    keys agree and each cached key digests to its block's hash; the CPU tier caches nothing;
 4. every table has ceil(tokens / block_size) blocks, no block twice, counts in range, and its
-   sealed hashes equal the recomputed hash chain (``verify_hashes``); a device block is cached
-   under exactly the hash its tables sealed it with (so every sealed device block is findable);
+   sealed hashes equal the recomputed hash chain (``verify_hashes``; its first
+   ``unsalted_blocks`` blocks, which lie within its tokens, without extra keys); a device
+   block is cached under exactly the hash its tables sealed it with (so every sealed device
+   block is findable);
 5. every slot a sequence may still write (positions ``[num_computed, num_tokens)``) lies in a
    block it holds alone and that is not sealed, so no two sequences can write the same slot.
 Cost: O(blocks + table entries), plus one sha256 per sealed block when ``verify_hashes``.
@@ -88,7 +90,9 @@ def check_pool(pool: BlockPool, expected_refs: list[int], *, verify_hashes: bool
 def _check_chain(seq_id: SeqId, table: BlockTable, block_size: int) -> None:
     sealed = len(table.hashes)
     data = tokens_to_bytes(table.tokens[: sealed * block_size])
-    recomputed = chain_blocks(table.hash_seed, data, block_size, table.hash_suffix)[1]
+    recomputed = chain_blocks(
+        table.hash_seed, data, block_size, table.hash_suffix, table.unsalted_blocks
+    )[1]
     for index, (have, want) in enumerate(zip(table.hashes, recomputed, strict=True)):
         if have != want:
             _fail(f"sequence {seq_id}: block {index}'s hash does not match the recomputed chain")
@@ -114,6 +118,8 @@ def check_manager_integrity(
             _fail(f"sequence {seq_id}: num_computed {table.num_computed} out of range")
         if len(table.hashes) * block_size > table.num_computed:
             _fail(f"sequence {seq_id}: a sealed block is not fully computed")
+        if not 0 <= table.unsalted_blocks * block_size <= num_tokens:
+            _fail(f"sequence {seq_id}: {table.unsalted_blocks} unsalted blocks out of range")
         if table.hashes and not caching:
             _fail(f"sequence {seq_id}: blocks sealed with prefix caching disabled")
         on_cpu = table.on_cpu

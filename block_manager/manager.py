@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from block_manager.errors import InvalidOperation, NeverFits, NoFreeBlocks
 from block_manager.identity import (
+    block_suffix,
     check_hash_seed,
+    check_unsalted_blocks,
     encode_extra_keys,
     match_cached_prefix,
     new_token_array,
@@ -45,6 +47,7 @@ class _Prompt(NamedTuple):
     tokens: array
     seed: bytes
     suffix: bytes
+    unsalted_blocks: int
 
 
 class KVCacheManager:
@@ -196,7 +199,11 @@ class KVCacheManager:
         return self._cpu.num_free
 
     def _plan_allocation(
-        self, token_ids: Sequence[int], hash_seed: bytes, extra_keys: Sequence[str | bytes]
+        self,
+        token_ids: Sequence[int],
+        hash_seed: bytes,
+        extra_keys: Sequence[str | bytes],
+        unsalted_blocks: int = 0,
     ) -> tuple[_Prompt, list[int], list[bytes], int]:
         """Validated prompt, cache hits (blocks, hashes) and blocks needed from the free queue."""
         tokens = new_token_array(token_ids)
@@ -204,6 +211,7 @@ class KVCacheManager:
             raise InvalidOperation("cannot allocate an empty sequence (no tokens)")
         seed = check_hash_seed(hash_seed)
         suffix = encode_extra_keys(extra_keys)
+        unsalted = check_unsalted_blocks(unsalted_blocks, len(tokens) >> self._shift)
         if self._caching:
             hit_blocks, hit_hashes = match_cached_prefix(
                 self._device.cached,
@@ -213,6 +221,7 @@ class KVCacheManager:
                 self._block_size,
                 suffix,
                 (len(tokens) - 1) >> self._shift,  # never the block holding the last token
+                unsalted,
             )
         else:
             hit_blocks, hit_hashes = [], []
@@ -220,26 +229,42 @@ class KVCacheManager:
         refs = self._device.ref_counts
         reclaimed = sum(1 for block in hit_blocks if refs[block] == 0)
         needed = total - len(hit_blocks) + reclaimed
-        return _Prompt(tokens, seed, suffix), hit_blocks, hit_hashes, needed
+        return _Prompt(tokens, seed, suffix, unsalted), hit_blocks, hit_hashes, needed
 
     def blocks_needed_to_allocate(
-        self, token_ids: Sequence[int], *, hash_seed: bytes, extra_keys: Sequence[str | bytes] = ()
+        self,
+        token_ids: Sequence[int],
+        *,
+        hash_seed: bytes,
+        extra_keys: Sequence[str | bytes] = (),
+        unsalted_blocks: int = 0,
     ) -> int:
         """Blocks `allocate` would take out of the free queue (new ones plus reused cached ones)."""
-        return self._plan_allocation(token_ids, hash_seed, extra_keys)[3]
+        return self._plan_allocation(token_ids, hash_seed, extra_keys, unsalted_blocks)[3]
 
     def cached_prefix_tokens(
-        self, token_ids: Sequence[int], *, hash_seed: bytes, extra_keys: Sequence[str | bytes] = ()
+        self,
+        token_ids: Sequence[int],
+        *,
+        hash_seed: bytes,
+        extra_keys: Sequence[str | bytes] = (),
+        unsalted_blocks: int = 0,
     ) -> int:
         """Tokens `allocate` would find cached now (what its return value would be)."""
-        return len(self._plan_allocation(token_ids, hash_seed, extra_keys)[2]) << self._shift
+        hits = self._plan_allocation(token_ids, hash_seed, extra_keys, unsalted_blocks)[2]
+        return len(hits) << self._shift
 
     def can_allocate(
-        self, token_ids: Sequence[int], *, hash_seed: bytes, extra_keys: Sequence[str | bytes] = ()
+        self,
+        token_ids: Sequence[int],
+        *,
+        hash_seed: bytes,
+        extra_keys: Sequence[str | bytes] = (),
+        unsalted_blocks: int = 0,
     ) -> bool:
         """Whether `allocate` would succeed now, keeping `watermark_blocks` free."""
         needed = self.blocks_needed_to_allocate(
-            token_ids, hash_seed=hash_seed, extra_keys=extra_keys
+            token_ids, hash_seed=hash_seed, extra_keys=extra_keys, unsalted_blocks=unsalted_blocks
         )
         total = (len(token_ids) + self._mask) >> self._shift
         return total <= self.num_device_blocks and needed <= self._device.num_free - self._watermark
@@ -306,6 +331,21 @@ class KVCacheManager:
             watermark_blocks=self._watermark,
         )
 
+    def cached_block_hashes(self) -> Iterator[bytes]:
+        """Chain hashes of the sealed device blocks a prefix lookup can hit now: the referenced
+        ones first (block id order), then the evictable ones, those evicted last first (so a
+        bounded reader keeps the longest-lived). Lazy: consume it before the next mutation."""
+        pool = self._device
+        refs, hashes = pool.ref_counts, pool.hashes
+        for block, digest in enumerate(hashes):
+            if digest is not None and refs[block] > 0:
+                yield digest
+        for block in reversed(pool.free_queue()):
+            digest = hashes[block]
+            if digest is None:  # unsealed free blocks all sit before the cached ones
+                return
+            yield digest
+
     def check_integrity(self, *, verify_hashes: bool = True) -> None:
         """Raise `IntegrityError` if any invariant is broken (see `block_manager.integrity`)."""
         check_manager_integrity(
@@ -325,11 +365,17 @@ class KVCacheManager:
         *,
         hash_seed: bytes,
         extra_keys: Sequence[str | bytes] = (),
+        unsalted_blocks: int = 0,
     ) -> int:
-        """New table for `token_ids`; shares the longest cached prefix; returns cached tokens."""
+        """New table for `token_ids`; shares the longest cached prefix; returns cached tokens.
+
+        The first `unsalted_blocks` full blocks (an operator-shared prefix such as a system
+        prompt) are hashed without `extra_keys`, so sequences with other extra keys (tenants)
+        share them; every later block carries `extra_keys`. The table remembers the split.
+        """
         check_new_seq_id(self._tables, seq_id)
         prompt, hit_blocks, hit_hashes, needed = self._plan_allocation(
-            token_ids, hash_seed, extra_keys
+            token_ids, hash_seed, extra_keys, unsalted_blocks
         )
         tokens = prompt.tokens
         pool = self._device
@@ -360,6 +406,7 @@ class KVCacheManager:
             hashes=hit_hashes,
             hash_seed=prompt.seed,
             hash_suffix=prompt.suffix,
+            unsalted_blocks=prompt.unsalted_blocks,
         )
         self._prefix_query_tokens += len(tokens)
         self._prefix_hit_tokens += cached_tokens
@@ -435,12 +482,14 @@ class KVCacheManager:
         first = len(hashes)
         data = tokens_to_bytes(table.tokens[first * size : num_full * size])
         prefix, suffix, width = self._count_prefix, table.hash_suffix, size * 4
+        unsalted = table.unsalted_blocks
         parent = hashes[-1] if hashes else table.hash_seed
         pool, blocks = self._device, table.block_ids
         cached = pool.cached
         for index in range(first, num_full):
             start = (index - first) * width
-            key = parent + prefix + data[start : start + width] + suffix
+            extra = suffix if index >= unsalted else block_suffix(index, suffix, unsalted)
+            key = parent + prefix + data[start : start + width] + extra
             parent = _sha256(key).digest()
             hashes.append(parent)
             holder = cached.get(key)

@@ -4,7 +4,9 @@ Invariants (checked by `block_manager.integrity`):
 - ``len(block_ids) == ceil(len(token_ids) / block_size)``: only the last block (the tail) can be
   partial, and only positions ``[num_computed, num_tokens)`` and the tail's free slots are writable;
 - ``hashes[i]`` is the chain hash of full block ``i`` for ``i < len(hashes)`` and those blocks are
-  computed (``len(hashes) * block_size <= num_computed``); sealed blocks are never written again;
+  computed; blocks ``i < unsalted_blocks`` (an operator-shared prefix, whole prompt blocks only)
+  are hashed without the extra keys ``hash_suffix``, the rest with them
+  (``len(hashes) * block_size <= num_computed``); sealed blocks are never written again;
 - ``on_cpu`` is None while the sequence is device-resident; while swapped out, ``on_cpu[i]`` says
   whether ``block_ids[i]`` is a CPU block (moved) or a device block it still shares with others.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from array import array
 
-from block_manager.identity import block_key, new_token_array, tokens_to_bytes
+from block_manager.identity import block_key, block_suffix, new_token_array, tokens_to_bytes
 
 
 class BlockTable:
@@ -27,6 +29,7 @@ class BlockTable:
         "num_computed",
         "on_cpu",
         "tokens",
+        "unsalted_blocks",
     )
 
     def __init__(
@@ -38,6 +41,7 @@ class BlockTable:
         hashes: list[bytes],
         hash_seed: bytes,
         hash_suffix: bytes,
+        unsalted_blocks: int = 0,
     ) -> None:
         self.tokens = tokens
         self.block_ids = block_ids
@@ -45,6 +49,7 @@ class BlockTable:
         self.hashes = hashes
         self.hash_seed = hash_seed
         self.hash_suffix = hash_suffix
+        self.unsalted_blocks = unsalted_blocks
         self.on_cpu: list[bool] | None = None
 
     def fork(self) -> BlockTable:
@@ -56,6 +61,7 @@ class BlockTable:
             hashes=list(self.hashes),
             hash_seed=self.hash_seed,
             hash_suffix=self.hash_suffix,
+            unsalted_blocks=self.unsalted_blocks,
         )
         return child
 
@@ -65,7 +71,8 @@ class BlockTable:
             return None
         parent = self.hashes[index - 1] if index else self.hash_seed
         chunk = self.tokens[index * block_size : (index + 1) * block_size]
-        return block_key(parent, tokens_to_bytes(chunk), self.hash_suffix)
+        suffix = block_suffix(index, self.hash_suffix, self.unsalted_blocks)
+        return block_key(parent, tokens_to_bytes(chunk), suffix)
 
     def device_blocks(self) -> list[int]:
         """The device block ids this table references (all of them unless swapped out)."""

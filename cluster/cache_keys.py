@@ -2,7 +2,8 @@
 
 Requests share cached KV blocks only when everything that shaped those blocks is the same: model
 weights, tokenizer, the chat template that rendered the prompt, the adapter, and the KV-relevant
-execution settings (all in `CacheIdentity`), and the tenant salt (an extra key of every block).
+execution settings (all in `CacheIdentity`), and the tenant salt (an extra key of every block
+but those of an operator-shared prefix, see `unsalted_blocks`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class CacheKeyFactory:
         adapter_id: str | None = None,
         adapter_weights_digest: str | None = None,
         tenant_salt: bytes | None = None,
+        unsalted_blocks: int = 0,
     ) -> CacheKey:
+        """`unsalted_blocks` leading full blocks are hashed without the tenant salt (shared)."""
         memo = (chat_template_digest, adapter_id, adapter_weights_digest)
         seed = self._seeds.get(memo)
         if seed is None:
@@ -41,4 +44,4 @@ class CacheKeyFactory:
             seed = identity.digest()
             self._seeds[memo] = seed
         extra = (b"tenant:" + tenant_salt,) if tenant_salt else ()
-        return CacheKey(hash_seed=seed, extra_keys=extra)
+        return CacheKey(hash_seed=seed, extra_keys=extra, unsalted_blocks=unsalted_blocks)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -22,6 +25,7 @@ from cluster.engine_core import EngineCore, PromptInput
 from cluster.errors import EngineDead, RequestRejected
 from cluster.metrics import EngineMetrics
 from cluster.outputs import RequestOutput
+from cluster.request import CacheKey
 from cluster.sampling_params import SamplingParams
 from workers import ModelInfo, WorkerGroup
 
@@ -29,6 +33,21 @@ log = logging.getLogger(__name__)
 
 StreamItem = RequestOutput | BaseException
 IDLE_STEP_PAUSE_S = 0.001
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """A snapshot of the step loop's health.
+
+    `alive` is False once the loop failed or the engine was shut down (`error` says which);
+    `last_step_finished_s` is `time.monotonic()` when the last step finished (None before the
+    first); `num_unfinished` counts requests waiting, running or swapped.
+    """
+
+    alive: bool
+    error: str | None
+    last_step_finished_s: float | None
+    num_unfinished: int
 
 
 class AsyncEngine:
@@ -43,6 +62,8 @@ class AsyncEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._stepping = False
         self._dead: BaseException | None = None
+        self._shut_down = False
+        self._last_step_finished_s: float | None = None
 
     # --- public API ---------------------------------------------------------------------
 
@@ -54,10 +75,13 @@ class AsyncEngine:
         request_id: str | None = None,
         tenant_salt: bytes | None = None,
         chat_template: str | None = None,
+        shared_prefix_tokens: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs (deltas since the previous one) until it finishes.
         Raises RequestRejected / EngineOverloaded before the first output when it cannot queue;
-        leaving the iteration early aborts the request."""
+        leaving the iteration early aborts the request. The prompt's first
+        `shared_prefix_tokens` tokens (an operator-shared prefix) are cached for every tenant:
+        their whole blocks are hashed without `tenant_salt`, the rest with it."""
         if self._dead is not None:
             raise EngineDead(f"the engine stopped: {self._dead!r}")
         self._ensure_loop()
@@ -67,6 +91,7 @@ class AsyncEngine:
             request_id=request_id,
             tenant_salt=tenant_salt,
             chat_template=chat_template,
+            shared_prefix_tokens=shared_prefix_tokens,
         )
         rid = request.request_id
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
@@ -97,6 +122,58 @@ class AsyncEngine:
     def metrics(self) -> EngineMetrics:
         return self.core.metrics()
 
+    def health(self) -> EngineHealth:
+        """Whether the step loop can still serve (a dead loop is reported even when idle)."""
+        error = None
+        if self._dead is not None:
+            error = f"the engine step loop failed: {self._dead!r}"
+        elif self._shut_down:
+            error = "the engine was shut down"
+        return EngineHealth(
+            alive=error is None,
+            error=error,
+            last_step_finished_s=self._last_step_finished_s,
+            num_unfinished=self.core.scheduler.num_unfinished(),
+        )
+
+    def prompt_token_ids(self, prompt: PromptInput, chat_template: str | None = None) -> list[int]:
+        """The token ids the engine runs for `prompt` (rendered and tokenized); raises
+        RequestRejected for a prompt it cannot render."""
+        return self.core.renderer.render(prompt, chat_template=chat_template).token_ids
+
+    def prompt_block_hashes(
+        self,
+        prompt: PromptInput,
+        *,
+        tenant_salt: bytes | None,
+        chat_template: str | None = None,
+        shared_prefix_tokens: int = 0,
+    ) -> list[bytes]:
+        """Chain hashes of the prompt's blocks a cache lookup could hit, keyed exactly as
+        `generate` with the same arguments would cache them (see `EngineCore`)."""
+        return self.core.prompt_block_hashes(
+            prompt,
+            tenant_salt=tenant_salt,
+            chat_template=chat_template,
+            shared_prefix_tokens=shared_prefix_tokens,
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.core.config.cache.block_size
+
+    def plain_cache_key(self, tenant_salt: bytes | None) -> CacheKey:
+        """The cache key of a tenant's text and token-id prompts (no chat template, no shared
+        prefix): with `block_size`, what a caller needs to hash token ids as this engine does."""
+        return self.core.cache_keys.key(tenant_salt=tenant_salt)
+
+    def cached_block_hashes(self, limit: int) -> list[bytes]:
+        """At most `limit` chain hashes of blocks the engine holds cached on the device now
+        (in use ones first, then evictable ones, those evicted last first)."""
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        return list(itertools.islice(self.core.block_manager.cached_block_hashes(), limit))
+
     def model_info(self) -> ModelInfo:
         return self.core.model_info
 
@@ -117,6 +194,7 @@ class AsyncEngine:
         return rendered.text or ""
 
     async def shutdown(self) -> None:
+        self._shut_down = True
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -163,6 +241,7 @@ class AsyncEngine:
         finally:
             self._stepping = False
         outputs = self.core.finish_step(step, output) + self.core.resolve_stall(step)
+        self._last_step_finished_s = time.monotonic()
         for item in outputs:
             self._publish(item)
         aborts, self._pending_aborts = self._pending_aborts, []
@@ -196,6 +275,7 @@ class EngineActorImpl:
         request_id: str | None = None,
         tenant_salt: bytes | None = None,
         chat_template: str | None = None,
+        shared_prefix_tokens: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         async for output in self.engine.generate(
             prompt,
@@ -203,6 +283,7 @@ class EngineActorImpl:
             request_id=request_id,
             tenant_salt=tenant_salt,
             chat_template=chat_template,
+            shared_prefix_tokens=shared_prefix_tokens,
         ):
             yield output
 
@@ -211,6 +292,26 @@ class EngineActorImpl:
 
     def metrics(self) -> EngineMetrics:
         return self.engine.metrics()
+
+    def health(self) -> EngineHealth:
+        return self.engine.health()
+
+    def cached_block_hashes(self, limit: int) -> list[bytes]:
+        return self.engine.cached_block_hashes(limit)
+
+    def prompt_block_hashes(
+        self,
+        prompt: PromptInput,
+        tenant_salt: bytes | None,
+        chat_template: str | None = None,
+        shared_prefix_tokens: int = 0,
+    ) -> list[bytes]:
+        return self.engine.prompt_block_hashes(
+            prompt,
+            tenant_salt=tenant_salt,
+            chat_template=chat_template,
+            shared_prefix_tokens=shared_prefix_tokens,
+        )
 
     def model_info(self) -> ModelInfo:
         return self.engine.model_info()
@@ -252,10 +353,11 @@ class RemoteEngine:
         request_id: str | None = None,
         tenant_salt: bytes | None = None,
         chat_template: str | None = None,
+        shared_prefix_tokens: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         rid = request_id if request_id is not None else f"remote-{uuid.uuid4().hex}"
         stream = self.handle.generate.options(num_returns="streaming").remote(
-            prompt, params, rid, tenant_salt, chat_template
+            prompt, params, rid, tenant_salt, chat_template, shared_prefix_tokens
         )
         finished = False
         try:
@@ -272,6 +374,24 @@ class RemoteEngine:
 
     async def metrics(self) -> EngineMetrics:
         return await self.handle.metrics.remote()
+
+    async def health(self) -> EngineHealth:
+        return await self.handle.health.remote()
+
+    async def cached_block_hashes(self, limit: int) -> list[bytes]:
+        return await self.handle.cached_block_hashes.remote(limit)
+
+    async def prompt_block_hashes(
+        self,
+        prompt: PromptInput,
+        *,
+        tenant_salt: bytes | None,
+        chat_template: str | None = None,
+        shared_prefix_tokens: int = 0,
+    ) -> list[bytes]:
+        return await self.handle.prompt_block_hashes.remote(
+            prompt, tenant_salt, chat_template, shared_prefix_tokens
+        )
 
     async def model_info(self) -> ModelInfo:
         return await self.handle.model_info.remote()

@@ -24,7 +24,7 @@ from cluster.engine import AsyncEngine
 from cluster.engine_core import PromptInput
 from cluster.errors import EngineDead, EngineOverloaded, RequestRejected
 from cluster.metrics import EngineMetrics
-from cluster.openai_serving import PromptObserver, context_overflow
+from cluster.openai_serving import SharedPrefixTokens, context_overflow, no_shared_prefix
 from cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.sampling_params import SamplingParams
 from protos import generation_pb2 as pb
@@ -218,11 +218,11 @@ class GenerationRpc:
         self,
         engine: AsyncEngine,
         served_model_name: str,
-        observe: PromptObserver | None = None,
+        shared_prefix_tokens: SharedPrefixTokens = no_shared_prefix,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
-        self.observe = observe
+        self.shared_prefix_tokens = shared_prefix_tokens
 
     def check_model(self, model: str) -> None:
         if model and model != self.served_model_name:
@@ -245,15 +245,15 @@ class GenerationRpc:
         if overflow is not None:
             raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, overflow)
         encoder = GenerateStreamEncoder(self.engine.decode)
-        observed = False
         try:
             stream = self.engine.generate(
-                prompt, params, request_id=request_id, tenant_salt=tenant_salt
+                prompt,
+                params,
+                request_id=request_id,
+                tenant_salt=tenant_salt,
+                shared_prefix_tokens=self.shared_prefix_tokens(prompt),
             )
             async for output in stream:
-                if self.observe is not None and not observed:
-                    self.observe(prompt, tenant_salt)
-                    observed = True
                 response = encoder.encode(output)
                 if response is not None:
                     yield response

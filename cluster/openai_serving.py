@@ -88,8 +88,13 @@ def context_overflow(
 
 ENGINE_ERRORS = (RequestRejected, EngineOverloaded, EngineDead, ValueError)
 Stream = AsyncGenerator[RequestOutput, None]
-PromptObserver = Callable[[PromptInput, bytes | None], None]
-"""Told of every prompt the engine admitted, with its tenant salt (prefix-routing publication)."""
+SharedPrefixTokens = Callable[[PromptInput], int]
+"""How many leading tokens of a prompt are an operator-shared prefix (cached for all tenants)."""
+
+
+def no_shared_prefix(prompt: PromptInput) -> int:
+    """The default: no prompt starts with an operator-shared prefix."""
+    return 0
 
 
 def engine_prompt(prompt: Prompt) -> PromptInput:
@@ -193,11 +198,11 @@ class OpenAIServing:
         self,
         engine: AsyncEngine,
         served_model_name: str,
-        observe: PromptObserver | None = None,
+        shared_prefix_tokens: SharedPrefixTokens = no_shared_prefix,
     ) -> None:
         self.engine = engine
         self.model = served_model_name
-        self.observe = observe
+        self.shared_prefix_tokens = shared_prefix_tokens
 
     def token_text(self, token_id: int) -> str:
         return self.engine.decode([token_id], skip_special_tokens=False)
@@ -224,15 +229,17 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts):
                 request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
                 stream = self.engine.generate(
-                    prompt, params, request_id=request_id, tenant_salt=salt
+                    prompt,
+                    params,
+                    request_id=request_id,
+                    tenant_salt=salt,
+                    shared_prefix_tokens=self.shared_prefix_tokens(prompt),
                 )
                 try:
                     first = await anext(stream)
                 except ENGINE_ERRORS as error:
                     raise http_error(error) from None
                 streams.append(_chain(first, stream))
-                if self.observe is not None:
-                    self.observe(prompt, salt)
         except BaseException:
             for started in streams:
                 await started.aclose()

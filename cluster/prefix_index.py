@@ -77,11 +77,14 @@ def shared_prefix_blocks(
 
 @dataclass(frozen=True)
 class BlockHasher:
-    """What a caller needs to hash prompts the way one replica's engine does (for one tenant)."""
+    """What a caller needs to hash token-id prompts the way one replica's engine does (for one
+    tenant): the seed, the tenant's extra keys, the block size and the operator-shared prefixes
+    (as token ids) whose whole blocks the engine caches without the extra keys."""
 
     hash_seed: bytes
     extra_keys: tuple[bytes, ...]
     block_size: int
+    shared_prefixes: tuple[tuple[int, ...], ...] = ()
 
     def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         return prompt_block_hashes(
@@ -89,6 +92,9 @@ class BlockHasher:
             hash_seed=self.hash_seed,
             extra_keys=self.extra_keys,
             block_size=self.block_size,
+            shared_prefix_blocks=shared_prefix_blocks(
+                token_ids, self.shared_prefixes, self.block_size
+            ),
         )
 
 

@@ -54,10 +54,14 @@ class Branch:
 
 @dataclass(frozen=True)
 class CacheKey:
-    """What seeds and salts this request's block hashes (`CacheIdentity.digest()`, extra keys)."""
+    """What seeds and salts this request's block hashes (`CacheIdentity.digest()`, extra keys).
+
+    The first `unsalted_blocks` full blocks (an operator-shared prefix) carry no extra keys.
+    """
 
     hash_seed: bytes
     extra_keys: tuple[bytes, ...] = ()
+    unsalted_blocks: int = 0
 
 
 @dataclass

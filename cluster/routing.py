@@ -29,7 +29,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cluster.autoscaling import kv_used_fraction
 from cluster.metrics import EngineMetrics
 from cluster.outputs import RequestOutput
-from cluster.prefix_index import BlockHasher, PrefixIndex, PublishedBlocks
+from cluster.prefix_index import BlockHasher, PrefixIndex
 from cluster.sampling_params import SamplingParams
 
 BLOCK_HASHES_KWARG = "block_hashes"
@@ -69,9 +69,10 @@ class LoadReport:
         return cls(metrics.num_running, metrics.num_waiting, kv_used_fraction(metrics.pressure))
 
 
-def routing_stats(published: PublishedBlocks, load: LoadReport, version: int) -> dict[str, Any]:
-    """What `record_routing_stats` returns: Serve hands it to every router as `routing_stats`."""
-    return {"version": version, "block_hashes": published.snapshot(), "load": load}
+def routing_stats(block_hashes: list[bytes], load: LoadReport, version: int) -> dict[str, Any]:
+    """What `record_routing_stats` returns: Serve hands it to every router as `routing_stats`
+    (`block_hashes` oldest first, as `PrefixIndex.sync` takes them)."""
+    return {"version": version, "block_hashes": block_hashes, "load": load}
 
 
 @dataclass(frozen=True)

@@ -1,68 +1,101 @@
-"""The replica side of prefix-aware routing: hash what the engine computes and publish it.
+"""The replica side of prefix-aware routing and of operator-shared prefixes.
 
-`ReplicaBlocks` hashes every prompt the replica's engine admits exactly as the engine's block
-manager does (the engine's renderer and cache-key factory give the token ids, the
-`CacheIdentity` seed and the tenant extra keys) and keeps the newest `capacity` hashes; Serve
-collects them through the replica's `record_routing_stats` (see `cluster.routing`).
+`ReplicaBlocks` publishes the block hashes the replica's engine actually holds cached on the
+device (`AsyncEngine.cached_block_hashes`, evictable blocks included), at most `capacity` of
+them; Serve collects them through the replica's `record_routing_stats` (see `cluster.routing`).
+It also knows the operator's shared prefixes (`ServeAppArgs.shared_prefixes`) as token ids and
+says how many leading tokens of a prompt are one (`shared_prefix_tokens`), which every request
+path passes to `AsyncEngine.generate`.
 
-Invariant: a published hash is one the engine computed a block for; the record is bounded and
-approximate in one direction only: a block the engine has since evicted may still be listed
-until newer ones push it out (the router then finds a shorter prefix than advertised, which costs
-a recompute, never a wrong answer).
+Invariants:
+- a published hash is one the engine's block manager holds sealed at publication time (it may
+  be evicted before the router uses it: that costs a recompute, never a wrong answer);
+- `version` changes exactly when the published set does, so routers resync only then;
+- a prompt's shared-prefix tokens are only leading tokens equal to an operator prefix's tokens,
+  so no tenant's own text is ever cached unsalted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from cluster.engine import AsyncEngine
 from cluster.engine_core import PromptInput
 from cluster.errors import RequestRejected
-from cluster.prefix_index import BlockHasher, PublishedBlocks, prompt_block_hashes
+from cluster.prefix_index import BlockHasher, shared_prefix_blocks
 from cluster.routing import LoadReport, routing_stats
 
 
+def shared_prefix_token_ids(engine: AsyncEngine, texts: Sequence[str]) -> list[tuple[int, ...]]:
+    """Each operator prefix as it can begin a rendered prompt: tokenized as a text prompt is
+    (the tokenizer's special tokens added) and as a rendered chat prompt is (none added)."""
+    variants: list[tuple[int, ...]] = []
+    for text in texts:
+        for ids in (engine.encode(text), engine.tokenizer.encode(text, add_special_tokens=False)):
+            if tuple(ids) not in variants:
+                variants.append(tuple(ids))
+    return variants
+
+
 class ReplicaBlocks:
-    """Block hashes of the prompts one replica's engine admitted, newest last."""
+    """What one replica publishes to the routers, and how it keys prompts for its engine."""
 
-    def __init__(self, engine: AsyncEngine, capacity: int) -> None:
+    def __init__(
+        self, engine: AsyncEngine, capacity: int, shared_prefixes: Sequence[str] = ()
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.engine = engine
-        self.published = PublishedBlocks(capacity)
+        self.capacity = capacity
+        self.shared_prefixes = tuple(shared_prefix_token_ids(engine, shared_prefixes))
         self.version = 0
+        self._published: frozenset[bytes] = frozenset()
 
-    @property
-    def block_size(self) -> int:
-        return self.engine.core.config.cache.block_size
+    def shared_prefix_tokens(self, prompt: PromptInput) -> int:
+        """Leading tokens of `prompt` that are whole blocks of an operator-shared prefix (0 for
+        a prompt the engine cannot render: it refuses that prompt itself)."""
+        if not self.shared_prefixes:
+            return 0
+        try:
+            ids = self.engine.prompt_token_ids(prompt)
+        except RequestRejected:
+            return 0
+        block_size = self.engine.block_size
+        return shared_prefix_blocks(ids, self.shared_prefixes, block_size) * block_size
 
     def hasher(self, tenant_salt: bytes | None) -> BlockHasher:
-        """How a caller hashes a text or token-id prompt (no chat template) for this tenant."""
-        key = self.engine.core.cache_keys.key(tenant_salt=tenant_salt)
-        return BlockHasher(key.hash_seed, tuple(bytes(k) for k in key.extra_keys), self.block_size)
+        """How a caller hashes a token-id prompt (no chat template) for this tenant."""
+        key = self.engine.plain_cache_key(tenant_salt)
+        return BlockHasher(
+            key.hash_seed,
+            tuple(bytes(k) for k in key.extra_keys),
+            self.engine.block_size,
+            self.shared_prefixes,
+        )
 
     def hashes(self, prompt: PromptInput, tenant_salt: bytes | None) -> list[bytes]:
-        """The prompt's cacheable block hashes as the engine computes them ([] if it cannot be
+        """The prompt's cacheable block hashes as the engine keys them ([] if it cannot be
         rendered: the engine refuses it anyway)."""
-        core = self.engine.core
         try:
-            rendered = core.renderer.render(prompt)
+            return self.engine.prompt_block_hashes(
+                prompt,
+                tenant_salt=tenant_salt,
+                shared_prefix_tokens=self.shared_prefix_tokens(prompt),
+            )
         except RequestRejected:
             return []
-        key = core.cache_keys.key(
-            chat_template_digest=rendered.chat_template_digest, tenant_salt=tenant_salt
-        )
-        return prompt_block_hashes(
-            rendered.token_ids,
-            hash_seed=key.hash_seed,
-            extra_keys=key.extra_keys,
-            block_size=self.block_size,
-        )
 
-    def observe(self, prompt: PromptInput, tenant_salt: bytes | None) -> None:
-        """Records an admitted prompt's blocks."""
-        hashes = self.hashes(prompt, tenant_salt)
-        if hashes:
-            self.published.add(hashes)
+    def published(self) -> list[bytes]:
+        """The cached block hashes to publish, least valuable first (the router's bounded index
+        keeps the last ones longest): evictable blocks evicted soonest first, in-use ones last."""
+        newest_last = self.engine.cached_block_hashes(self.capacity)[::-1]
+        current = frozenset(newest_last)
+        if current != self._published:
+            self._published = current
             self.version += 1
+        return newest_last
 
     def routing_stats(self) -> dict[str, Any]:
-        return routing_stats(self.published, LoadReport.of(self.engine.metrics()), self.version)
+        hashes = self.published()
+        return routing_stats(hashes, LoadReport.of(self.engine.metrics()), self.version)

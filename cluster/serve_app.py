@@ -8,12 +8,14 @@ routes to by RPC name).
 Invariants:
 - a replica touches its engine only from its own event loop (every method here is async);
 - the tenant salt that keys the prefix cache is derived on the server from the API key's tenant;
-  no request field can choose it, so tenants never share cached blocks;
+  no request field can choose it, so tenants never share cached blocks, except the whole blocks
+  of an operator-declared shared prefix (`shared_prefixes`) that a prompt begins with;
 - a request that is cancelled (client disconnect, gRPC cancel) closes its engine stream, which
   aborts the request and frees its blocks;
 - bad input is a 400 with OpenAI's error body; admission refusal a 503 with Retry-After;
-- every prompt the engine admits is hashed into the replica's published block record, which
-  Serve hands to the prefix-aware router (`cluster.routing`) through `record_routing_stats`;
+- the block hashes the engine holds cached are published (`cluster.routing_replica`), and Serve
+  hands them to the prefix-aware router (`cluster.routing`) through `record_routing_stats`;
+- a replica whose engine step loop died reports itself unhealthy, busy or idle;
   `record_autoscaling_stats` reports KV pressure to the autoscaling policy
   (`cluster.autoscaling`).
 """
@@ -26,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
 from fastapi import FastAPI, Request
@@ -38,8 +40,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.autoscaling import autoscaling_stats
 from cluster.config import EngineConfig
-from cluster.engine import AsyncEngine
+from cluster.engine import AsyncEngine, EngineHealth
+from cluster.engine_core import PromptInput
 from cluster.grpc_service import GenerationRpc, GrpcAbort, GrpcMethods
+from cluster.ingress import HttpCall, HttpHead, PrefixRoutingIngress, asgi_call
 from cluster.metrics import EngineMetrics
 from cluster.openai_protocol import (
     ChatCompletionRequest,
@@ -58,6 +62,7 @@ from cluster.routing import ROUTER_CLASS_PATH, RoutedOutput, RoutedRequest
 from cluster.routing_replica import ReplicaBlocks
 
 DEPLOYMENT_NAME = "GenerationServer"
+REPLICA_HEADER = "x-pagedserve-replica"
 ROUTING_STATS_PERIOD_S = 1.0
 
 
@@ -68,6 +73,13 @@ class RoutingArgs(BaseModel):
 
     published_blocks: int = Field(
         4096, ge=1, description="block hashes a replica publishes to the routers (newest kept)"
+    )
+    http_ingress: bool = Field(
+        False,
+        description=(
+            "serve HTTP through `PrefixRoutingIngress`, which hashes each prompt and routes it "
+            "by prefix (gRPC is then not served by this application; see cluster.ingress)"
+        ),
     )
 
 
@@ -95,26 +107,16 @@ class ServeAppArgs(BaseModel):
 
     routing: RoutingArgs = Field(default_factory=RoutingArgs)
     health: HealthArgs = Field(default_factory=HealthArgs)
-    shared_prefixes: list[str] = Field(
+    shared_prefixes: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
         description=(
-            "operator-chosen prompt prefixes (e.g. a system prompt) whose KV blocks all tenants "
-            "may share; needs per-block tenant salts in the engine (see README, Serving)"
+            "operator-chosen prompt prefixes (e.g. a system prompt, as the rendered prompt "
+            "begins) whose whole KV blocks all tenants share; blocks after them stay per tenant"
         ),
     )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig.build(self.engine)
-
-    def check_supported(self) -> None:
-        """Raises ValueError for a setting this build cannot honour."""
-        if self.shared_prefixes:
-            raise ValueError(
-                "shared_prefixes: sharing a prefix across tenants needs the engine to salt only "
-                "the blocks after the shared prefix (AsyncEngine.generate(..., "
-                "shared_prefix_tokens=N)), which this engine does not offer yet; remove "
-                "shared_prefixes"
-            )
 
 
 @dataclass
@@ -141,6 +143,16 @@ class StepProgress:
             f"engine stuck: {metrics.num_running} running and {metrics.num_waiting} waiting "
             f"requests, no step for {idle_s:.0f} s"
         )
+
+
+def replica_problem(
+    health: EngineHealth, progress: StepProgress, metrics: EngineMetrics, now_s: float
+) -> str | None:
+    """Why a replica should not get traffic, or None: its engine's step loop died or was shut
+    down (reported even while idle), or it has work but stopped stepping (`StepProgress`)."""
+    if not health.alive:
+        return health.error or "the engine is not running"
+    return progress.problem(metrics, now_s)
 
 
 class Unauthenticated(Exception):
@@ -245,19 +257,22 @@ class GenerationServer(GrpcMethods):
 
     async def __init__(self, args: dict[str, Any]) -> None:
         self.args = ServeAppArgs.model_validate(args)
-        self.args.check_supported()
         config = self.args.engine_config()
         self.engine = AsyncEngine(config)
         self.tenancy = Tenancy(self.args.api_keys)
-        self.blocks = ReplicaBlocks(self.engine, self.args.routing.published_blocks)
+        self.blocks = ReplicaBlocks(
+            self.engine, self.args.routing.published_blocks, self.args.shared_prefixes
+        )
         name = self.args.served_model_name
-        self.openai = OpenAIServing(self.engine, name, observe=self.blocks.observe)
-        self.rpc = GenerationRpc(self.engine, name, observe=self.blocks.observe)
+        shared = self.blocks.shared_prefix_tokens
+        self.openai = OpenAIServing(self.engine, name, shared_prefix_tokens=shared)
+        self.rpc = GenerationRpc(self.engine, name, shared_prefix_tokens=shared)
         self.grpc_block_size = config.cache.block_size
         self.grpc_tensor_parallel_size = config.parallel.tensor_parallel_size
         self.created = int(time.time())
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.progress = StepProgress(self.args.health.stuck_after_s)
+        self._forwarded_api: FastAPI | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_api(self)
@@ -267,8 +282,11 @@ class GenerationServer(GrpcMethods):
         await self.engine.shutdown()
 
     def health_problem(self) -> str | None:
-        """Why this replica should not get traffic, or None."""
-        return self.progress.problem(self.engine.metrics(), time.monotonic())
+        """Why this replica should not get traffic, or None: a dead or shut-down step loop
+        (even while idle), or one that has work but stopped stepping."""
+        return replica_problem(
+            self.engine.health(), self.progress, self.engine.metrics(), time.monotonic()
+        )
 
     def grpc_serving(self) -> bool:
         return self.health_problem() is None
@@ -287,6 +305,31 @@ class GenerationServer(GrpcMethods):
         """Serve calls this periodically; the autoscaling policy receives it."""
         return autoscaling_stats(self.engine.metrics())
 
+    async def request_block_hashes(
+        self, prompt: PromptInput, authorization: str | None = None
+    ) -> list[bytes]:
+        """For the ingress: the prompt's block hashes for this caller's tenant, as the engine
+        keys them ([] for an unknown key or a prompt it cannot render: the routed call then
+        answers with the error)."""
+        try:
+            salt = self.tenancy.salt_for(authorization)
+        except Unauthenticated:
+            return []
+        return self.blocks.hashes(prompt, salt)
+
+    async def http_call(
+        self, call: HttpCall, block_hashes: list[bytes] | None = None
+    ) -> AsyncIterator[HttpHead | bytes]:
+        """For the ingress: runs `call` through this replica's own HTTP routes; yields the head
+        (plus an `x-pagedserve-replica` header) and then the body. `block_hashes` is read by
+        the router only."""
+        if self._forwarded_api is None:
+            self._forwarded_api = build_http_api(self)
+        async for part in asgi_call(self._forwarded_api, call):
+            if isinstance(part, HttpHead):
+                part = HttpHead(part.status, (*part.headers, (REPLICA_HEADER, self.replica_id)))
+            yield part
+
     async def block_hasher(self, authorization: str | None = None) -> BlockHasher:
         """How a handle caller with this API key hashes token-id prompts for routing."""
         return self.blocks.hasher(self.tenancy.salt_for(authorization))
@@ -299,14 +342,14 @@ class GenerationServer(GrpcMethods):
         salt = self.tenancy.salt_for(request.authorization)
         request_id = request.request_id or f"handle-{uuid.uuid4().hex}"
         stream = self.engine.generate(
-            request.prompt, request.params, request_id=request_id, tenant_salt=salt
+            request.prompt,
+            request.params,
+            request_id=request_id,
+            tenant_salt=salt,
+            shared_prefix_tokens=self.blocks.shared_prefix_tokens(request.prompt),
         )
-        observed = False
         try:
             async for output in stream:
-                if not observed:
-                    self.blocks.observe(request.prompt, salt)
-                    observed = True
                 yield RoutedOutput(self.replica_id, output)
         finally:
             await stream.aclose()
@@ -338,5 +381,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     arguments (the engine config included) before any replica starts."""
     validated = ServeAppArgs.model_validate(args)
     validated.engine_config()
-    validated.check_supported()
-    return GenerationServer.bind(validated.model_dump())
+    server = GenerationServer.bind(validated.model_dump())
+    if validated.routing.http_ingress:
+        return PrefixRoutingIngress.bind(server)
+    return server

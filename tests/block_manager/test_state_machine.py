@@ -3,11 +3,13 @@
 The reference model keeps, per sequence, its tokens, computed count, identity and tier, and it
 simulates physical memory: a dict from slot to the "KV" written there, where the KV of position
 ``p`` is ``(identity, tokens[: p + 1])`` (attention KV depends on the whole prefix under one cache
-identity). The machine plays the workers: it writes KV through `slot_mapping`, applies every
-copy-on-write and swap pair the manager returns, and after every rule reads each resident
-sequence's computed positions back through its block table. Any wrong prefix hit (other identity,
-salt or tokens), lost copy, bad swap pair or block handed to two writers shows up as wrong KV.
-`check_integrity()` runs after every rule too.
+identity). An operator-shared prefix (`unsalted_blocks=k`) is modelled by the chain's
+signature: blocks before k carry no salt (the same as salt index 0), so the KV's identity is
+`ModelSeq.signature(block)`. The machine plays the workers: it writes KV through
+`slot_mapping`, applies every copy-on-write and swap pair the manager returns, and after every
+rule reads each resident sequence's computed positions back through its block table. Any wrong
+prefix hit (other identity, salt or tokens), lost copy, bad swap pair or block handed to two
+writers shows up as wrong KV. `check_integrity()` runs after every rule too.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ DEVICE_BLOCKS = 16
 CPU_BLOCKS = 8
 SEEDS = (SEED, OTHER_SEED)
 SALTS: tuple[tuple[str, ...], ...] = ((), ("tenant-a",))
+TOO_LONG = 99  # unsalted blocks beyond any prompt's full blocks: must be refused
 PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9), (5, 5, 5, 5, 5, 5, 5, 5))
 
 Identity = tuple[int, int]  # (seed index, salt index)
-KV = tuple[Identity, tuple[int, ...]]
+Signature = tuple[int, int, int]  # (seed index, salt index, unsalted blocks before the salt)
+KV = tuple[Signature, tuple[int, ...]]
 
 
 @dataclass
@@ -39,9 +43,21 @@ class ModelSeq:
     computed: int
     identity: Identity
     swapped: bool = False
+    unsalted: int = 0
+
+    def signature(self, block: int) -> Signature:
+        """What, besides the tokens, keys the hash chain up to `block`: a block whose chain is
+        all unsalted hashes as if the sequence had no salt at all."""
+        seed, salt = self.identity
+        if salt == 0 or block < self.unsalted:
+            return seed, 0, 0
+        return seed, salt, self.unsalted
 
     def kv(self, position: int) -> KV:
-        return self.identity, tuple(self.tokens[: position + 1])
+        return self.signature(position // BLOCK), tuple(self.tokens[: position + 1])
+
+    def sealed_key(self, block: int) -> tuple[Signature, tuple[int, ...]]:
+        return self.signature(block), tuple(self.tokens[: (block + 1) * BLOCK])
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -56,7 +72,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.seqs: dict[int, ModelSeq] = {}
         self.device_kv: dict[int, KV] = {}
         self.cpu_kv: dict[int, KV] = {}
-        self.sealed_prefixes: set[tuple[Identity, tuple[int, ...]]] = set()
+        self.sealed_prefixes: set[tuple[Signature, tuple[int, ...]]] = set()
         self.next_id = 0
 
     # ------------------------------------------------------------------ helpers
@@ -69,29 +85,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def snapshot(self) -> object:
         return observe(self.manager, [*self.seqs, self.next_id])
 
-    def max_possible_hit(self, identity: Identity, tokens: list[int]) -> int:
-        """Hit blocks are bounded by the chain of full blocks ever computed under `identity`."""
+    def max_possible_hit(self, new: ModelSeq) -> int:
+        """Hit blocks are bounded by the chain of full blocks ever computed under the same
+        signatures."""
         blocks = 0
-        while (blocks + 1) * BLOCK <= len(tokens) - 1 and (
-            identity,
-            tuple(tokens[: (blocks + 1) * BLOCK]),
-        ) in self.sealed_prefixes:
+        while (blocks + 1) * BLOCK <= len(new.tokens) - 1 and (
+            new.sealed_key(blocks) in self.sealed_prefixes
+        ):
             blocks += 1
         return blocks * BLOCK
 
-    def guaranteed_hit(self, identity: Identity, tokens: list[int]) -> int:
+    def guaranteed_hit(self, new: ModelSeq) -> int:
         """Sealed blocks of live resident sequences cannot be evicted, so they must be found."""
         best = 0
-        limit = (len(tokens) - 1) // BLOCK
+        limit = (len(new.tokens) - 1) // BLOCK
         for seq_id in self.resident():
             model = self.seqs[seq_id]
-            if model.identity != identity:
-                continue
             blocks = 0
             while (
                 blocks < min(limit, model.computed // BLOCK)
+                and model.signature(blocks) == new.signature(blocks)
                 and model.tokens[blocks * BLOCK : (blocks + 1) * BLOCK]
-                == tokens[blocks * BLOCK : (blocks + 1) * BLOCK]
+                == new.tokens[blocks * BLOCK : (blocks + 1) * BLOCK]
             ):
                 blocks += 1
             best = max(best, blocks)
@@ -107,8 +122,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for position, slot in enumerate(slots):
             self.device_kv[slot] = self.seqs[0].kv(position)
         self.manager.mark_computed(0, len(prefix))
-        for blocks in range(1, len(prefix) // BLOCK + 1):
-            self.sealed_prefixes.add(((0, 0), tuple(prefix[: blocks * BLOCK])))
+        for block in range(len(prefix) // BLOCK):
+            self.sealed_prefixes.add(self.seqs[0].sealed_key(block))
         self.next_id = 1
 
     @rule(
@@ -117,6 +132,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         tail=st.lists(st.integers(0, 9), max_size=6),
         identity=st.sampled_from([(0, 0), (0, 0), (0, 0), (1, 0), (0, 1)]),
         repeat=st.sampled_from([1] * 9 + [12]),  # sometimes more than the whole pool
+        unsalted=st.sampled_from([0, 0, 0, 0, 1, 2, 3, TOO_LONG]),  # operator-shared prefix
     )
     def allocate(
         self,
@@ -125,10 +141,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
         tail: list[int],
         identity: Identity,
         repeat: int,
+        unsalted: int,
     ) -> None:
         tokens = (list(prefix[:head]) + tail or [0]) * repeat
+        if unsalted != TOO_LONG:
+            unsalted = min(unsalted, len(tokens) // BLOCK)
         seq_id, (seed_index, salt_index) = self.next_id, identity
-        kwargs = {"hash_seed": SEEDS[seed_index], "extra_keys": SALTS[salt_index]}
+        kwargs = {
+            "hash_seed": SEEDS[seed_index],
+            "extra_keys": SALTS[salt_index],
+            "unsalted_blocks": unsalted,
+        }
+        if unsalted > len(tokens) // BLOCK:
+            before = self.snapshot()
+            try:
+                self.manager.allocate(seq_id, tokens, **kwargs)
+            except InvalidOperation:
+                event("allocate: unsalted blocks beyond the prompt refused")
+                assert self.snapshot() == before
+                return
+            raise AssertionError("unsalted blocks beyond the prompt's full blocks must be refused")
         expected_ok = self.manager.can_allocate(tokens, **kwargs)
         before = self.snapshot()
         try:
@@ -146,11 +178,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         assert expected_ok
         event(f"allocate: hit {cached // BLOCK} blocks")
+        if salt_index and unsalted and cached:
+            event("allocate: a salted sequence hit through an unsalted prefix")
         self.next_id += 1
         assert cached % BLOCK == 0
-        assert cached <= self.max_possible_hit(identity, tokens)
-        assert cached >= self.guaranteed_hit(identity, tokens)
-        model = ModelSeq(tokens, cached, identity)
+        model = ModelSeq(tokens, cached, identity, unsalted=unsalted)
+        assert cached <= self.max_possible_hit(model)
+        assert cached >= self.guaranteed_hit(model)
         self.seqs[seq_id] = model
         slots = self.manager.slot_mapping(seq_id, 0, cached)
         for position, slot in enumerate(slots):
@@ -176,8 +210,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.manager.block_table(seq_id) != table_before:
             event("compute: sealed block deduplicated")
         model.computed = end
-        for blocks in range(1, end // BLOCK + 1):
-            self.sealed_prefixes.add((model.identity, tuple(model.tokens[: blocks * BLOCK])))
+        for block in range(end // BLOCK):
+            self.sealed_prefixes.add(model.sealed_key(block))
 
     @precondition(lambda self: bool(self.resident()))
     @rule(data=st.data(), token=st.integers(0, 9))
@@ -223,7 +257,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             raise AssertionError("fork with uncomputed tokens must be rejected")
         self.manager.fork(parent_id, child_id)
         self.next_id += 1
-        self.seqs[child_id] = ModelSeq(list(parent.tokens), parent.computed, parent.identity)
+        self.seqs[child_id] = ModelSeq(
+            list(parent.tokens), parent.computed, parent.identity, unsalted=parent.unsalted
+        )
         assert self.manager.block_table(child_id) == self.manager.block_table(parent_id)
 
     @precondition(lambda self: bool(self.seqs))

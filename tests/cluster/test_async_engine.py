@@ -63,6 +63,10 @@ def test_engine_actor_with_tensor_parallel_two(
         assert [r[-1].outputs[0].token_ids for r in results] == expected
         metrics = await engine.metrics()
         assert metrics.pressure.device.used == 0 and metrics.num_finished_requests == 3
+        health = await engine.health()
+        assert health.alive and health.num_unfinished == 0 and health.last_step_finished_s
+        hashes = await engine.prompt_block_hashes(PROMPTS[1], tenant_salt=None)
+        assert hashes and set(hashes) <= set(await engine.cached_block_hashes(1000))
         await engine.shutdown()
 
     asyncio.run(scenario())

@@ -19,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 API_KEYS = {"key-alice": "alice", "key-alice-2": "alice", "key-bob": "bob"}
 MODEL = "tiny"
 MAX_MODEL_LEN = 512
+SHARED_SYSTEM_PROMPT = "Operator system prompt: you are a careful assistant for paged memory. "
+"""Declared in the session app's `shared_prefixes`: tenants share its whole KV blocks."""
 SERVICER_FUNCTIONS = [
     "protos.generation_pb2_grpc.add_GenerationServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
@@ -94,6 +96,7 @@ def served(tiny_model_dir: pathlib.Path) -> Iterator[Served]:
             "served_model_name": MODEL,
             "engine": engine_section(tiny_model_dir),
             "api_keys": API_KEYS,
+            "shared_prefixes": [SHARED_SYSTEM_PROMPT],
         }
         app = GenerationServer.options(
             ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64

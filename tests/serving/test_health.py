@@ -1,10 +1,11 @@
-"""Stuck-engine detection behind /health, gRPC health and Serve's `check_health`."""
+"""Stuck- and dead-engine detection behind /health, gRPC health and Serve's `check_health`."""
 
 from __future__ import annotations
 
 from block_manager import KVCacheManager
+from cluster.engine import EngineHealth
 from cluster.metrics import EngineMetrics, Histogram
-from cluster.serve_app import StepProgress
+from cluster.serve_app import StepProgress, replica_problem
 
 
 def metrics(steps: int, running: int = 0, waiting: int = 0) -> EngineMetrics:
@@ -45,3 +46,19 @@ def test_an_idle_engine_is_never_stuck() -> None:
         assert progress.problem(metrics(3), now_s=now) is None
     assert progress.problem(metrics(3, waiting=1), now_s=100) is None  # work just arrived
     assert progress.problem(metrics(3, waiting=1), now_s=102) is not None
+
+
+def health(alive: bool, unfinished: int = 0) -> EngineHealth:
+    error = None if alive else "the engine step loop failed: RuntimeError('boom')"
+    return EngineHealth(
+        alive=alive, error=error, last_step_finished_s=1.0, num_unfinished=unfinished
+    )
+
+
+def test_a_dead_step_loop_is_reported_even_when_idle() -> None:
+    progress = StepProgress(stuck_after_s=1000)
+    assert replica_problem(health(True), progress, metrics(3), now_s=0) is None
+    problem = replica_problem(health(False), progress, metrics(3), now_s=1)
+    assert problem is not None and "step loop failed" in problem and "boom" in problem
+    # A live engine with work that keeps stepping stays healthy.
+    assert replica_problem(health(True, 1), progress, metrics(4, running=1), now_s=2) is None

@@ -119,9 +119,10 @@ def test_kv_pressure_policy_reads_serves_context() -> None:
         KVPressurePolicy(target_kv_utilization=0)
 
 
-def test_shared_prefixes_are_refused_until_the_engine_supports_them() -> None:
-    with pytest.raises(ValueError, match="shared_prefix_tokens"):
-        build_app({"shared_prefixes": ["You are a helpful assistant."]})
+def test_shared_prefixes_are_accepted_and_empty_ones_refused() -> None:
+    build_app({"shared_prefixes": ["You are a helpful assistant."]})
+    with pytest.raises(ValueError, match="shared_prefixes"):
+        build_app({"shared_prefixes": [""]})
 
 
 def test_kv_used_fraction_counts_referenced_blocks_only() -> None:

@@ -1,0 +1,145 @@
+"""Prefix-routed HTTP through `PrefixRoutingIngress` on a real local Ray cluster: two engine
+replicas behind the ingress; repeated-prefix HTTP requests land on one replica (the
+`x-pagedserve-replica` header the replica adds) whose engine reports the prefix as cached, and
+streaming, errors and the `openai` client work through it unchanged."""
+
+from __future__ import annotations
+
+import pathlib
+import random
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.serve_app import REPLICA_HEADER
+from tests.serving.conftest import API_KEYS, MODEL, Served, engine_section
+
+PREFIX = "/ingress"
+ALICE = {"Authorization": "Bearer key-alice"}
+WORDS = [
+    "paged",
+    "block",
+    "cache",
+    "tenant",
+    "replica",
+    "router",
+    "prefix",
+    "token",
+    "stream",
+    "engine",
+]
+
+
+@pytest.fixture(scope="module")
+def ingress_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
+    """A third application on the session's Serve instance: the ingress and two replicas."""
+    from ray import serve
+
+    from cluster.ingress import PrefixRoutingIngress
+    from cluster.serve_app import GenerationServer
+
+    args = {
+        "served_model_name": MODEL,
+        "engine": engine_section(tiny_model_dir),
+        "api_keys": API_KEYS,
+        "routing": {"http_ingress": True},
+    }
+    engines = GenerationServer.options(
+        num_replicas=2, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16
+    ).bind(args)
+    app = PrefixRoutingIngress.options(ray_actor_options={"num_cpus": 0}).bind(engines)
+    serve.run(app, name="ingressed", route_prefix=PREFIX)
+    yield served.http_base + PREFIX
+    serve.delete("ingressed")
+
+
+def complete(base: str, prompt: str, **extra: object) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra}
+    return httpx.post(f"{base}/v1/completions", json=body, headers=ALICE, timeout=60)
+
+
+def test_repeated_prefix_http_requests_land_on_one_replica(ingress_base: str) -> None:
+    rng = random.Random(3)
+    prefixes = [f"Prefix {i}: " + " ".join(rng.choice(WORDS) for _ in range(24)) for i in range(3)]
+    replicas: dict[int, set[str]] = {}
+    cached: dict[int, list[int]] = {}
+    for _ in range(4):
+        for which, prefix in enumerate(prefixes):
+            response = complete(ingress_base, prefix + f" and then {rng.choice(WORDS)}?")
+            assert response.status_code == 200, response.text
+            replicas.setdefault(which, set()).add(response.headers[REPLICA_HEADER])
+            usage = response.json()["usage"]
+            cached.setdefault(which, []).append(usage["prompt_tokens_details"]["cached_tokens"])
+    assert all(len(r) == 1 for r in replicas.values()), replicas
+    for counts in cached.values():
+        assert counts[0] == 0 and all(c >= 16 for c in counts[1:]), cached
+
+
+def test_streaming_errors_and_the_openai_client_through_the_ingress(ingress_base: str) -> None:
+    client = openai.OpenAI(base_url=f"{ingress_base}/v1", api_key="key-bob", max_retries=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say something about paging."}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{ingress_base}/v1", api_key="nope", max_retries=0).models.list()
+    bad = complete(ingress_base, "hello", max_tokens=-1)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    missing = httpx.get(f"{ingress_base}/v1/nothing", headers=ALICE, timeout=30)
+    assert missing.status_code == 404 and "error" in missing.json()
+    assert httpx.get(f"{ingress_base}/health", timeout=30).json() == {"status": "ok"}
+
+
+def replica_metrics(base: str, replica: str) -> dict[str, float]:
+    """One replica's Prometheus samples (without the replica label): /metrics through the
+    ingress reaches the less busy replica, so ask until the wanted one answers."""
+    for _ in range(100):
+        response = httpx.get(f"{base}/metrics", timeout=30)
+        if response.headers[REPLICA_HEADER] == replica:
+            samples = {}
+            for family in text_string_to_metric_families(response.text):
+                for sample in family.samples:
+                    labels = ",".join(
+                        f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "replica"
+                    )
+                    samples[f"{sample.name}{{{labels}}}"] = sample.value
+            return samples
+        time.sleep(0.05)
+    raise AssertionError(f"replica {replica} never answered /metrics")
+
+
+def test_a_disconnect_through_the_ingress_aborts_and_frees_blocks(ingress_base: str) -> None:
+    body = {"model": MODEL, "prompt": "Tell", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    running = "pagedserve_sequences{queue=running}"
+    used = "pagedserve_kv_cache_blocks{state=used,tier=device}"
+    generated = "pagedserve_generated_tokens_total{}"
+    with httpx.stream(
+        "POST", f"{ingress_base}/v1/completions", json=body, headers=ALICE, timeout=60
+    ) as response:
+        replica = response.headers[REPLICA_HEADER]
+        lines = response.iter_lines()  # kept alive: closing it would close the connection
+        events = 0
+        while events < 3:
+            events += next(lines).startswith("data: ")
+    # The replica answers /metrics again once it is idle, which it is only after the abort.
+    deadline = time.monotonic() + 20
+    after = replica_metrics(ingress_base, replica)
+    while (after[running] or after[used]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = replica_metrics(ingress_base, replica)
+    assert after[running] == 0 and after[used] == 0
+    earlier_tokens = 12 * 2 + 4  # all the other tests of this module generate
+    assert after[generated] < 300 + earlier_tokens  # aborted, far short of its 400 tokens
