@@ -133,7 +133,7 @@ def save_plots(directory: pathlib.Path, results: dict[str, list[RunResult]]) -> 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise SystemExit(f"--plot needs matplotlib (pip install matplotlib): {error}") from None
+        raise SystemExit(f"--plot needs matplotlib (pip install -e '.[bench]'): {error}") from None
     directory.mkdir(parents=True, exist_ok=True)
     saved = []
     for name, runs in results.items():
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
+            raise SystemExit("--plot needs matplotlib (pip install -e '.[bench]')") from None
     report = run(args)
     print(json.dumps(report, indent=None if args.json else 2))
     return 0
