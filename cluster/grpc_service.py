@@ -12,6 +12,7 @@ call closes the `generate` stream, which aborts the request in the engine and fr
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -245,6 +246,8 @@ class GenerationRpc:
         if overflow is not None:
             raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, overflow)
         encoder = GenerateStreamEncoder(self.engine.decode)
+        # Closing the engine stream is what aborts the request and frees its blocks, so a cancelled
+        # call closes it at once here rather than whenever the generator is garbage-collected.
         try:
             stream = self.engine.generate(
                 prompt,
@@ -253,10 +256,11 @@ class GenerationRpc:
                 tenant_salt=tenant_salt,
                 shared_prefix_tokens=self.shared_prefix_tokens(prompt),
             )
-            async for output in stream:
-                response = encoder.encode(output)
-                if response is not None:
-                    yield response
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    response = encoder.encode(output)
+                    if response is not None:
+                        yield response
         except (RequestRejected, EngineOverloaded, EngineDead, ValueError) as error:
             mapped = abort_for_engine_error(error)
             assert mapped is not None
@@ -340,11 +344,11 @@ class GrpcMethods:
     ) -> AsyncIterator[pb.GenerateResponse]:
         salt = self._salt(grpc_context)
         request_id = f"grpc-{uuid.uuid4().hex}"  # never the client's: ids must not collide
+        responses = self.rpc.generate(request, request_id=request_id, tenant_salt=salt)
         try:
-            async for response in self.rpc.generate(
-                request, request_id=request_id, tenant_salt=salt
-            ):
-                yield response
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    yield response
         except GrpcAbort as error:
             raise fail(grpc_context, error) from None
 
