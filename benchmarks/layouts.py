@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks.layouts_run import RunResult, Workload, make_workload, run_layout
-from cluster.config import EngineConfig
+from cluster.engine.config import EngineConfig
 
 LAYOUTS = ("paged", "contiguous", "virtual")
 BLOCK_SIZES = (8, 16, 32)

@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.config import EngineConfig
-from cluster.engine_core import EngineCore
-from cluster.request import Request
-from cluster.sampling_params import SamplingParams
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine_core import EngineCore
+from cluster.engine.request import Request
+from cluster.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

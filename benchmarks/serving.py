@@ -1,7 +1,7 @@
 """Serving benchmark: a Poisson load generator against the OpenAI-compatible HTTP API.
 
 ``python -m benchmarks.serving --json`` starts a local Ray cluster with the application of
-``cluster/serve_config.yaml`` (SmolLM2-135M-Instruct on CPU unless ``--model`` names another
+``cluster/serving/serve_config.yaml`` (SmolLM2-135M-Instruct on CPU unless ``--model`` names another
 model), deployed twice: as shipped, and with prefix caching off. With ``--url`` it drives a server
 that is already running instead (then the no-cache run is skipped). Seeded workloads, each sent at
 the same Poisson arrival rate:
@@ -19,8 +19,9 @@ same process: cached over uncached on the shared-prefix workload, and shared-pre
 A progress bar goes to stderr; ``--plot FILE.png`` saves latency CDFs when matplotlib is installed.
 
 ``--routing-replicas N`` (local cluster only) also measures prefix-aware routing: a third and a
-fourth application with N replicas each, one behind ``cluster.routing.PrefixAwareRouter`` and one
-behind Serve's default power-of-two-choices router, get the same sequence of token-id prompts
+fourth application with N replicas each, one behind
+``cluster.serving.routing.PrefixAwareRouter`` and one behind Serve's default power-of-two-choices
+router, get the same sequence of token-id prompts
 (``--routing-prefixes`` distinct 64-token prefixes, each followed by a unique 8-token tail) through
 deployment handles; each reports the fraction of prompt tokens its engines found cached and how
 many replicas each prefix was spread over.
@@ -218,8 +219,8 @@ def routing_workload(rng: random.Random, count: int, prefixes: int) -> list[tupl
 
 async def routed_hit_rate(handle: Any, prompts: list[tuple[int, list[int]]]) -> dict[str, Any]:
     """Sends the prompts one after another through a handle; the engines' cached-token counts."""
-    from cluster.routing import RoutedClient
-    from cluster.sampling_params import SamplingParams
+    from cluster.engine.sampling_params import SamplingParams
+    from cluster.serving.routing import RoutedClient
 
     client = RoutedClient(handle)
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -246,8 +247,8 @@ def routing_comparison(
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from cluster.routing import ROUTER_CLASS_PATH
-    from cluster.serve_app import GenerationServer
+    from cluster.serving.routing import ROUTER_CLASS_PATH
+    from cluster.serving.serve_app import GenerationServer
 
     prompts = routing_workload(random.Random(seed), count, prefixes)
     app_args = {k: v for k, v in app_args.items() if k != "api_keys"}  # handle calls, no key
@@ -285,14 +286,15 @@ def free_port() -> int:
 def local_server(
     model: str | None, routing: dict[str, Any] | None = None
 ) -> Iterator[tuple[dict[str, str], str, str]]:
-    """Ray + the application of cluster/serve_config.yaml twice on one free port: with prefix
-    caching (route "/") and without it ("/nocache"). Yields ({target: url}, model name, key)."""
+    """Ray + the application of cluster/serving/serve_config.yaml twice on one free port: with
+    prefix caching (route "/") and without it ("/nocache").
+    Yields ({target: url}, model name, key)."""
     import copy
 
     import ray
     from ray import serve
 
-    from cluster.serve_app import GenerationServer, build_app
+    from cluster.serving.serve_app import GenerationServer, build_app
 
     config = yaml.safe_load(CONFIG.read_text())
     args = copy.deepcopy(config["applications"][0]["args"])

@@ -45,8 +45,8 @@ def make_workload(num_requests: int, input_range: tuple[int, int], output_range:
 
 
 def run_ours(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
-    from cluster.llm import LLM
-    from cluster.sampling_params import SamplingParams
+    from cluster.engine.llm import LLM
+    from cluster.engine.sampling_params import SamplingParams
 
     llm = LLM(
         args.model,

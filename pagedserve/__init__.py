@@ -1,8 +1,8 @@
 """pagedserve's public Python API: `from pagedserve import LLM, SamplingParams`."""
 
-from cluster.config import EngineConfig
-from cluster.llm import LLM
-from cluster.outputs import CompletionOutput, RequestOutput
-from cluster.sampling_params import SamplingParams
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm import LLM
+from cluster.engine.outputs import CompletionOutput, RequestOutput
+from cluster.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]

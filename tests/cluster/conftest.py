@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from cluster.config import EngineConfig
-from cluster.engine_core import EngineCore
-from cluster.llm import LLM
-from cluster.outputs import RequestOutput
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine_core import EngineCore
+from cluster.engine.llm import LLM
+from cluster.engine.outputs import RequestOutput
 from tests.cluster.slot_workers import SlotWorkers
 from tests.cluster.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
 

@@ -8,9 +8,9 @@ import pathlib
 import pytest
 import ray
 
-from cluster.engine import AsyncEngine, RemoteEngine
-from cluster.outputs import RequestOutput
-from cluster.sampling_params import SamplingParams
+from cluster.engine.async_engine import AsyncEngine, RemoteEngine
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.sampling_params import SamplingParams
 from tests.cluster.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
 
 

@@ -7,9 +7,9 @@ import pathlib
 
 import pytest
 
-from cluster.config import EngineConfig
-from cluster.errors import ConfigError
-from cluster.sampling_params import SamplingParams
+from cluster.engine.config import EngineConfig
+from cluster.engine.errors import ConfigError
+from cluster.engine.sampling_params import SamplingParams
 
 
 def parse(argv: list[str]) -> EngineConfig:

@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.detokenizer import IncrementalDetokenizer, TextTracker
+from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
 
 TEXTS = [
     "Hello 世界 🙂 world, naïve café — ok",

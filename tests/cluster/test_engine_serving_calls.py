@@ -8,10 +8,10 @@ import pathlib
 
 import pytest
 
-from cluster.engine import AsyncEngine
-from cluster.errors import EngineDead
-from cluster.outputs import RequestOutput
-from cluster.sampling_params import SamplingParams
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.errors import EngineDead
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.sampling_params import SamplingParams
 from tests.cluster.tiny_engine import tiny_config
 
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

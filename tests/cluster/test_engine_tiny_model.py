@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 
-from cluster.llm import LLM
-from cluster.outputs import RequestOutput
-from cluster.sampling_params import SamplingParams
+from cluster.engine.llm import LLM
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.sampling_params import SamplingParams
 from tests.cluster.tiny_engine import GREEDY, PROMPTS, assert_all_free, greedy_ids, tiny_config
 
 CASES: dict[str, dict[str, dict[str, Any]]] = {

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from cluster.engine_core import EngineCore
-from cluster.outputs import RequestOutput
-from cluster.sampling_params import SamplingParams
+from cluster.engine.engine_core import EngineCore
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import SlotEngineFactory
 from tests.cluster.slot_workers import reference_tokens
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.preemption import PreemptionCostModel
+from cluster.engine.preemption import PreemptionCostModel
 
 
 def test_prefers_the_cheaper_side() -> None:

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from block_manager import CacheIdentity, KVCacheManager
-from cluster.cache_keys import CacheKeyFactory
-from cluster.errors import EngineOverloaded, RequestRejected
-from cluster.sampling_params import SamplingParams
+from cluster.engine.cache_keys import CacheKeyFactory
+from cluster.engine.errors import EngineOverloaded, RequestRejected
+from cluster.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import SlotEngineFactory
 from tests.cluster.test_paging_slot_model import assert_all_blocks_free, run_all
 

@@ -10,8 +10,8 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cluster.outputs import RequestOutput
-from cluster.sampling_params import SamplingParams
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import SlotEngineFactory
 from tests.cluster.slot_workers import reference_tokens
 from tests.cluster.test_paging_slot_model import assert_all_blocks_free

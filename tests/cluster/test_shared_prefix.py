@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from cluster.errors import RequestRejected
-from cluster.sampling_params import SamplingParams
+from cluster.engine.errors import RequestRejected
+from cluster.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import SlotEngineFactory
 from tests.cluster.slot_workers import reference_tokens
 from tests.cluster.test_paging_slot_model import assert_all_blocks_free

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from cluster.cli import main
+from cluster.serving.cli import main
 from pagedserve import LLM, SamplingParams
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from cluster.config import EngineConfig
-from cluster.llm import LLM
-from cluster.outputs import RequestOutput
-from cluster.sampling_params import SamplingParams
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm import LLM
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.sampling_params import SamplingParams
 
 PROMPTS = [
     "The quick brown fox",

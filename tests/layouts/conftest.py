@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from block_manager.virtual import VirtualKVManager
-from cluster.config import EngineConfig
-from cluster.engine_core import EngineCore
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine_core import EngineCore
 from tests.cluster.slot_workers import SlotWorkers
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from block_manager import KVCacheManager, NeverFits, NoFreeBlocks
 from block_manager.contiguous import ContiguousKVManager
-from cluster.sampling_params import SamplingParams
+from cluster.engine.sampling_params import SamplingParams
 from tests.cluster.slot_workers import reference_tokens
 from tests.layouts.conftest import SlotLayoutEngine
 
@@ -90,7 +90,7 @@ def test_engine_admission_and_outputs(layout: str, slot_layout_engine: SlotLayou
 
 
 def test_non_paged_layouts_refuse_parallel_sampling(slot_layout_engine: SlotLayoutEngine) -> None:
-    from cluster.errors import RequestRejected
+    from cluster.engine.errors import RequestRejected
 
     engine = slot_layout_engine("contiguous", num_device_blocks=32)
     with pytest.raises(RequestRejected, match="parallel sampling needs the 'paged' layout"):

@@ -7,9 +7,9 @@ import pathlib
 
 import pytest
 
-from cluster.config import EngineConfig
-from cluster.errors import ConfigError
-from cluster.llm import LLM
+from cluster.engine.config import EngineConfig
+from cluster.engine.errors import ConfigError
+from cluster.engine.llm import LLM
 from tests.cluster.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
 
 

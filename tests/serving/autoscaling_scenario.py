@@ -17,8 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cluster.autoscaling import POLICY_PATH
-from cluster.sampling_params import SamplingParams
+from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.autoscaling import POLICY_PATH
 from tests.serving.conftest import MODEL, engine_section
 
 SLOT = "replica_slot"
@@ -59,7 +59,7 @@ def running_replicas(app: str) -> int:
 
 
 async def one_request(handle: Any, outcome: Outcome, served_by: set[str]) -> None:
-    from cluster.routing import RoutedRequest
+    from cluster.serving.routing import RoutedRequest
 
     try:
         last = None
@@ -113,7 +113,7 @@ def main(model_dir: str) -> None:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from cluster.serve_app import GenerationServer
+    from cluster.serving.serve_app import GenerationServer
 
     cluster = Cluster(
         initialize_head=True,

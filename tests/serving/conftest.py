@@ -81,7 +81,7 @@ def served(tiny_model_dir: pathlib.Path) -> Iterator[Served]:
     import ray
     from ray import serve
 
-    from cluster.serve_app import GenerationServer
+    from cluster.serving.serve_app import GenerationServer
 
     http_port, grpc_port = free_port(), free_port()
     started_ray = not ray.is_initialized()  # reuse a cluster another fixture started

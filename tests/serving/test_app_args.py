@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from cluster.errors import ConfigError
-from cluster.serve_app import ServeAppArgs, Tenancy, Unauthenticated, build_app
+from cluster.engine.errors import ConfigError
+from cluster.serving.serve_app import ServeAppArgs, Tenancy, Unauthenticated, build_app
 
 KEYS = {"k1": "alice", "k2": "alice", "k3": "bob"}
 

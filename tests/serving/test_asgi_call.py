@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cluster.ingress import HttpCall, HttpHead, asgi_call, request_prompt
+from cluster.serving.ingress import HttpCall, HttpHead, asgi_call, request_prompt
 
 
 def make_app(events: list[str]) -> FastAPI:

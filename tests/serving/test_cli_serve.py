@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.cli import SUBCOMMANDS, build_parser, main
-from cluster.cli_serve import (
+from cluster.engine.config import EngineConfig
+from cluster.engine.errors import ConfigError
+from cluster.serving.cli import SUBCOMMANDS, build_parser, main
+from cluster.serving.cli_serve import (
     BENCHMARKS,
     describe_endpoints,
     resolve_serve_config,
     shipped_serve_config,
 )
-from cluster.config import EngineConfig
-from cluster.errors import ConfigError
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:

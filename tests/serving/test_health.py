@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from block_manager import KVCacheManager
-from cluster.engine import EngineHealth
-from cluster.metrics import EngineMetrics, Histogram
-from cluster.serve_app import StepProgress, replica_problem
+from cluster.engine.async_engine import EngineHealth
+from cluster.engine.metrics import EngineMetrics, Histogram
+from cluster.serving.serve_app import StepProgress, replica_problem
 
 
 def metrics(steps: int, running: int = 0, waiting: int = 0) -> EngineMetrics:

@@ -16,7 +16,7 @@ import yaml
 from ray.serve.config import gRPCOptions
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.config import EngineConfig
+from cluster.engine.config import EngineConfig
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk ships Linux x86_64 wheels only")
 
@@ -77,7 +77,7 @@ def test_default_values_render_a_rayservice_with_a_valid_serve_config(chart: Any
         "add_HealthServicer_to_server",
     ]
     (app,) = config.applications
-    assert app.import_path == "cluster.serve_app:build_app"
+    assert app.import_path == "cluster.serving.serve_app:build_app"
     engine = EngineConfig.build(app.args["engine"])
     assert engine.parallel.tensor_parallel_size == 1
     assert engine.model.model == "default"
@@ -204,10 +204,10 @@ def test_inconsistent_values_fail_to_render_with_a_clear_message(
 def test_routing_and_kv_autoscaling_follow_the_values(chart: Any) -> None:
     (default,) = serve_config(render(chart)).applications[0].deployments
     assert default.request_router_config["request_router_class"] == (
-        "cluster.routing:PrefixAwareRouter"
+        "cluster.serving.routing:PrefixAwareRouter"
     )
     assert default.autoscaling_config["policy"] == {
-        "policy_function": "cluster.autoscaling:KVPressurePolicy",
+        "policy_function": "cluster.serving.autoscaling:KVPressurePolicy",
         "policy_kwargs": {"target_kv_utilization": 0.8},
     }
     values = {

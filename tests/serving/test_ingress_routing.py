@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.serve_app import REPLICA_HEADER
+from cluster.serving.serve_app import REPLICA_HEADER
 from tests.serving.conftest import API_KEYS, MODEL, Served, engine_section
 
 PREFIX = "/ingress"
@@ -39,8 +39,8 @@ def ingress_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
     """A third application on the session's Serve instance: the ingress and two replicas."""
     from ray import serve
 
-    from cluster.ingress import PrefixRoutingIngress
-    from cluster.serve_app import GenerationServer
+    from cluster.serving.ingress import PrefixRoutingIngress
+    from cluster.serving.serve_app import GenerationServer
 
     args = {
         "served_model_name": MODEL,

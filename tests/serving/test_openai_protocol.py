@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.openai_protocol import (
+from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.openai_protocol import (
     SSE_DONE,
     AssistantMessage,
     ChatChoice,
@@ -36,7 +37,6 @@ from cluster.openai_protocol import (
     parse_request,
     sse_event,
 )
-from cluster.sampling_params import SamplingParams
 
 Handler = Callable[[httpx.Request], httpx.Response]
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from block_manager import CacheIdentity, KVCacheManager
-from cluster.prefix_index import (
+from cluster.serving.prefix_index import (
     PrefixIndex,
     PublishedBlocks,
     prompt_block_hashes,

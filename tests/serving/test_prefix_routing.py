@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from cluster.routing import RoutedClient, RoutedOutput
-from cluster.sampling_params import SamplingParams
+from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.routing import RoutedClient, RoutedOutput
 from tests.serving.conftest import MODEL, Served, engine_section
 
 PREFIX_TOKENS = 24  # 6 blocks of 4
@@ -25,7 +25,7 @@ def routed_app(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[object]
     """A second application on the session's Serve instance, with two replicas."""
     from ray import serve
 
-    from cluster.serve_app import GenerationServer
+    from cluster.serving.serve_app import GenerationServer
 
     args = {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
     app = GenerationServer.options(

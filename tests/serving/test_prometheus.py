@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from block_manager import PressureSnapshot, TierPressure
-from cluster.metrics import LATENCY_BUCKETS_S, EngineMetrics, Histogram
-from cluster.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
+from cluster.engine.metrics import LATENCY_BUCKETS_S, EngineMetrics, Histogram
+from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
 
 
 def snapshot(

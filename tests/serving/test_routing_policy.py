@@ -9,14 +9,14 @@ import pytest
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from block_manager import CacheIdentity, KVCacheManager
-from cluster.autoscaling import (
+from cluster.serving.autoscaling import (
     KV_UTILIZATION,
     KVPressurePolicy,
     desired_replicas,
     kv_used_fraction,
 )
-from cluster.routing import LoadReport, ReplicaView, RoutingPolicy, rank_replicas
-from cluster.serve_app import build_app
+from cluster.serving.routing import LoadReport, ReplicaView, RoutingPolicy, rank_replicas
+from cluster.serving.serve_app import build_app
 
 POLICY = RoutingPolicy(overload_fraction=0.5, max_waiting=2, max_kv_utilization=0.9)
 

@@ -10,7 +10,7 @@ import yaml
 from ray.serve.config import gRPCOptions
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.config import EngineConfig
+from cluster.engine.config import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_PATH = REPO_ROOT / "cluster" / "serve_config.yaml"
@@ -36,7 +36,7 @@ def test_serve_config_parses_with_rays_schema_on_the_default_ports() -> None:
 def test_the_application_autoscales_and_its_engine_section_is_an_engine_config() -> None:
     (app,) = load_config().applications
     assert app.route_prefix == "/"
-    assert app.import_path == "cluster.serve_app:build_app"
+    assert app.import_path == "cluster.serving.serve_app:build_app"
     (deployment,) = app.deployments
     autoscaling = deployment.autoscaling_config
     assert 1 <= autoscaling["min_replicas"] < autoscaling["max_replicas"]
@@ -74,13 +74,13 @@ def test_it_agrees_with_the_helm_chart_on_the_application() -> None:
 def test_the_deployment_uses_our_router_and_autoscaling_policy() -> None:
     from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-    from cluster.autoscaling import KVPressurePolicy
-    from cluster.routing import PrefixAwareRouter
+    from cluster.serving.autoscaling import KVPressurePolicy
+    from cluster.serving.routing import PrefixAwareRouter
 
     (deployment,) = load_config().applications[0].deployments
     router = RequestRouterConfig.model_validate(deployment.request_router_config)
     assert router.get_request_router_class() is PrefixAwareRouter
     autoscaling = AutoscalingConfig.model_validate(deployment.autoscaling_config)
-    assert autoscaling.policy.policy_function == "cluster.autoscaling:KVPressurePolicy"
+    assert autoscaling.policy.policy_function == "cluster.serving.autoscaling:KVPressurePolicy"
     policy_class = autoscaling.policy.get_policy()
     assert policy_class.__name__ == KVPressurePolicy.__name__

@@ -1,5 +1,5 @@
 """One smoke test with the real default model: the application exactly as
-`cluster/serve_config.yaml` ships it (SmolLM2-135M-Instruct), deployed next to the tiny one,
+`cluster/serving/serve_config.yaml` ships it (SmolLM2-135M-Instruct), deployed next to the tiny one,
 answers a factual question."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ROUTE = "/smollm2"
 def smollm2(served: Served) -> Iterator[tuple[openai.OpenAI, str]]:
     from ray import serve
 
-    from cluster.serve_app import GenerationServer, build_app
+    from cluster.serving.serve_app import GenerationServer, build_app
 
     (app,) = yaml.safe_load(CONFIG.read_text())["applications"]
     build_app(app["args"])  # validates the shipped args, engine section included

@@ -26,14 +26,14 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.autoscaling import kv_used_fraction
-from cluster.metrics import EngineMetrics
-from cluster.outputs import RequestOutput
-from cluster.prefix_index import BlockHasher, PrefixIndex
-from cluster.sampling_params import SamplingParams
+from cluster.engine.metrics import EngineMetrics
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.autoscaling import kv_used_fraction
+from cluster.serving.prefix_index import BlockHasher, PrefixIndex
 
 BLOCK_HASHES_KWARG = "block_hashes"
-ROUTER_CLASS_PATH = "cluster.routing:PrefixAwareRouter"
+ROUTER_CLASS_PATH = "cluster.serving.routing:PrefixAwareRouter"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster.errors import ConfigError
+from cluster.engine.errors import ConfigError
 
 if TYPE_CHECKING:
     from workers import WorkerConfig

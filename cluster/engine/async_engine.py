@@ -20,13 +20,13 @@ from typing import Any
 
 import ray
 
-from cluster.config import EngineConfig
-from cluster.engine_core import EngineCore, PromptInput
-from cluster.errors import EngineDead, RequestRejected
-from cluster.metrics import EngineMetrics
-from cluster.outputs import RequestOutput
-from cluster.request import CacheKey
-from cluster.sampling_params import SamplingParams
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine_core import EngineCore, PromptInput
+from cluster.engine.errors import EngineDead, RequestRejected
+from cluster.engine.metrics import EngineMetrics
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.request import CacheKey
+from cluster.engine.sampling_params import SamplingParams
 from workers import ModelInfo, WorkerGroup
 
 log = logging.getLogger(__name__)

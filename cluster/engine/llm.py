@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cluster.config import EngineConfig
-from cluster.engine_core import EngineCore, PromptInput
-from cluster.errors import ConfigError, RequestRejected
-from cluster.metrics import EngineMetrics
-from cluster.outputs import RequestOutput
-from cluster.sampling_params import SamplingParams
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine_core import EngineCore, PromptInput
+from cluster.engine.errors import ConfigError, RequestRejected
+from cluster.engine.metrics import EngineMetrics
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.sampling_params import SamplingParams
 
 
 def config_from_kwargs(

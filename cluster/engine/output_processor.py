@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from cluster.outputs import Logprob
-from cluster.request import Branch, Request
+from cluster.engine.outputs import Logprob
+from cluster.engine.request import Branch, Request
 from workers.plan import SampledToken
 
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 from block_manager import KVCacheManager, NeverFits, NoFreeBlocks
 from block_manager.reserved_range import RangeKVManager
-from cluster.config import SchedulerSettings
-from cluster.preemption import PreemptionCostModel
-from cluster.request import Branch, Request, RequestStatus
+from cluster.engine.config import SchedulerSettings
+from cluster.engine.preemption import PreemptionCostModel
+from cluster.engine.request import Branch, Request, RequestStatus
 from workers.plan import SampledToken, SequenceWork, StepOutput, StepPlan
 
 

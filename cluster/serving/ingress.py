@@ -29,15 +29,15 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from cluster.engine_core import PromptInput
-from cluster.openai_protocol import (
+from cluster.engine.engine_core import PromptInput
+from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     parse_request,
 )
-from cluster.openai_serving import engine_prompt
-from cluster.routing import BLOCK_HASHES_KWARG
+from cluster.serving.openai_serving import engine_prompt
+from cluster.serving.routing import BLOCK_HASHES_KWARG
 
 INGRESS_NAME = "PrefixRoutingIngress"
 COMPLETIONS_PATH = "/v1/completions"

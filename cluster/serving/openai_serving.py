@@ -26,10 +26,12 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
-from cluster.engine import AsyncEngine
-from cluster.engine_core import PromptInput
-from cluster.errors import EngineDead, EngineOverloaded, RequestRejected
-from cluster.openai_protocol import (
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine_core import PromptInput
+from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
+from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.openai_protocol import (
     SSE_DONE,
     AssistantMessage,
     ChatChoice,
@@ -54,8 +56,6 @@ from cluster.openai_protocol import (
     overloaded,
     sse_event,
 )
-from cluster.outputs import CompletionOutput, Logprob, RequestOutput
-from cluster.sampling_params import SamplingParams
 
 
 def prompt_length(engine: AsyncEngine, prompt: PromptInput) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from cluster.errors import RequestRejected
+from cluster.engine.errors import RequestRejected
 
 NO_TEMPLATE = "none"
 

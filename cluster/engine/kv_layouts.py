@@ -17,7 +17,7 @@ from block_manager import KVCacheManager, PressureSnapshot
 from block_manager.contiguous import ContiguousKVManager
 from block_manager.reserved_range import LayoutUsage, RangeKVManager
 from block_manager.virtual import VirtualKVManager
-from cluster.config import EngineConfig
+from cluster.engine.config import EngineConfig
 from workers import ModelInfo
 from workers.plan import StepOutput
 from workers.virtual_pool import virtual_geometry

@@ -1,6 +1,7 @@
 """`pagedserve serve` and `pagedserve bench`: the service and the benchmarks from the command line.
 
-`serve` runs the Ray Serve application of `cluster/serve_config.yaml` (the file `serve run` takes,
+`serve` runs the Ray Serve application of `cluster/serving/serve_config.yaml` (the file
+`serve run` takes,
 shipped inside the package) exactly as `serve run` would, after applying the few overrides given as
 flags, and prints where each API listens. `bench NAME` runs `python -m benchmarks.NAME` with the
 remaining arguments.
@@ -19,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from cluster.errors import ConfigError
+from cluster.engine.errors import ConfigError
 
 BENCHMARKS: tuple[str, ...] = (
     "block_manager",
@@ -33,8 +34,8 @@ BENCHMARKS: tuple[str, ...] = (
 
 
 def shipped_serve_config() -> Path:
-    """The Serve config YAML shipped with the package (`cluster/serve_config.yaml`)."""
-    return Path(str(resources.files("cluster") / "serve_config.yaml"))
+    """The Serve config YAML shipped with the package (`cluster/serving/serve_config.yaml`)."""
+    return Path(str(resources.files("cluster.serving") / "serve_config.yaml"))
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         type=Path,
         default=None,
-        help="a Ray Serve config YAML (default: the shipped cluster/serve_config.yaml)",
+        help="a Ray Serve config YAML (default: the shipped cluster/serving/serve_config.yaml)",
     )
     parser.add_argument("--host", default=None, help="HTTP bind address (default: from config)")
     parser.add_argument("--http-port", type=int, default=None, help="HTTP port (default 8000)")

@@ -2,8 +2,8 @@
 OpenAI-compatible HTTP (a FastAPI ingress) and gRPC (`GrpcMethods`, which Serve's gRPC proxy
 routes to by RPC name).
 
-`serve run cluster/serve_config.yaml` builds it through `build_app(args)`; `args` is
-`ServeAppArgs`, whose engine section is `cluster.config.EngineConfig`.
+`serve run cluster/serving/serve_config.yaml` builds it through `build_app(args)`; `args` is
+`ServeAppArgs`, whose engine section is `cluster.engine.config.EngineConfig`.
 
 Invariants:
 - a replica touches its engine only from its own event loop (every method here is async);
@@ -13,11 +13,12 @@ Invariants:
 - a request that is cancelled (client disconnect, gRPC cancel) closes its engine stream, which
   aborts the request and frees its blocks;
 - bad input is a 400 with OpenAI's error body; admission refusal a 503 with Retry-After;
-- the block hashes the engine holds cached are published (`cluster.routing_replica`), and Serve
-  hands them to the prefix-aware router (`cluster.routing`) through `record_routing_stats`;
+- the block hashes the engine holds cached are published (`cluster.serving.routing_replica`),
+  and Serve hands them to the prefix-aware router (`cluster.serving.routing`) through
+  `record_routing_stats`;
 - a replica whose engine step loop died reports itself unhealthy, busy or idle;
   `record_autoscaling_stats` reports KV pressure to the autoscaling policy
-  (`cluster.autoscaling`).
+  (`cluster.serving.autoscaling`).
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.autoscaling import autoscaling_stats
-from cluster.config import EngineConfig
-from cluster.engine import AsyncEngine, EngineHealth
-from cluster.engine_core import PromptInput
-from cluster.grpc_service import GenerationRpc, GrpcAbort, GrpcMethods
-from cluster.ingress import HttpCall, HttpHead, PrefixRoutingIngress, asgi_call
-from cluster.metrics import EngineMetrics
-from cluster.openai_protocol import (
+from cluster.engine.async_engine import AsyncEngine, EngineHealth
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine_core import PromptInput
+from cluster.engine.metrics import EngineMetrics
+from cluster.serving.autoscaling import autoscaling_stats
+from cluster.serving.grpc_service import GenerationRpc, GrpcAbort, GrpcMethods
+from cluster.serving.ingress import HttpCall, HttpHead, PrefixRoutingIngress, asgi_call
+from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -55,11 +56,11 @@ from cluster.openai_protocol import (
     invalid_request,
     parse_request,
 )
-from cluster.openai_serving import OpenAIServing
-from cluster.prefix_index import BlockHasher
-from cluster.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
-from cluster.routing import ROUTER_CLASS_PATH, RoutedOutput, RoutedRequest
-from cluster.routing_replica import ReplicaBlocks
+from cluster.serving.openai_serving import OpenAIServing
+from cluster.serving.prefix_index import BlockHasher
+from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
+from cluster.serving.routing import ROUTER_CLASS_PATH, RoutedOutput, RoutedRequest
+from cluster.serving.routing_replica import ReplicaBlocks
 
 DEPLOYMENT_NAME = "GenerationServer"
 REPLICA_HEADER = "x-pagedserve-replica"
@@ -78,7 +79,7 @@ class RoutingArgs(BaseModel):
         False,
         description=(
             "serve HTTP through `PrefixRoutingIngress`, which hashes each prompt and routes it "
-            "by prefix (gRPC is then not served by this application; see cluster.ingress)"
+            "by prefix (gRPC is then not served by this application; see cluster.serving.ingress)"
         ),
     )
 
@@ -99,7 +100,9 @@ class ServeAppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     served_model_name: str = Field("SmolLM2-135M-Instruct", min_length=1)
-    engine: dict[str, Any] = Field(default_factory=dict, description="cluster.config.EngineConfig")
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="cluster.engine.config.EngineConfig"
+    )
     api_keys: dict[str, str] = Field(
         default_factory=dict,
         description="API key -> tenant name; empty: no authentication and one shared tenant",

@@ -1,7 +1,7 @@
 """`pagedserve` on the command line: subcommands, each in its own small function.
 
 `pagedserve generate` runs the default model with no flags at all; `serve` and `bench` live in
-`cluster/cli_serve.py`. Every subcommand is one `Subcommand` entry of `SUBCOMMANDS`.
+`cluster/serving/cli_serve.py`. Every subcommand is one `Subcommand` entry of `SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cluster import cli_serve
-from cluster.config import EngineConfig
-from cluster.errors import ConfigError, RequestRejected
+from cluster.engine.config import EngineConfig
+from cluster.engine.errors import ConfigError, RequestRejected
+from cluster.serving import cli_serve
 
 DEFAULT_PROMPT = "Explain in two sentences why paging helps an LLM server use memory well."
 
@@ -44,8 +44,8 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from cluster.llm import LLM
-    from cluster.sampling_params import SamplingParams
+    from cluster.engine.llm import LLM
+    from cluster.engine.sampling_params import SamplingParams
 
     config = EngineConfig.from_cli_args(args)
     if vars(args).get("parallel.backend") is None and config.parallel.tensor_parallel_size == 1:

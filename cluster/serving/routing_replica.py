@@ -2,7 +2,8 @@
 
 `ReplicaBlocks` publishes the block hashes the replica's engine actually holds cached on the
 device (`AsyncEngine.cached_block_hashes`, evictable blocks included), at most `capacity` of
-them; Serve collects them through the replica's `record_routing_stats` (see `cluster.routing`).
+them; Serve collects them through the replica's `record_routing_stats` (see
+`cluster.serving.routing`).
 It also knows the operator's shared prefixes (`ServeAppArgs.shared_prefixes`) as token ids and
 says how many leading tokens of a prompt are one (`shared_prefix_tokens`), which every request
 path passes to `AsyncEngine.generate`.
@@ -20,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.engine import AsyncEngine
-from cluster.engine_core import PromptInput
-from cluster.errors import RequestRejected
-from cluster.prefix_index import BlockHasher, shared_prefix_blocks
-from cluster.routing import LoadReport, routing_stats
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine_core import PromptInput
+from cluster.engine.errors import RequestRejected
+from cluster.serving.prefix_index import BlockHasher, shared_prefix_blocks
+from cluster.serving.routing import LoadReport, routing_stats
 
 
 def shared_prefix_token_ids(engine: AsyncEngine, texts: Sequence[str]) -> list[tuple[int, ...]]:

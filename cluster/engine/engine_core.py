@@ -16,20 +16,20 @@ from typing import Any
 from block_manager import CacheIdentity
 from block_manager.reserved_range import RangeKVManager
 from block_manager.virtual import VirtualKVManager
-from cluster.cache_keys import CacheKeyFactory
-from cluster.config import EngineConfig
-from cluster.detokenizer import IncrementalDetokenizer, TextTracker
-from cluster.errors import ConfigError, EngineOverloaded, RequestRejected
-from cluster.kv_layouts import LayoutRecorder, build_kv_manager, layout_usage
-from cluster.metrics import EngineMetrics, MetricsRecorder
-from cluster.output_processor import StopLimits, apply_sampled_token
-from cluster.outputs import RequestMetrics, RequestOutput
-from cluster.preemption import PreemptionCostModel
-from cluster.prefix_index import prompt_block_hashes
-from cluster.request import Branch, CacheKey, Request, RequestStatus
-from cluster.sampling_params import SamplingParams
-from cluster.scheduler import Scheduler, SchedulerStep
-from cluster.tokenization import PromptRenderer, RenderedPrompt
+from cluster.engine.cache_keys import CacheKeyFactory
+from cluster.engine.config import EngineConfig
+from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
+from cluster.engine.errors import ConfigError, EngineOverloaded, RequestRejected
+from cluster.engine.kv_layouts import LayoutRecorder, build_kv_manager, layout_usage
+from cluster.engine.metrics import EngineMetrics, MetricsRecorder
+from cluster.engine.output_processor import StopLimits, apply_sampled_token
+from cluster.engine.outputs import RequestMetrics, RequestOutput
+from cluster.engine.preemption import PreemptionCostModel
+from cluster.engine.request import Branch, CacheKey, Request, RequestStatus
+from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.scheduler import Scheduler, SchedulerStep
+from cluster.engine.tokenization import PromptRenderer, RenderedPrompt
+from cluster.serving.prefix_index import prompt_block_hashes
 from workers import ModelInfo, WorkerGroup, load_tokenizer
 from workers.plan import StepOutput, StepPlan
 

@@ -1,5 +1,5 @@
 """Replica autoscaling on queue depth and KV-cache pressure: a Ray Serve custom autoscaling
-policy (`autoscaling_config.policy.policy_function: cluster.autoscaling:KVPressurePolicy`).
+policy (`autoscaling_config.policy.policy_function: cluster.serving.autoscaling:KVPressurePolicy`).
 
 Serve's default policy scales on ongoing requests per replica alone. An LLM replica can be short
 of KV blocks (long prompts, long generations: requests waiting or preempted) well before it has
@@ -20,9 +20,9 @@ from typing import Any
 from ray.serve.config import AutoscalingContext
 
 from block_manager import PressureSnapshot
-from cluster.metrics import EngineMetrics
+from cluster.engine.metrics import EngineMetrics
 
-POLICY_PATH = "cluster.autoscaling:KVPressurePolicy"
+POLICY_PATH = "cluster.serving.autoscaling:KVPressurePolicy"
 KV_UTILIZATION = "kv_used_fraction"
 WAITING = "num_waiting"
 

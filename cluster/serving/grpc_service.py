@@ -1,7 +1,7 @@
 """The gRPC API (`pagedserve.v1.Generation`, `grpc.health.v1.Health`) over one `AsyncEngine`.
 
 Protobuf lives at this edge only: requests become the engine's prompt and `SamplingParams`,
-engine outputs become `GenerateResponse` messages. The Serve replica (cluster/serve_app.py)
+engine outputs become `GenerateResponse` messages. The Serve replica (cluster/serving/serve_app.py)
 delegates its gRPC methods here and turns a raised `GrpcAbort` into the call's status.
 
 Status mapping: bad input (unset prompt, invalid sampling values, unknown model, a prompt plus
@@ -21,13 +21,13 @@ import grpc
 from grpc_health.v1 import health_pb2
 from ray.serve.grpc_util import RayServegRPCContext
 
-from cluster.engine import AsyncEngine
-from cluster.engine_core import PromptInput
-from cluster.errors import EngineDead, EngineOverloaded, RequestRejected
-from cluster.metrics import EngineMetrics
-from cluster.openai_serving import SharedPrefixTokens, context_overflow, no_shared_prefix
-from cluster.outputs import CompletionOutput, Logprob, RequestOutput
-from cluster.sampling_params import SamplingParams
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine_core import PromptInput
+from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
+from cluster.engine.metrics import EngineMetrics
+from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.openai_serving import SharedPrefixTokens, context_overflow, no_shared_prefix
 from protos import generation_pb2 as pb
 
 GRPC_SERVICE_NAME = "pagedserve.v1.Generation"

@@ -13,9 +13,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from cluster.detokenizer import TextTracker
-from cluster.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from cluster.sampling_params import SamplingParams
+from cluster.engine.detokenizer import TextTracker
+from cluster.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from cluster.engine.sampling_params import SamplingParams
 from workers.plan import SamplingSettings
 
 

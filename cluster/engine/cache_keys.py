@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from block_manager import CacheIdentity
-from cluster.request import CacheKey
-from cluster.tokenization import NO_TEMPLATE
+from cluster.engine.request import CacheKey
+from cluster.engine.tokenization import NO_TEMPLATE
 
 
 class CacheKeyFactory:

@@ -26,7 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from cluster.metrics import EngineMetrics, Histogram
+from cluster.engine.metrics import EngineMetrics, Histogram
 
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "pagedserve"
