@@ -48,7 +48,7 @@ import httpx
 import yaml
 from tqdm import tqdm
 
-CONFIG = Path(__file__).resolve().parent.parent / "cluster" / "serve_config.yaml"
+CONFIG = Path(__file__).resolve().parent.parent / "cluster" / "serving" / "serve_config.yaml"
 VOCABULARY_TEXT = (
     "the of and to in is was for on that with as by at from his her an be this which are were "
     "river mountain engine memory block cache token kernel paper garden window music number"

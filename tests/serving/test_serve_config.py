@@ -13,7 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 from cluster.engine.config import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFIG_PATH = REPO_ROOT / "cluster" / "serve_config.yaml"
+CONFIG_PATH = REPO_ROOT / "cluster" / "serving" / "serve_config.yaml"
 
 
 def load_config() -> ServeDeploySchema:

@@ -13,7 +13,7 @@ import yaml
 
 from tests.serving.conftest import Served
 
-CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "serve_config.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "serving" / "serve_config.yaml"
 ROUTE = "/smollm2"
 
 

@@ -55,14 +55,14 @@ tensor-parallel rank, packed onto one node.
         "upscale_delay_s" $auto.upscaleDelayS
         "downscale_delay_s" $auto.downscaleDelayS
         "policy" (dict
-          "policy_function" "cluster.autoscaling:KVPressurePolicy"
+          "policy_function" "cluster.serving.autoscaling:KVPressurePolicy"
           "policy_kwargs" (dict "target_kv_utilization" $auto.targetKvUtilization)))
       "ray_actor_options" (dict "num_cpus" .Values.serve.replicaCpus)
       "placement_group_strategy" "STRICT_PACK"
       "placement_group_bundles" $bundles -}}
 {{- if .Values.serve.routing.prefixAware -}}
 {{- $_ := set $deployment "request_router_config" (dict
-      "request_router_class" "cluster.routing:PrefixAwareRouter"
+      "request_router_class" "cluster.serving.routing:PrefixAwareRouter"
       "request_routing_stats_period_s" .Values.serve.routing.statsPeriodS) -}}
 {{- end -}}
 {{- $app := dict
