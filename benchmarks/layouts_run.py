@@ -103,7 +103,9 @@ def run_layout(
             workload.prompts, workload.max_tokens, workload.output_lens, strict=True
         ):
             params = SamplingParams(temperature=0.0, max_tokens=cap, ignore_eos=True)
-            request = engine.add_request({"prompt_token_ids": prompt}, params)
+            request = engine.add_request(
+                engine.request_builder.build({"prompt_token_ids": prompt}, params)
+            )
             requests.append((request, wanted))
         pending = {request.request_id: wanted for request, wanted in requests}
         while engine.has_unfinished():

@@ -1,5 +1,7 @@
-"""The asyncio engine: a step loop over `EngineCore`, per-request output streams and abort,
-and `EngineActor`, the same engine as a Ray actor (with `RemoteEngine`, its client).
+"""The asyncio engine: a step loop over `EngineCore`, per-request output streams and abort.
+
+It is the in-process `EngineClient` (see `cluster.engine.client`): a Serve replica owns one and
+its front ends call it; a routed client over deployment handles implements the same protocol.
 
 Invariants: the block manager and scheduler are touched only between steps (an abort that arrives
 while the workers execute a step is applied right after it); every stream ends with an output
@@ -13,41 +15,22 @@ import contextlib
 import itertools
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator
 
-import ray
-
+from cluster.engine.client import EngineHealth
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine_core import EngineCore, PromptInput
+from cluster.engine.engine_core import EngineCore
 from cluster.engine.errors import EngineDead, RequestRejected
+from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import CacheKey
-from cluster.engine.sampling_params import SamplingParams
 from workers import ModelInfo, WorkerGroup
 
 log = logging.getLogger(__name__)
 
 StreamItem = RequestOutput | BaseException
 IDLE_STEP_PAUSE_S = 0.001
-
-
-@dataclass(frozen=True)
-class EngineHealth:
-    """A snapshot of the step loop's health.
-
-    `alive` is False once the loop failed or the engine was shut down (`error` says which);
-    `last_step_finished_s` is `time.monotonic()` when the last step finished (None before the
-    first); `num_unfinished` counts requests waiting, running or swapped.
-    """
-
-    alive: bool
-    error: str | None
-    last_step_finished_s: float | None
-    num_unfinished: int
 
 
 class AsyncEngine:
@@ -67,33 +50,14 @@ class AsyncEngine:
 
     # --- public API ---------------------------------------------------------------------
 
-    async def generate(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        tenant_salt: bytes | None = None,
-        chat_template: str | None = None,
-        shared_prefix_tokens: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs (deltas since the previous one) until it finishes.
         Raises RequestRejected / EngineOverloaded before the first output when it cannot queue;
-        leaving the iteration early aborts the request. The prompt's first
-        `shared_prefix_tokens` tokens (an operator-shared prefix) are cached for every tenant:
-        their whole blocks are hashed without `tenant_salt`, the rest with it."""
+        leaving the iteration early aborts the request."""
         if self._dead is not None:
             raise EngineDead(f"the engine stopped: {self._dead!r}")
         self._ensure_loop()
-        request = self.core.add_request(
-            prompt,
-            params,
-            request_id=request_id,
-            tenant_salt=tenant_salt,
-            chat_template=chat_template,
-            shared_prefix_tokens=shared_prefix_tokens,
-        )
-        rid = request.request_id
+        rid = self.core.add_request(request).request_id
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self._streams[rid] = queue
         self._wake()
@@ -136,31 +100,19 @@ class AsyncEngine:
             num_unfinished=self.core.scheduler.num_unfinished(),
         )
 
-    def prompt_token_ids(self, prompt: PromptInput, chat_template: str | None = None) -> list[int]:
-        """The token ids the engine runs for `prompt` (rendered and tokenized); raises
-        RequestRejected for a prompt it cannot render."""
-        return self.core.renderer.render(prompt, chat_template=chat_template).token_ids
-
-    def prompt_block_hashes(
-        self,
-        prompt: PromptInput,
-        *,
-        tenant_salt: bytes | None,
-        chat_template: str | None = None,
-        shared_prefix_tokens: int = 0,
-    ) -> list[bytes]:
-        """Chain hashes of the prompt's blocks a cache lookup could hit, keyed exactly as
-        `generate` with the same arguments would cache them (see `EngineCore`)."""
-        return self.core.prompt_block_hashes(
-            prompt,
-            tenant_salt=tenant_salt,
-            chat_template=chat_template,
-            shared_prefix_tokens=shared_prefix_tokens,
-        )
+    def prompt_block_hashes(self, request: GenerateRequest) -> list[bytes]:
+        """Chain hashes of the request's blocks a cache lookup could hit, keyed exactly as
+        `generate` would cache them (see `EngineCore`)."""
+        return self.core.prompt_block_hashes(request)
 
     @property
     def block_size(self) -> int:
         return self.core.config.cache.block_size
+
+    @property
+    def request_builder(self) -> RequestBuilder:
+        """Renders prompts for this engine's tokenizer (no operator shared prefixes)."""
+        return self.core.request_builder
 
     def plain_cache_key(self, tenant_salt: bytes | None) -> CacheKey:
         """The cache key of a tenant's text and token-id prompts (no chat template, no shared
@@ -176,22 +128,6 @@ class AsyncEngine:
 
     def model_info(self) -> ModelInfo:
         return self.core.model_info
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.core.tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return self.core.renderer.encode(text)
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.core.renderer.decode(token_ids, skip_special_tokens)
-
-    def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], chat_template: str | None = None
-    ) -> str:
-        rendered = self.core.renderer.render_chat(messages, chat_template=chat_template)
-        return rendered.text or ""
 
     async def shutdown(self) -> None:
         self._shut_down = True
@@ -259,143 +195,3 @@ class AsyncEngine:
         queue = self._streams.get(output.request_id)
         if queue is not None:
             queue.put_nowait(output)
-
-
-class EngineActorImpl:
-    """The Ray actor body: an `AsyncEngine` in the actor's event loop. Create with
-    `EngineActor.remote(config)` (the config as a dict, so any process can send it)."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.engine = AsyncEngine(EngineConfig.build(config))
-
-    async def generate(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        request_id: str | None = None,
-        tenant_salt: bytes | None = None,
-        chat_template: str | None = None,
-        shared_prefix_tokens: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        async for output in self.engine.generate(
-            prompt,
-            params,
-            request_id=request_id,
-            tenant_salt=tenant_salt,
-            chat_template=chat_template,
-            shared_prefix_tokens=shared_prefix_tokens,
-        ):
-            yield output
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
-
-    def metrics(self) -> EngineMetrics:
-        return self.engine.metrics()
-
-    def health(self) -> EngineHealth:
-        return self.engine.health()
-
-    def cached_block_hashes(self, limit: int) -> list[bytes]:
-        return self.engine.cached_block_hashes(limit)
-
-    def prompt_block_hashes(
-        self,
-        prompt: PromptInput,
-        tenant_salt: bytes | None,
-        chat_template: str | None = None,
-        shared_prefix_tokens: int = 0,
-    ) -> list[bytes]:
-        return self.engine.prompt_block_hashes(
-            prompt,
-            tenant_salt=tenant_salt,
-            chat_template=chat_template,
-            shared_prefix_tokens=shared_prefix_tokens,
-        )
-
-    def model_info(self) -> ModelInfo:
-        return self.engine.model_info()
-
-    def encode(self, text: str) -> list[int]:
-        return self.engine.encode(text)
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.engine.decode(token_ids, skip_special_tokens)
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], chat_template: str | None = None
-    ) -> str:
-        return self.engine.apply_chat_template(messages, chat_template)
-
-    async def shutdown(self) -> None:
-        await self.engine.shutdown()
-
-
-EngineActor = ray.remote(num_cpus=0)(EngineActorImpl)
-
-
-class RemoteEngine:
-    """Client side of an `EngineActor`: the same `generate`/`abort`/`metrics` as `AsyncEngine`."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    @classmethod
-    def start(cls, config: EngineConfig, **actor_options: Any) -> RemoteEngine:
-        handle = EngineActor.options(**actor_options).remote(config.model_dump())
-        return cls(handle)
-
-    async def generate(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        tenant_salt: bytes | None = None,
-        chat_template: str | None = None,
-        shared_prefix_tokens: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        rid = request_id if request_id is not None else f"remote-{uuid.uuid4().hex}"
-        stream = self.handle.generate.options(num_returns="streaming").remote(
-            prompt, params, rid, tenant_salt, chat_template, shared_prefix_tokens
-        )
-        finished = False
-        try:
-            async for ref in stream:
-                output: RequestOutput = await ref
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                await self.abort(rid)
-
-    async def abort(self, request_id: str) -> None:
-        await self.handle.abort.remote(request_id)
-
-    async def metrics(self) -> EngineMetrics:
-        return await self.handle.metrics.remote()
-
-    async def health(self) -> EngineHealth:
-        return await self.handle.health.remote()
-
-    async def cached_block_hashes(self, limit: int) -> list[bytes]:
-        return await self.handle.cached_block_hashes.remote(limit)
-
-    async def prompt_block_hashes(
-        self,
-        prompt: PromptInput,
-        *,
-        tenant_salt: bytes | None,
-        chat_template: str | None = None,
-        shared_prefix_tokens: int = 0,
-    ) -> list[bytes]:
-        return await self.handle.prompt_block_hashes.remote(
-            prompt, tenant_salt, chat_template, shared_prefix_tokens
-        )
-
-    async def model_info(self) -> ModelInfo:
-        return await self.handle.model_info.remote()
-
-    async def shutdown(self) -> None:
-        await self.handle.shutdown.remote()
-        ray.kill(self.handle)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 from block_manager import CacheIdentity
@@ -20,6 +19,7 @@ from cluster.engine.cache_keys import CacheKeyFactory
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
 from cluster.engine.errors import ConfigError, EngineOverloaded, RequestRejected
+from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.kv_layouts import LayoutRecorder, build_kv_manager, layout_usage
 from cluster.engine.metrics import EngineMetrics, MetricsRecorder
 from cluster.engine.output_processor import StopLimits, apply_sampled_token
@@ -28,12 +28,10 @@ from cluster.engine.preemption import PreemptionCostModel
 from cluster.engine.request import Branch, CacheKey, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerStep
-from cluster.engine.tokenization import PromptRenderer, RenderedPrompt
+from cluster.engine.tokenization import PromptRenderer
 from cluster.serving.prefix_index import prompt_block_hashes
 from workers import ModelInfo, WorkerGroup, load_tokenizer
 from workers.plan import StepOutput, StepPlan
-
-PromptInput = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
 
 
 class EngineCore:
@@ -68,6 +66,7 @@ class EngineCore:
         if tokenizer is None:
             tokenizer = load_tokenizer(config.model.model)
         self.renderer = PromptRenderer(tokenizer, info.vocab_size)
+        self.request_builder = RequestBuilder(self.renderer, config.cache.block_size)
         self.cache_keys = CacheKeyFactory(
             CacheIdentity(
                 model_weights_digest=info.weights_digest,
@@ -96,24 +95,15 @@ class EngineCore:
 
     # --- requests ------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        tenant_salt: bytes | None = None,
-        chat_template: str | None = None,
-        shared_prefix_tokens: int = 0,
-    ) -> Request:
-        """Validates and queues a request. Raises RequestRejected (never servable as asked) or
-        EngineOverloaded (the waiting queue is full).
+    def add_request(self, generate: GenerateRequest) -> Request:
+        """Validates and queues a rendered request. Raises RequestRejected (never servable as
+        asked) or EngineOverloaded (the waiting queue is full).
 
-        `shared_prefix_tokens`: the prompt's first tokens that are an operator-shared prefix
-        (e.g. a system prompt); its whole blocks are cached without the tenant salt, so every
-        tenant shares them, while every later block stays salted per tenant."""
+        Its first `shared_prefix_tokens` tokens (an operator-shared prefix, e.g. a system
+        prompt) have their whole blocks cached without the tenant salt, so every tenant shares
+        them, while every later block stays salted per tenant."""
         arrival = next(self._arrivals)
-        request_id = request_id if request_id is not None else f"req-{arrival}"
+        request_id = generate.request_id if generate.request_id is not None else f"req-{arrival}"
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting_requests:
@@ -121,10 +111,10 @@ class EngineCore:
                 f"{len(self.scheduler.waiting)} requests are waiting "
                 f"(scheduler.max_waiting_requests = {self.config.scheduler.max_waiting_requests})"
             )
-        rendered = self.renderer.render(prompt, chat_template=chat_template)
-        ids = rendered.token_ids
+        params = generate.params
+        ids = generate.token_ids
         self._check_fits(ids, params)
-        cache_key = self.cache_key_for(rendered, tenant_salt, shared_prefix_tokens)
+        cache_key = self.cache_key_for(generate)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -138,8 +128,8 @@ class EngineCore:
         request = Request(
             request_id=request_id,
             arrival_index=arrival,
-            prompt=rendered.text,
-            prompt_token_ids=ids,
+            prompt=generate.prompt.text,
+            prompt_token_ids=list(ids),
             params=params,
             settings=params.to_settings(seed),
             cache_key=cache_key,
@@ -154,43 +144,37 @@ class EngineCore:
         self.scheduler.add(request)
         return request
 
-    def cache_key_for(
-        self, rendered: RenderedPrompt, tenant_salt: bytes | None, shared_prefix_tokens: int = 0
-    ) -> CacheKey:
-        """The key a rendered prompt's blocks are cached under: its template's identity seed,
+    def cache_key_for(self, generate: GenerateRequest) -> CacheKey:
+        """The key a rendered request's blocks are cached under: its template's identity seed,
         the tenant salt, and `shared_prefix_tokens // block_size` leading unsalted blocks.
         Raises RequestRejected for a shared prefix longer than the prompt."""
-        num_prompt_tokens = len(rendered.token_ids)
+        shared = generate.shared_prefix_tokens
+        num_prompt_tokens = generate.num_prompt_tokens
         if (
-            isinstance(shared_prefix_tokens, bool)
-            or not isinstance(shared_prefix_tokens, int)
-            or not 0 <= shared_prefix_tokens <= num_prompt_tokens
+            isinstance(shared, bool)
+            or not isinstance(shared, int)
+            or not 0 <= shared <= num_prompt_tokens
         ):
             raise RequestRejected(
                 f"shared_prefix_tokens must be an int in [0, {num_prompt_tokens}] (the prompt's "
-                f"length), got {shared_prefix_tokens!r}"
+                f"length), got {shared!r}"
+            )
+        if generate.adapter is not None:
+            raise RequestRejected(
+                f"adapter {generate.adapter!r}: this engine serves no LoRA adapters"
             )
         return self.cache_keys.key(
-            chat_template_digest=rendered.chat_template_digest,
-            tenant_salt=tenant_salt,
-            unsalted_blocks=shared_prefix_tokens // self.config.cache.block_size,
+            chat_template_digest=generate.prompt.chat_template_digest,
+            tenant_salt=generate.tenant_salt,
+            unsalted_blocks=shared // self.config.cache.block_size,
         )
 
-    def prompt_block_hashes(
-        self,
-        prompt: PromptInput,
-        *,
-        tenant_salt: bytes | None,
-        chat_template: str | None = None,
-        shared_prefix_tokens: int = 0,
-    ) -> list[bytes]:
-        """Chain hashes of the prompt's blocks a prefix lookup could hit (its full blocks but
-        the one holding the last token), exactly as the block manager keys them. Raises
-        RequestRejected for a prompt the engine cannot render."""
-        rendered = self.renderer.render(prompt, chat_template=chat_template)
-        key = self.cache_key_for(rendered, tenant_salt, shared_prefix_tokens)
+    def prompt_block_hashes(self, generate: GenerateRequest) -> list[bytes]:
+        """Chain hashes of the request's blocks a prefix lookup could hit (its full blocks but
+        the one holding the last token), exactly as the block manager keys them."""
+        key = self.cache_key_for(generate)
         return prompt_block_hashes(
-            rendered.token_ids,
+            generate.token_ids,
             hash_seed=key.hash_seed,
             extra_keys=key.extra_keys,
             block_size=self.config.cache.block_size,

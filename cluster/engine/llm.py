@@ -8,8 +8,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine_core import EngineCore, PromptInput
+from cluster.engine.engine_core import EngineCore
 from cluster.engine.errors import ConfigError, RequestRejected
+from cluster.engine.generate_request import PromptInput
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
@@ -88,10 +89,19 @@ class LLM:
         chat_template: str | None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
-        ids = []
-        for prompt, p in zip(prompts, params, strict=True):
-            request = self.engine.add_request(prompt, p, chat_template=chat_template)
-            ids.append(request.request_id)
+        builder = self.engine.request_builder
+        requests = [
+            builder.build(prompt, p, chat_template=chat_template)
+            for prompt, p in zip(prompts, params, strict=True)
+        ]
+        ids: list[str] = []
+        try:
+            for request in requests:
+                ids.append(self.engine.add_request(request).request_id)
+        except BaseException:  # none of a refused batch is left queued for the next call
+            for queued in ids:
+                self.engine.abort(queued)
+            raise
         finals: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for output in self.engine.step():

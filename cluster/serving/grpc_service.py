@@ -1,8 +1,9 @@
-"""The gRPC API (`pagedserve.v1.Generation`, `grpc.health.v1.Health`) over one `AsyncEngine`.
+"""The gRPC API (`pagedserve.v1.Generation`, `grpc.health.v1.Health`) over an `EngineClient`.
 
-Protobuf lives at this edge only: requests become the engine's prompt and `SamplingParams`,
-engine outputs become `GenerateResponse` messages. The Serve replica (cluster/serving/serve_app.py)
-delegates its gRPC methods here and turns a raised `GrpcAbort` into the call's status.
+Protobuf lives at this edge only: requests become one `GenerateRequest` (rendered once by the
+shared `FrontEnd`), engine outputs become `GenerateResponse` messages. The Serve replica
+(cluster/serving/serve_app.py) delegates its gRPC methods here and turns a raised `GrpcAbort`
+into the call's status.
 
 Status mapping: bad input (unset prompt, invalid sampling values, unknown model, a prompt plus
 `max_tokens` beyond the context) -> INVALID_ARGUMENT; admission queue full -> RESOURCE_EXHAUSTED;
@@ -15,19 +16,18 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 from ray.serve.grpc_util import RayServegRPCContext
 
-from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.engine_core import PromptInput
+from cluster.engine.client import EngineClient
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
+from cluster.engine.generate_request import PromptInput
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from cluster.serving.openai_serving import SharedPrefixTokens, context_overflow, no_shared_prefix
+from cluster.serving.frontend import ENGINE_ERRORS, FinishTracker, FrontEnd, new_logprobs
 from protos import generation_pb2 as pb
 
 GRPC_SERVICE_NAME = "pagedserve.v1.Generation"
@@ -142,8 +142,7 @@ def completion_delta(output: CompletionOutput, decode: Decode) -> pb.CompletionD
     elif isinstance(output.stop_reason, int):
         delta.stop_token_id = output.stop_reason
     if output.logprobs is not None and output.delta_token_ids:
-        new = output.logprobs[len(output.token_ids) - len(output.delta_token_ids) :]
-        delta.logprobs.extend(position_logprobs(new, decode))
+        delta.logprobs.extend(position_logprobs(new_logprobs(output, whole=False), decode))
     return delta
 
 
@@ -154,16 +153,12 @@ class GenerateStreamEncoder:
 
     def __init__(self, decode: Decode) -> None:
         self._decode = decode
-        self._reported_finish: set[int] = set()
+        self._changes = FinishTracker()
 
     def encode(self, output: RequestOutput) -> pb.GenerateResponse | None:
         response = pb.GenerateResponse(request_id=output.request_id, finished=output.finished)
-        for branch in output.outputs:
-            newly_finished = branch.finished and branch.index not in self._reported_finish
-            if branch.delta_token_ids or branch.delta_text or newly_finished:
-                response.choices.append(completion_delta(branch, self._decode))
-            if newly_finished:
-                self._reported_finish.add(branch.index)
+        for branch in self._changes.changed(output):
+            response.choices.append(completion_delta(branch, self._decode))
         if output.finished:
             usage = output.usage
             response.usage.CopyFrom(
@@ -215,15 +210,10 @@ def health_response(serving: bool) -> health_pb2.HealthCheckResponse:
 class GenerationRpc:
     """The four `Generation` RPCs over one engine serving one model name."""
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        served_model_name: str,
-        shared_prefix_tokens: SharedPrefixTokens = no_shared_prefix,
-    ) -> None:
+    def __init__(self, engine: EngineClient, frontend: FrontEnd, served_model_name: str) -> None:
         self.engine = engine
+        self.frontend = frontend
         self.served_model_name = served_model_name
-        self.shared_prefix_tokens = shared_prefix_tokens
 
     def check_model(self, model: str) -> None:
         if model and model != self.served_model_name:
@@ -233,56 +223,51 @@ class GenerationRpc:
                 f"{self.served_model_name!r}",
             )
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.frontend.renderer.decode(token_ids)
+
     async def generate(
         self, request: pb.GenerateRequest, *, request_id: str, tenant_salt: bytes | None
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.check_model(request.model)
-        prompt = prompt_from_request(request)
         params = sampling_params_from_proto(request.sampling)
         try:
-            overflow = context_overflow(self.engine, prompt, params.max_tokens, "prompt")
+            generate = self.frontend.prepare(
+                prompt_from_request(request), params, request_id=request_id, tenant_salt=tenant_salt
+            )
         except RequestRejected as error:
             raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-        if overflow is not None:
-            raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, overflow)
-        encoder = GenerateStreamEncoder(self.engine.decode)
+        encoder = GenerateStreamEncoder(self.decode)
         # Closing the engine stream is what aborts the request and frees its blocks, so a cancelled
         # call closes it at once here rather than whenever the generator is garbage-collected.
         try:
-            stream = self.engine.generate(
-                prompt,
-                params,
-                request_id=request_id,
-                tenant_salt=tenant_salt,
-                shared_prefix_tokens=self.shared_prefix_tokens(prompt),
-            )
+            stream = self.engine.generate(generate)
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     response = encoder.encode(output)
                     if response is not None:
                         yield response
-        except (RequestRejected, EngineOverloaded, EngineDead, ValueError) as error:
+        except ENGINE_ERRORS as error:
             mapped = abort_for_engine_error(error)
             assert mapped is not None
             raise mapped from None
 
     def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         self.check_model(request.model)
-        tokenizer: Any = self.engine.tokenizer
+        renderer = self.frontend.renderer
         kind = request.WhichOneof("input")
         if kind == "text":
-            ids = tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+            ids = renderer.tokenizer.encode(
+                request.text, add_special_tokens=request.add_special_tokens
+            )
         elif kind == "chat":
             try:
-                text = self.engine.apply_chat_template(chat_messages(request.chat))
+                ids = renderer.render_chat(chat_messages(request.chat)).token_ids
             except RequestRejected as error:
                 raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-            ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "set one of input.text, input.chat")
-        return pb.TokenizeResponse(
-            token_ids=ids, max_model_len=self.engine.model_info().max_model_len
-        )
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=self.frontend.max_model_len)
 
     def model_info(self, block_size: int, tensor_parallel_size: int) -> pb.ModelInfo:
         info = self.engine.model_info()

@@ -29,7 +29,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from cluster.engine.engine_core import PromptInput
+from cluster.engine.generate_request import PromptInput
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -1,4 +1,4 @@
-"""OpenAI-compatible serving over one `AsyncEngine`: runs completions and chat completions and
+"""OpenAI-compatible serving over an `EngineClient`: runs completions and chat completions and
 shapes engine outputs into OpenAI responses and server-sent-event chunks.
 
 Invariants:
@@ -20,17 +20,24 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from pydantic import BaseModel
 
-from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.engine_core import PromptInput
+from cluster.engine.client import EngineClient
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
+from cluster.engine.generate_request import PromptInput
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.frontend import (
+    ENGINE_ERRORS,
+    ContextOverflow,
+    FinishTracker,
+    FrontEnd,
+    new_logprobs,
+)
 from cluster.serving.openai_protocol import (
     SSE_DONE,
     AssistantMessage,
@@ -57,44 +64,7 @@ from cluster.serving.openai_protocol import (
     sse_event,
 )
 
-
-def prompt_length(engine: AsyncEngine, prompt: PromptInput) -> int:
-    """Tokens the engine will see for `prompt` (chat messages: after the model's template).
-    Raises RequestRejected when the prompt cannot be rendered."""
-    if isinstance(prompt, str):
-        return len(engine.encode(prompt))
-    if isinstance(prompt, Mapping):
-        return len(prompt["prompt_token_ids"])
-    text = engine.apply_chat_template(list(prompt))
-    return len(engine.tokenizer.encode(text, add_special_tokens=False))
-
-
-def context_overflow(
-    engine: AsyncEngine, prompt: PromptInput, max_tokens: int | None, what: str
-) -> str | None:
-    """Why the prompt plus `max_tokens` (None: at least one token) cannot fit in the model's
-    context, or None when it fits. The engine itself would silently shorten `max_tokens`."""
-    context = engine.model_info().max_model_len
-    length = prompt_length(engine, prompt)
-    wanted = length + (max_tokens or 1)
-    if wanted <= context:
-        return None
-    return (
-        f"This model's maximum context length is {context} tokens. However, you requested "
-        f"{wanted} tokens ({length} in the {what}, {max_tokens or 1} for the completion). "
-        f"Please reduce the length of the {what} or of the completion."
-    )
-
-
-ENGINE_ERRORS = (RequestRejected, EngineOverloaded, EngineDead, ValueError)
 Stream = AsyncGenerator[RequestOutput, None]
-SharedPrefixTokens = Callable[[PromptInput], int]
-"""How many leading tokens of a prompt are an operator-shared prefix (cached for all tenants)."""
-
-
-def no_shared_prefix(prompt: PromptInput) -> int:
-    """The default: no prompt starts with an operator-shared prefix."""
-    return 0
 
 
 def engine_prompt(prompt: Prompt) -> PromptInput:
@@ -102,13 +72,15 @@ def engine_prompt(prompt: Prompt) -> PromptInput:
     return prompt if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
 
 
-def http_error(error: Exception) -> OpenAIError:
-    """The HTTP error an engine error maps to."""
+def http_error(error: Exception, param: str | None = None) -> OpenAIError:
+    """The HTTP error an engine or front-end error maps to (`param`: the prompt's field)."""
+    if isinstance(error, ContextOverflow):
+        return invalid_request(str(error), param=param, code="context_length_exceeded")
     if isinstance(error, EngineOverloaded):
         return overloaded(str(error), retry_after_s=max(1, math.ceil(error.retry_after_s)))
     if isinstance(error, EngineDead):
         return OpenAIError(503, str(error), error_type="server_error", code="engine_unavailable")
-    return invalid_request(str(error))  # RequestRejected, ValueError
+    return invalid_request(str(error), param=param)  # RequestRejected, ValueError
 
 
 def sampling_params(kwargs: SamplingKwargs) -> SamplingParams:
@@ -179,62 +151,45 @@ def finish_reason(output: CompletionOutput) -> FinishReason | None:
     return "length" if output.finish_reason == "length" else "stop"
 
 
-def new_logprobs(output: CompletionOutput, whole: bool) -> list[Logprob]:
-    """Logprob entries of the output's new tokens (of all its tokens when `whole`)."""
-    if output.logprobs is None:
-        return []
-    return output.logprobs[0 if whole else len(output.token_ids) - len(output.delta_token_ids) :]
-
-
 class ChunkEncoder(Protocol):
     def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]: ...
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
 
 class OpenAIServing:
-    """Runs OpenAI requests on the engine and shapes its outputs into OpenAI responses."""
+    """Runs OpenAI requests on an engine and shapes its outputs into OpenAI responses."""
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        served_model_name: str,
-        shared_prefix_tokens: SharedPrefixTokens = no_shared_prefix,
-    ) -> None:
+    def __init__(self, engine: EngineClient, frontend: FrontEnd, served_model_name: str) -> None:
         self.engine = engine
+        self.frontend = frontend
         self.model = served_model_name
-        self.shared_prefix_tokens = shared_prefix_tokens
 
     def token_text(self, token_id: int) -> str:
-        return self.engine.decode([token_id], skip_special_tokens=False)
-
-    def check_context(self, prompt: PromptInput, params: SamplingParams, param: str) -> None:
-        """A 400 when the prompt plus `max_tokens` cannot fit in the model's context."""
-        try:
-            overflow = context_overflow(self.engine, prompt, params.max_tokens, param)
-        except RequestRejected as error:
-            raise invalid_request(str(error), param=param) from None
-        if overflow is not None:
-            raise invalid_request(overflow, param=param, code="context_length_exceeded")
+        return self.frontend.token_text(token_id)
 
     async def start(
         self, prompts: Sequence[PromptInput], params: SamplingParams, rid: str, salt: bytes | None
     ) -> list[Stream]:
-        """Queues one engine request per prompt and waits for each one's first output, so a
-        refusal becomes an HTTP status before any byte of a stream is sent."""
+        """Renders every prompt once, queues one engine request per prompt and waits for each
+        one's first output, so a refusal becomes an HTTP status before any byte is sent."""
         param = "prompt" if isinstance(prompts[0], str | Mapping) else "messages"
-        for prompt in prompts:
-            self.check_context(prompt, params, param)
-        streams: list[Stream] = []
         try:
-            for i, prompt in enumerate(prompts):
-                request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-                stream = self.engine.generate(
+            requests = [
+                self.frontend.prepare(
                     prompt,
                     params,
-                    request_id=request_id,
+                    request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
                     tenant_salt=salt,
-                    shared_prefix_tokens=self.shared_prefix_tokens(prompt),
+                    what=param,
                 )
+                for i, prompt in enumerate(prompts)
+            ]
+        except RequestRejected as error:
+            raise http_error(error, param) from None
+        streams: list[Stream] = []
+        try:
+            for request in requests:
+                stream = self.engine.generate(request)
                 try:
                     first = await anext(stream)
                 except ENGINE_ERRORS as error:
@@ -382,31 +337,13 @@ class OpenAIServing:
         return self.events(streams, ChatChunks(self, rid), request.include_usage)
 
 
-class _Changes:
-    """Which branches of a snapshot have something to send: new tokens or text, or a finish
-    not yet reported (each finish is reported exactly once)."""
-
-    def __init__(self) -> None:
-        self.finished: set[tuple[int, int]] = set()
-
-    def of(self, index: int, output: RequestOutput) -> list[CompletionOutput]:
-        changed = []
-        for branch in output.outputs:
-            newly_finished = branch.finished and (index, branch.index) not in self.finished
-            if branch.delta_token_ids or branch.delta_text or newly_finished:
-                changed.append(branch)
-            if newly_finished:
-                self.finished.add((index, branch.index))
-        return changed
-
-
 class CompletionChunks:
     """`text_completion` chunks, one choice each, as OpenAI streams them."""
 
     def __init__(self, serving: OpenAIServing, rid: str, n: int) -> None:
         self.serving, self.rid, self.n = serving, rid, n
         self.created = int(time.time())
-        self.changes = _Changes()
+        self.changes = FinishTracker()
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> BaseModel:
         return CompletionResponse(
@@ -420,7 +357,7 @@ class CompletionChunks:
     def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]:
         return [
             self._chunk([self.serving.completion_choice(index, branch, self.n, whole=False)])
-            for branch in self.changes.of(index, output)
+            for branch in self.changes.changed(output, index)
         ]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
@@ -433,7 +370,7 @@ class ChatChunks:
     def __init__(self, serving: OpenAIServing, rid: str) -> None:
         self.serving, self.rid = serving, rid
         self.created = int(time.time())
-        self.changes = _Changes()
+        self.changes = FinishTracker()
         self.started: set[int] = set()
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> BaseModel:
@@ -447,7 +384,7 @@ class ChatChunks:
 
     def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]:
         chunks = []
-        for branch in self.changes.of(index, output):
+        for branch in self.changes.changed(output, index):
             role = None if branch.index in self.started else "assistant"
             self.started.add(branch.index)
             entries = new_logprobs(branch, whole=False)

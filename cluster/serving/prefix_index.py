@@ -23,6 +23,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from block_manager import block_hash
+from cluster.engine.generate_request import leading_shared_tokens
 
 ReplicaKey = Hashable
 
@@ -59,20 +60,9 @@ def prompt_block_hashes(
 def shared_prefix_blocks(
     token_ids: Sequence[int], shared_prefixes: Iterable[Sequence[int]], block_size: int
 ) -> int:
-    """Whole blocks at the start of the prompt that are tokens of an operator-shared prefix: the
-    longest run of leading tokens equal to some shared prefix's tokens, rounded down to blocks
-    (a block is shared only when every token in it came from the operator's prefix)."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    best = 0
-    for prefix in shared_prefixes:
-        common = 0
-        for mine, theirs in zip(token_ids, prefix, strict=False):
-            if mine != theirs:
-                break
-            common += 1
-        best = max(best, common)
-    return best // block_size
+    """Whole blocks at the start of the prompt that are tokens of an operator-shared prefix
+    (`leading_shared_tokens`, the engine's own rule, in blocks)."""
+    return leading_shared_tokens(token_ids, shared_prefixes, block_size) // block_size
 
 
 @dataclass(frozen=True)

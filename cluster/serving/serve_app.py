@@ -39,11 +39,15 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.engine.async_engine import AsyncEngine, EngineHealth
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.client import EngineHealth
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine_core import PromptInput
+from cluster.engine.errors import RequestRejected
+from cluster.engine.generate_request import PromptInput, RequestBuilder
 from cluster.engine.metrics import EngineMetrics
+from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.autoscaling import autoscaling_stats
+from cluster.serving.frontend import FrontEnd
 from cluster.serving.grpc_service import GenerationRpc, GrpcAbort, GrpcMethods
 from cluster.serving.ingress import HttpCall, HttpHead, PrefixRoutingIngress, asgi_call
 from cluster.serving.openai_protocol import (
@@ -217,7 +221,7 @@ def build_http_api(server: GenerationServer) -> FastAPI:
         card = ModelCard(
             id=server.args.served_model_name,
             created=server.created,
-            max_model_len=server.engine.model_info().max_model_len,
+            max_model_len=server.frontend.max_model_len,
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
@@ -263,13 +267,14 @@ class GenerationServer(GrpcMethods):
         config = self.args.engine_config()
         self.engine = AsyncEngine(config)
         self.tenancy = Tenancy(self.args.api_keys)
-        self.blocks = ReplicaBlocks(
-            self.engine, self.args.routing.published_blocks, self.args.shared_prefixes
+        builder = RequestBuilder(
+            self.engine.request_builder.renderer, config.cache.block_size, self.args.shared_prefixes
         )
+        self.frontend = FrontEnd(builder, self.engine.model_info().max_model_len)
+        self.blocks = ReplicaBlocks(self.engine, builder, self.args.routing.published_blocks)
         name = self.args.served_model_name
-        shared = self.blocks.shared_prefix_tokens
-        self.openai = OpenAIServing(self.engine, name, shared_prefix_tokens=shared)
-        self.rpc = GenerationRpc(self.engine, name, shared_prefix_tokens=shared)
+        self.openai = OpenAIServing(self.engine, self.frontend, name)
+        self.rpc = GenerationRpc(self.engine, self.frontend, name)
         self.grpc_block_size = config.cache.block_size
         self.grpc_tensor_parallel_size = config.parallel.tensor_parallel_size
         self.created = int(time.time())
@@ -316,9 +321,10 @@ class GenerationServer(GrpcMethods):
         answers with the error)."""
         try:
             salt = self.tenancy.salt_for(authorization)
-        except Unauthenticated:
+            request = self.frontend.builder.build(prompt, SamplingParams(), tenant_salt=salt)
+            return self.engine.prompt_block_hashes(request)
+        except (Unauthenticated, RequestRejected):
             return []
-        return self.blocks.hashes(prompt, salt)
 
     async def http_call(
         self, call: HttpCall, block_hashes: list[bytes] | None = None
@@ -345,11 +351,9 @@ class GenerationServer(GrpcMethods):
         salt = self.tenancy.salt_for(request.authorization)
         request_id = request.request_id or f"handle-{uuid.uuid4().hex}"
         stream = self.engine.generate(
-            request.prompt,
-            request.params,
-            request_id=request_id,
-            tenant_salt=salt,
-            shared_prefix_tokens=self.blocks.shared_prefix_tokens(request.prompt),
+            self.frontend.builder.build(
+                request.prompt, request.params, request_id=request_id, tenant_salt=salt
+            )
         )
         try:
             async for output in stream:

@@ -1,4 +1,4 @@
-"""The asyncio engine (in process) and the Ray actor with TP=2, on the tiny Llama."""
+"""The asyncio engine on the tiny Llama: in process, and over TP=2 Ray worker actors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import ray
 
-from cluster.engine.async_engine import AsyncEngine, RemoteEngine
+from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from tests.cluster.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
@@ -22,8 +22,12 @@ def test_streams_deltas_and_abort_frees_everything(tiny_model_dir: pathlib.Path)
     async def scenario() -> None:
         engine = AsyncEngine(tiny_config(tiny_model_dir, cache={"num_device_blocks": 40}))
         long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        keep = asyncio.create_task(collect(engine.generate(PROMPTS[0], GREEDY)))
-        stream = engine.generate(PROMPTS[3], long, request_id="to-abort")
+        keep = asyncio.create_task(
+            collect(engine.generate(engine.request_builder.build(PROMPTS[0], GREEDY)))
+        )
+        stream = engine.generate(
+            engine.request_builder.build(PROMPTS[3], long, request_id="to-abort")
+        )
         first = await anext(stream)
         assert first.outputs[0].token_ids and not first.finished
         await engine.abort("to-abort")
@@ -51,22 +55,25 @@ def ray_cluster() -> object:
     ray.shutdown()
 
 
-def test_engine_actor_with_tensor_parallel_two(
+def test_async_engine_with_tensor_parallel_two(
     tiny_model_dir: pathlib.Path, roomy_outputs: list[RequestOutput], ray_cluster: object
 ) -> None:
     expected = greedy_ids(roomy_outputs[:3])
 
     async def scenario() -> None:
         config = tiny_config(tiny_model_dir, parallel={"backend": "ray", "tensor_parallel_size": 2})
-        engine = RemoteEngine.start(config)
-        results = await asyncio.gather(*(collect(engine.generate(p, GREEDY)) for p in PROMPTS[:3]))
+        engine = AsyncEngine(config)
+        build = engine.request_builder.build
+        results = await asyncio.gather(
+            *(collect(engine.generate(build(p, GREEDY))) for p in PROMPTS[:3])
+        )
         assert [r[-1].outputs[0].token_ids for r in results] == expected
-        metrics = await engine.metrics()
+        metrics = engine.metrics()
         assert metrics.pressure.device.used == 0 and metrics.num_finished_requests == 3
-        health = await engine.health()
+        health = engine.health()
         assert health.alive and health.num_unfinished == 0 and health.last_step_finished_s
-        hashes = await engine.prompt_block_hashes(PROMPTS[1], tenant_salt=None)
-        assert hashes and set(hashes) <= set(await engine.cached_block_hashes(1000))
+        hashes = engine.prompt_block_hashes(build(PROMPTS[1], GREEDY))
+        assert hashes and set(hashes) <= set(engine.cached_block_hashes(1000))
         await engine.shutdown()
 
     asyncio.run(scenario())

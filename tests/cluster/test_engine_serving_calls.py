@@ -20,7 +20,8 @@ SALT = b"tenant-a"
 
 
 async def final(engine: AsyncEngine, prompt: object, **kwargs: object) -> RequestOutput:
-    outputs = [o async for o in engine.generate(prompt, ONE_TOKEN, **kwargs)]  # type: ignore[arg-type]
+    request = engine.request_builder.build(prompt, ONE_TOKEN, **kwargs)  # type: ignore[arg-type]
+    outputs = [o async for o in engine.generate(request)]
     return outputs[-1]
 
 
@@ -59,10 +60,15 @@ def test_prompt_block_hashes_are_what_the_engine_then_caches(
     async def scenario() -> None:
         engine = AsyncEngine(tiny_config(tiny_model_dir))
         assert engine.cached_block_hashes(100) == []
-        mine = engine.prompt_block_hashes(PROMPT, tenant_salt=SALT)
+        build = engine.request_builder.build
+        mine = engine.prompt_block_hashes(build(PROMPT, ONE_TOKEN, tenant_salt=SALT))
         assert len(mine) == (50 - 1) // 8
-        shared = engine.prompt_block_hashes(PROMPT, tenant_salt=SALT, shared_prefix_tokens=20)
-        others = engine.prompt_block_hashes(PROMPT, tenant_salt=b"b", shared_prefix_tokens=20)
+        shared = engine.prompt_block_hashes(
+            build(PROMPT, ONE_TOKEN, tenant_salt=SALT, shared_prefix_tokens=20)
+        )
+        others = engine.prompt_block_hashes(
+            build(PROMPT, ONE_TOKEN, tenant_salt=b"b", shared_prefix_tokens=20)
+        )
         assert shared[:2] == others[:2] and not set(shared[2:]) & set(others[2:])
         assert not set(mine) & set(shared)  # the chain differs from the first block on
 

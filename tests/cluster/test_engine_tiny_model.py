@@ -76,7 +76,7 @@ def test_parallel_sampling_on_the_real_workers(tiny_model_dir: pathlib.Path) -> 
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, logprobs=2)
     with LLM(config=tiny_config(tiny_model_dir)) as llm:
         core = llm.engine
-        request = core.add_request(PROMPTS[3], params)
+        request = core.add_request(core.request_builder.build(PROMPTS[3], params))
         core.step()  # one prefill for all four branches, then the fork
         core.step()  # each branch writes its own tail (copy-on-write)
         pressure = core.block_manager.pressure()

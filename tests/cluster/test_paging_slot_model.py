@@ -28,7 +28,10 @@ def make_prompts(count: int, seed: int) -> list[list[int]]:
 def run_all(
     engine: EngineCore, prompts: list[list[int]], params: SamplingParams
 ) -> list[RequestOutput]:
-    ids = [engine.add_request({"prompt_token_ids": p}, params).request_id for p in prompts]
+    ids = [
+        engine.add_request(engine.request_builder.build({"prompt_token_ids": p}, params)).request_id
+        for p in prompts
+    ]
     finals: dict[str, RequestOutput] = {}
     steps = 0
     while engine.has_unfinished():
@@ -141,7 +144,7 @@ def test_request_outgrowing_the_whole_pool_ends_with_length(
     engine = slot_engine(num_device_blocks=6, block_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompt = list(range(300, 310))
-    request = engine.add_request({"prompt_token_ids": prompt}, params)
+    request = engine.add_request(engine.request_builder.build({"prompt_token_ids": prompt}, params))
     outputs = []
     while engine.has_unfinished():
         outputs.extend(engine.step())

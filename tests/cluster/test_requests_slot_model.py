@@ -23,7 +23,7 @@ def test_parallel_sampling_shares_prompt_blocks_and_is_seeded(
 ) -> None:
     engine = slot_engine(num_device_blocks=100)
     params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
-    engine.add_request({"prompt_token_ids": PROMPT}, params)
+    engine.add_request(engine.request_builder.build({"prompt_token_ids": PROMPT}, params))
     engine.step()  # the prompt, prefilled once; four tokens sampled, the request forks
     engine.step()  # each branch appends its token: copy-on-write of the shared tail
     pressure = engine.block_manager.pressure()
@@ -46,7 +46,10 @@ def test_abort_mid_generation_frees_every_block(slot_engine: SlotEngineFactory) 
     engine = slot_engine(num_device_blocks=40, scheduler={"preemption_mode": "swap"})
     params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=50, ignore_eos=True)
     requests = [
-        engine.add_request({"prompt_token_ids": [p + i for p in PROMPT]}, params) for i in range(4)
+        engine.add_request(
+            engine.request_builder.build({"prompt_token_ids": [p + i for p in PROMPT]}, params)
+        )
+        for i in range(4)
     ]
     for _ in range(25):
         engine.step()
@@ -63,37 +66,53 @@ def test_abort_mid_generation_frees_every_block(slot_engine: SlotEngineFactory) 
 def test_prompt_longer_than_context_is_rejected(slot_engine: SlotEngineFactory) -> None:
     engine = slot_engine(max_model_len=32)
     with pytest.raises(RequestRejected, match=r"33 tokens; the model's context is 32"):
-        engine.add_request({"prompt_token_ids": list(range(300, 333))}, SamplingParams())
+        engine.add_request(
+            engine.request_builder.build(
+                {"prompt_token_ids": list(range(300, 333))}, SamplingParams()
+            )
+        )
 
 
 def test_prompt_larger_than_pool_is_rejected(slot_engine: SlotEngineFactory) -> None:
     engine = slot_engine(num_device_blocks=8, block_size=4)
     with pytest.raises(RequestRejected, match=r"needs 10 KV blocks .* device pool has 8"):
-        engine.add_request({"prompt_token_ids": list(range(300, 336))}, SamplingParams())
+        engine.add_request(
+            engine.request_builder.build(
+                {"prompt_token_ids": list(range(300, 336))}, SamplingParams()
+            )
+        )
     assert not engine.has_unfinished()
 
 
 def test_bad_prompts_are_rejected_with_the_reason(slot_engine: SlotEngineFactory) -> None:
     engine = slot_engine()
     with pytest.raises(RequestRejected, match="not a token id"):
-        engine.add_request({"prompt_token_ids": [1, 10**9]}, SamplingParams())
+        engine.add_request(
+            engine.request_builder.build({"prompt_token_ids": [1, 10**9]}, SamplingParams())
+        )
     with pytest.raises(RequestRejected, match="prompt_token_ids"):
-        engine.add_request({"tokens": [1]}, SamplingParams())
-    engine.add_request("hello", SamplingParams(), request_id="dup")
+        engine.add_request(engine.request_builder.build({"tokens": [1]}, SamplingParams()))
+    engine.add_request(engine.request_builder.build("hello", SamplingParams(), request_id="dup"))
     with pytest.raises(RequestRejected, match="already in use"):
-        engine.add_request("hello", SamplingParams(), request_id="dup")
+        engine.add_request(
+            engine.request_builder.build("hello", SamplingParams(), request_id="dup")
+        )
 
 
 def test_full_waiting_queue_overloads(slot_engine: SlotEngineFactory) -> None:
     engine = slot_engine(scheduler={"max_waiting_requests": 2})
-    engine.add_request("a", SamplingParams())
-    engine.add_request("b", SamplingParams())
+    engine.add_request(engine.request_builder.build("a", SamplingParams()))
+    engine.add_request(engine.request_builder.build("b", SamplingParams()))
     with pytest.raises(EngineOverloaded, match="max_waiting_requests"):
-        engine.add_request("c", SamplingParams())
+        engine.add_request(engine.request_builder.build("c", SamplingParams()))
 
 
 def _cached_tokens(engine: Any, prompt: Any, **kwargs: Any) -> int:
-    request = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2), **kwargs)
+    request = engine.add_request(
+        engine.request_builder.build(
+            prompt, SamplingParams(temperature=0.0, max_tokens=2), **kwargs
+        )
+    )
     cached = None
     while engine.has_unfinished():
         for output in engine.step():

@@ -75,7 +75,9 @@ def test_random_workloads_match_reference(
                     temperature=spec["temperature"],
                     seed=spec["seed"],
                 )
-                request = engine.add_request({"prompt_token_ids": spec["prompt"]}, params)
+                request = engine.add_request(
+                    engine.request_builder.build({"prompt_token_ids": spec["prompt"]}, params)
+                )
                 submitted.append((request.request_id, spec, params))
         for rid, spec, _ in submitted:
             if spec["abort_at_step"] == step and rid not in finals:

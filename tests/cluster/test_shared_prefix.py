@@ -25,7 +25,9 @@ def run(engine: Any, prompt: list[int], salt: bytes | None, shared: int) -> int:
     """Runs one request to the end; checks its tokens against the unpaged reference and
     returns the tokens it found cached."""
     request = engine.add_request(
-        {"prompt_token_ids": prompt}, PARAMS, tenant_salt=salt, shared_prefix_tokens=shared
+        engine.request_builder.build(
+            {"prompt_token_ids": prompt}, PARAMS, tenant_salt=salt, shared_prefix_tokens=shared
+        )
     )
     final = None
     while engine.has_unfinished():
@@ -68,8 +70,13 @@ def test_prompt_block_hashes_are_the_blocks_the_manager_caches(
     engine = slot_engine(num_device_blocks=200)
     prompt = {"prompt_token_ids": SYSTEM + QUESTION_A}
     shared = len(SYSTEM)
-    alice = engine.prompt_block_hashes(prompt, tenant_salt=ALICE, shared_prefix_tokens=shared)
-    bob = engine.prompt_block_hashes(prompt, tenant_salt=BOB, shared_prefix_tokens=shared)
+    build = engine.request_builder.build
+    alice = engine.prompt_block_hashes(
+        build(prompt, PARAMS, tenant_salt=ALICE, shared_prefix_tokens=shared)
+    )
+    bob = engine.prompt_block_hashes(
+        build(prompt, PARAMS, tenant_salt=BOB, shared_prefix_tokens=shared)
+    )
     assert len(alice) == (len(SYSTEM + QUESTION_A) - 1) // 4
     assert alice[:3] == bob[:3] and not set(alice[3:]) & set(bob[3:])
     assert not set(alice) & set(engine.block_manager.cached_block_hashes())
@@ -78,7 +85,7 @@ def test_prompt_block_hashes_are_the_blocks_the_manager_caches(
     assert len(cached) == len(set(cached))
     assert set(alice) <= set(cached)  # evictable blocks are listed too
     assert not set(bob[3:]) & set(cached)
-    unshared = engine.prompt_block_hashes(prompt, tenant_salt=ALICE)
+    unshared = engine.prompt_block_hashes(build(prompt, PARAMS, tenant_salt=ALICE))
     assert unshared[0] != alice[0] and not set(unshared) & set(cached)
 
 
@@ -87,6 +94,8 @@ def test_bad_shared_prefix_tokens_are_rejected(slot_engine: SlotEngineFactory, s
     engine = slot_engine()
     with pytest.raises(RequestRejected, match="shared_prefix_tokens"):
         engine.add_request(
-            {"prompt_token_ids": SYSTEM + QUESTION_A}, PARAMS, shared_prefix_tokens=shared
+            engine.request_builder.build(
+                {"prompt_token_ids": SYSTEM + QUESTION_A}, PARAMS, shared_prefix_tokens=shared
+            )
         )
     assert not engine.has_unfinished() and not engine.requests

@@ -74,7 +74,10 @@ def test_engine_admission_and_outputs(layout: str, slot_layout_engine: SlotLayou
     engine = slot_layout_engine(layout, num_device_blocks=32)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     prompts = [[300 + i for i in range(8)], [900 + i for i in range(8)]]
-    requests = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    requests = [
+        engine.add_request(engine.request_builder.build({"prompt_token_ids": p}, params))
+        for p in prompts
+    ]
     engine.step()
     running = len(engine.scheduler.running)
     assert running == (1 if layout == "contiguous" else 2)
@@ -94,4 +97,6 @@ def test_non_paged_layouts_refuse_parallel_sampling(slot_layout_engine: SlotLayo
 
     engine = slot_layout_engine("contiguous", num_device_blocks=32)
     with pytest.raises(RequestRejected, match="parallel sampling needs the 'paged' layout"):
-        engine.add_request({"prompt_token_ids": [300, 301]}, SamplingParams(n=2))
+        engine.add_request(
+            engine.request_builder.build({"prompt_token_ids": [300, 301]}, SamplingParams(n=2))
+        )

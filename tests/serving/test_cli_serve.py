@@ -24,7 +24,9 @@ def _serve_args(*argv: str) -> argparse.Namespace:
 
 
 def test_shipped_config_is_the_repository_file() -> None:
-    repository_file = Path(__file__).resolve().parents[2] / "cluster" / "serving" / "serve_config.yaml"
+    repository_file = (
+        Path(__file__).resolve().parents[2] / "cluster" / "serving" / "serve_config.yaml"
+    )
     assert shipped_serve_config().read_text() == repository_file.read_text()
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from block_manager import KVCacheManager
-from cluster.engine.async_engine import EngineHealth
+from cluster.engine.client import EngineHealth
 from cluster.engine.metrics import EngineMetrics, Histogram
 from cluster.serving.serve_app import StepProgress, replica_problem
 

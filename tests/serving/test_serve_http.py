@@ -179,7 +179,7 @@ LONG_PROMPT = "word " * (MAX_MODEL_LEN + 10)
         (COMPLETIONS, {"model": MODEL, "prompt": "x", "n": "2"}, 400, "n"),
         (COMPLETIONS, {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
         (COMPLETIONS, b'{"model": "tiny", "prompt": ', 400, None),
-        (COMPLETIONS, {"model": MODEL, "prompt": [10**9]}, 400, None),
+        (COMPLETIONS, {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
     ],
 )
 def test_bad_input_is_a_400_with_openais_error_body(

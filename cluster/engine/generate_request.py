@@ -1,0 +1,127 @@
+"""One request as every layer passes it, and the one place a prompt becomes one.
+
+A prompt enters the system once (HTTP, gRPC, the Python API, a handle caller) and is rendered
+and tokenized there, by `RequestBuilder.build`, into a frozen `GenerateRequest`. Every layer
+below (front ends, routing, `AsyncEngine`, `EngineCore`, the scheduler) passes that object
+whole, so no layer re-declares the request's parameters and none tokenizes it again.
+
+Invariants:
+- `GenerateRequest.prompt.token_ids` are exactly the ids the engine runs (already rendered with
+  the chat template, special tokens added as the tokenizer adds them to a text prompt);
+- `shared_prefix_tokens` only ever counts leading tokens equal to an operator-declared shared
+  prefix's tokens, so no tenant's own text is cached without its salt;
+- building a request never touches the engine's state: it can run on any thread or replica
+  that has the same tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.tokenization import PromptRenderer, RenderedPrompt
+
+PromptInput = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
+"""Text, chat messages (a list of {"role", "content"}) or {"prompt_token_ids": [...]}."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A rendered prompt with everything the engine needs to run and cache it.
+
+    `request_id` None lets the engine name it; `tenant_salt` (derived on the server from the
+    caller's API key, never from a request field) salts every cached block but the first
+    `shared_prefix_tokens // block_size` ones; `adapter` names a LoRA adapter (None: the base
+    model)."""
+
+    prompt: RenderedPrompt
+    params: SamplingParams
+    request_id: str | None = None
+    tenant_salt: bytes | None = None
+    adapter: str | None = None
+    shared_prefix_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt.token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt.token_ids)
+
+
+def leading_shared_tokens(
+    token_ids: Sequence[int], shared_prefixes: Iterable[Sequence[int]], block_size: int
+) -> int:
+    """Leading tokens of the prompt, in whole blocks, that are tokens of an operator-shared
+    prefix: the longest run of leading tokens equal to some shared prefix's tokens, rounded down
+    to a block boundary (a block is shared only when every token in it is the operator's)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    best = 0
+    for prefix in shared_prefixes:
+        common = 0
+        for mine, theirs in zip(token_ids, prefix, strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        best = max(best, common)
+    return best - best % block_size
+
+
+class RequestBuilder:
+    """Renders and tokenizes prompts into `GenerateRequest`s for one tokenizer.
+
+    `shared_prefixes` are operator-chosen prompt beginnings (text as the rendered prompt begins);
+    each is kept as token ids both as a text prompt tokenizes (special tokens added) and as a
+    rendered chat prompt does (none added)."""
+
+    def __init__(
+        self, renderer: PromptRenderer, block_size: int, shared_prefixes: Sequence[str] = ()
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.renderer = renderer
+        self.block_size = block_size
+        variants: list[tuple[int, ...]] = []
+        tokenizer = renderer.tokenizer
+        for text in shared_prefixes:
+            for ids in (renderer.encode(text), tokenizer.encode(text, add_special_tokens=False)):
+                if tuple(ids) not in variants:
+                    variants.append(tuple(ids))
+        self.shared_prefixes: tuple[tuple[int, ...], ...] = tuple(variants)
+
+    def build(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        tenant_salt: bytes | None = None,
+        chat_template: str | None = None,
+        adapter: str | None = None,
+        shared_prefix_tokens: int | None = None,
+    ) -> GenerateRequest:
+        """Renders `prompt` once. Raises RequestRejected for a prompt that cannot be rendered.
+
+        `shared_prefix_tokens` None derives it from the operator's shared prefixes; an explicit
+        value is passed through (the engine checks it against the prompt's length)."""
+        rendered = self.renderer.render(prompt, chat_template=chat_template)
+        if shared_prefix_tokens is None:
+            shared_prefix_tokens = self.shared_tokens(rendered.token_ids)
+        return GenerateRequest(
+            prompt=rendered,
+            params=params,
+            request_id=request_id,
+            tenant_salt=tenant_salt,
+            adapter=adapter,
+            shared_prefix_tokens=shared_prefix_tokens,
+        )
+
+    def shared_tokens(self, token_ids: Sequence[int]) -> int:
+        """Leading whole-block tokens of `token_ids` that are an operator-shared prefix."""
+        if not self.shared_prefixes:
+            return 0
+        return leading_shared_tokens(token_ids, self.shared_prefixes, self.block_size)
