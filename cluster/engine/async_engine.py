@@ -20,12 +20,12 @@ from typing import Any
 
 import ray
 
+from block_manager import CacheKey
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore, PromptInput
 from cluster.engine.errors import EngineDead, RequestRejected
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
-from cluster.engine.request import CacheKey
 from cluster.engine.sampling_params import SamplingParams
 from workers import ModelInfo, WorkerGroup
 
