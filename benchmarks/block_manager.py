@@ -36,7 +36,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from block_manager import CacheIdentity, KVCacheManager, NoFreeBlocks
+from block_manager import CacheIdentity, CacheKey, KVCacheManager, NoFreeBlocks
 
 VOCAB = 32_000
 BLOCK_SIZE = 16
@@ -102,7 +102,7 @@ def run_prefix_trace(
         if waiting and len(running) < 64:
             seq = waiting.popleft()
             prompt = prompts[seq]
-            cached = allocate(seq, prompt, hash_seed=SEED)
+            cached = allocate(seq, prompt, CacheKey(SEED))
             if include_reads:
                 slot_mapping(seq, cached, len(prompt))
                 block_table(seq)
@@ -140,7 +140,7 @@ def measure_decode_step(
     manager = KVCacheManager(num_device_blocks=16_384, num_cpu_blocks=0, block_size=BLOCK_SIZE)
     for seq in range(num_seqs):
         prompt = system + _tokens(rng, rng.randint(100, 400))
-        manager.allocate(seq, prompt, hash_seed=SEED)
+        manager.allocate(seq, prompt, CacheKey(SEED))
         manager.mark_computed(seq, len(prompt))
         manager.append_token(seq, rng.randrange(VOCAB))
     tokens = [_tokens(rng, num_seqs) for _ in range(steps)]
@@ -229,13 +229,13 @@ def run_mixed_trace(*, num_requests: int = 384, seed: int = 2) -> dict[str, floa
             prefills = [b for b in group.branches if len(b.out) < b.max_out]
             if not group.forked:
                 prefills = prefills[:1]
-            if not all(manager.can_allocate(b.prompt + b.out, hash_seed=SEED) for b in prefills):
+            if not all(manager.can_allocate(b.prompt + b.out, CacheKey(SEED)) for b in prefills):
                 break
             admitted: list[int] = []
             try:
                 for branch in prefills:
                     tokens = branch.prompt + branch.out
-                    manager.allocate(branch.seq_id, tokens, hash_seed=SEED)
+                    manager.allocate(branch.seq_id, tokens, CacheKey(SEED))
                     admitted.append(branch.seq_id)
                     manager.mark_computed(branch.seq_id, len(tokens))
                     budget -= len(tokens)

@@ -9,6 +9,9 @@ so every system generates exactly the same number of tokens per request:
   tokens count as output);
 - `hf_generate_batch`: transformers' own continuous batching, where the installed version has it
   (one `max_new_tokens` for all: every token it produced is counted, which favours it).
+Ours also reports `steps_per_s` and `scheduler_us_per_step` (Python time of schedule() +
+on_step_done() per step in that run), and `engine_overhead` is the same at `--max-num-seqs`
+running sequences with no model (`benchmarks.engine_overhead`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from benchmarks import engine_overhead
 
 
 @dataclass(frozen=True)
@@ -60,12 +65,27 @@ def run_ours(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     ]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm up
+    scheduler = llm.engine.scheduler
+    spent = [0.0]
+    for name in ("schedule", "on_step_done"):
+        method = getattr(scheduler, name)
+
+        def timed(*call_args: Any, _method: Any = method) -> Any:
+            begin = time.perf_counter()
+            try:
+                return _method(*call_args)
+            finally:
+                spent[0] += time.perf_counter() - begin
+
+        setattr(scheduler, name, timed)
+    steps_before = llm.metrics().num_steps
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == workload.total_output_tokens, (produced, workload.total_output_tokens)
     metrics = llm.metrics()
+    steps = metrics.num_steps - steps_before
     result = {
         "seconds": round(seconds, 2),
         "output_tokens": produced,
@@ -77,6 +97,8 @@ def run_ours(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
         "preemptions_swap": metrics.preemptions_swap,
         "prefix_hit_rate": round(metrics.prefix_cache_hit_rate, 4),
         "steps": metrics.num_steps,
+        "steps_per_s": round(steps / seconds, 2),
+        "scheduler_us_per_step": round(spent[0] / max(steps, 1) * 1e6, 1),
     }
     llm.shutdown()
     return result
@@ -160,6 +182,7 @@ def main() -> None:
     else:
         workload = make_workload(64, (64, 512), (32, 256), args.seed)
     ours = run_ours(args, workload)
+    overhead = engine_overhead.measure(args.max_num_seqs)
     model = load_hf_model(args.model)
     hf = run_hf_generate(model, workload, args.hf_batch_size)
     hf_batch = None if args.skip_generate_batch else run_hf_generate_batch(model, workload)
@@ -173,6 +196,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "ours": ours,
+        "engine_overhead": overhead,
         "hf_generate": hf,
         "hf_generate_batch": hf_batch,
         "ratio_vs_hf_generate": round(ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 3),

@@ -1,9 +1,12 @@
 """Paged KV-cache bookkeeping: physical pools, block tables, exact cache identity, sharing.
 
 Pure Python: imports no torch, no ray and nothing else of pagedserve. It emits plans (block ids,
-copy and swap pairs) that the workers execute.
+copy and swap pairs) that the workers execute. Every layout's manager (`KVCacheManager`,
+`ContiguousKVManager`, `VirtualKVManager`) satisfies the one `KVManager` protocol.
 """
 
+from block_manager.cache_key import CacheKey
+from block_manager.contiguous import ContiguousKVManager
 from block_manager.errors import (
     AllocationFailure,
     BlockManagerError,
@@ -15,20 +18,32 @@ from block_manager.errors import (
 from block_manager.identity import CacheIdentity, block_hash
 from block_manager.manager import KVCacheManager
 from block_manager.pressure import PressureSnapshot, TierPressure
+from block_manager.prompt_blocks import cacheable_blocks, prompt_block_hashes
+from block_manager.protocol import KVManager, TableDelta
 from block_manager.types import BlockCopy, SeqId
+from block_manager.usage import LayoutUsage
+from block_manager.virtual import VirtualKVManager
 
 __all__ = [
     "AllocationFailure",
     "BlockCopy",
     "BlockManagerError",
     "CacheIdentity",
+    "CacheKey",
+    "ContiguousKVManager",
     "IntegrityError",
     "InvalidOperation",
     "KVCacheManager",
+    "KVManager",
+    "LayoutUsage",
     "NeverFits",
     "NoFreeBlocks",
     "PressureSnapshot",
     "SeqId",
+    "TableDelta",
     "TierPressure",
+    "VirtualKVManager",
     "block_hash",
+    "cacheable_blocks",
+    "prompt_block_hashes",
 ]

@@ -16,8 +16,9 @@ from __future__ import annotations
 import bisect
 
 from block_manager.errors import IntegrityError, NeverFits, NoFreeBlocks
-from block_manager.reserved_range import LayoutUsage, RangeKVManager, SequenceRange
+from block_manager.reserved_range import RangeKVManager, SequenceRange
 from block_manager.types import SeqId
+from block_manager.usage import LayoutUsage
 
 
 class ContiguousKVManager(RangeKVManager):

@@ -123,6 +123,8 @@ def check_manager_integrity(
         if table.hashes and not caching:
             _fail(f"sequence {seq_id}: blocks sealed with prefix caching disabled")
         on_cpu = table.on_cpu
+        if not 0 <= table.synced <= len(blocks) or (on_cpu is not None and table.synced):
+            _fail(f"sequence {seq_id}: the workers' view ({table.synced} blocks) is out of range")
         if on_cpu is not None and len(on_cpu) != len(blocks):
             _fail(f"sequence {seq_id}: tier flags do not match the table length")
         seen: set[tuple[bool, int]] = set()

@@ -17,6 +17,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+from block_manager.cache_key import CacheKey
 from block_manager.errors import InvalidOperation, NeverFits, NoFreeBlocks
 from block_manager.identity import (
     block_suffix,
@@ -30,9 +31,12 @@ from block_manager.identity import (
 from block_manager.integrity import check_manager_integrity
 from block_manager.pool import BlockPool
 from block_manager.pressure import PressureSnapshot, tier_pressure, waste_slots
+from block_manager.prompt_blocks import cacheable_blocks
+from block_manager.protocol import NoReservationHooks, TableDelta
 from block_manager.swap import SwapCounters, plan_swap_in, plan_swap_out
 from block_manager.table import BlockTable
 from block_manager.types import BlockCopy, SeqId
+from block_manager.usage import LayoutUsage
 from block_manager.validation import (
     check_manager_sizes,
     check_new_seq_id,
@@ -50,8 +54,15 @@ class _Prompt(NamedTuple):
     unsalted_blocks: int
 
 
-class KVCacheManager:
-    """Two-tier paged KV cache manager with prefix caching, copy-on-write and swap planning."""
+class KVCacheManager(NoReservationHooks):
+    """Two-tier paged KV cache manager with prefix caching, copy-on-write and swap planning.
+
+    Satisfies `block_manager.KVManager` (layout "paged"): it can fork, reserves nothing and never
+    decommits, so those hooks are no-ops.
+    """
+
+    layout = "paged"
+    can_fork = True
 
     __slots__ = (
         "_block_size",
@@ -162,6 +173,20 @@ class KVCacheManager:
             raise self._not_resident(seq_id, "read the block table of")
         return table.block_ids.copy()
 
+    def take_table_delta(self, seq_id: SeqId) -> TableDelta:
+        """What changed in the block table since the last call: ``(start, blocks)`` such that
+        the workers' copy truncated to `start` and extended by `blocks` is `block_table(seq_id)`.
+
+        A copy-on-write or a sealing dedup that replaces block i lowers `start` to i; `allocate`,
+        `fork`, `free` and `swap_out` reset the workers' view, so the next delta is the whole table.
+        """
+        table = self._tables.get(seq_id)
+        if table is None or table.on_cpu is not None:
+            raise self._not_resident(seq_id, "read the block table of")
+        start, blocks = table.synced, table.block_ids
+        table.synced = len(blocks)
+        return start, blocks[start:]
+
     def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
         """Slot (block * block_size + offset) of each position in ``[start, end)``."""
         table = self._tables.get(seq_id)
@@ -199,19 +224,18 @@ class KVCacheManager:
         return self._cpu.num_free
 
     def _plan_allocation(
-        self,
-        token_ids: Sequence[int],
-        hash_seed: bytes,
-        extra_keys: Sequence[str | bytes],
-        unsalted_blocks: int = 0,
+        self, token_ids: Sequence[int], key: CacheKey
     ) -> tuple[_Prompt, list[int], list[bytes], int]:
-        """Validated prompt, cache hits (blocks, hashes) and blocks needed from the free queue."""
+        """Validated prompt, cache hits (blocks, hashes) and blocks needed from the free queue.
+
+        Only `prompt_blocks.cacheable_blocks` leading blocks are looked up (the shared rule).
+        """
         tokens = new_token_array(token_ids)
         if not tokens:
             raise InvalidOperation("cannot allocate an empty sequence (no tokens)")
-        seed = check_hash_seed(hash_seed)
-        suffix = encode_extra_keys(extra_keys)
-        unsalted = check_unsalted_blocks(unsalted_blocks, len(tokens) >> self._shift)
+        seed = check_hash_seed(key.hash_seed)
+        suffix = encode_extra_keys(key.extra_keys)
+        unsalted = check_unsalted_blocks(key.unsalted_blocks, len(tokens) >> self._shift)
         if self._caching:
             hit_blocks, hit_hashes = match_cached_prefix(
                 self._device.cached,
@@ -220,7 +244,7 @@ class KVCacheManager:
                 tokens_to_bytes(tokens),
                 self._block_size,
                 suffix,
-                (len(tokens) - 1) >> self._shift,  # never the block holding the last token
+                cacheable_blocks(len(tokens), self._block_size),
                 unsalted,
             )
         else:
@@ -231,41 +255,17 @@ class KVCacheManager:
         needed = total - len(hit_blocks) + reclaimed
         return _Prompt(tokens, seed, suffix, unsalted), hit_blocks, hit_hashes, needed
 
-    def blocks_needed_to_allocate(
-        self,
-        token_ids: Sequence[int],
-        *,
-        hash_seed: bytes,
-        extra_keys: Sequence[str | bytes] = (),
-        unsalted_blocks: int = 0,
-    ) -> int:
+    def blocks_needed_to_allocate(self, token_ids: Sequence[int], key: CacheKey) -> int:
         """Blocks `allocate` would take out of the free queue (new ones plus reused cached ones)."""
-        return self._plan_allocation(token_ids, hash_seed, extra_keys, unsalted_blocks)[3]
+        return self._plan_allocation(token_ids, key)[3]
 
-    def cached_prefix_tokens(
-        self,
-        token_ids: Sequence[int],
-        *,
-        hash_seed: bytes,
-        extra_keys: Sequence[str | bytes] = (),
-        unsalted_blocks: int = 0,
-    ) -> int:
+    def cached_prefix_tokens(self, token_ids: Sequence[int], key: CacheKey) -> int:
         """Tokens `allocate` would find cached now (what its return value would be)."""
-        hits = self._plan_allocation(token_ids, hash_seed, extra_keys, unsalted_blocks)[2]
-        return len(hits) << self._shift
+        return len(self._plan_allocation(token_ids, key)[2]) << self._shift
 
-    def can_allocate(
-        self,
-        token_ids: Sequence[int],
-        *,
-        hash_seed: bytes,
-        extra_keys: Sequence[str | bytes] = (),
-        unsalted_blocks: int = 0,
-    ) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], key: CacheKey) -> bool:
         """Whether `allocate` would succeed now, keeping `watermark_blocks` free."""
-        needed = self.blocks_needed_to_allocate(
-            token_ids, hash_seed=hash_seed, extra_keys=extra_keys, unsalted_blocks=unsalted_blocks
-        )
+        needed = self.blocks_needed_to_allocate(token_ids, key)
         total = (len(token_ids) + self._mask) >> self._shift
         return total <= self.num_device_blocks and needed <= self._device.num_free - self._watermark
 
@@ -331,6 +331,20 @@ class KVCacheManager:
             watermark_blocks=self._watermark,
         )
 
+    def usage(self) -> LayoutUsage:
+        """The paged layout in `LayoutUsage` terms: blocks held by sequences are reserved and
+        backed alike; the unfilled part of partial tails is its only (internal) waste."""
+        used_slots = (self._device.num_blocks - self._device.num_free) * self._block_size
+        waste = waste_slots(self._tables.values(), self._block_size)
+        return LayoutUsage(
+            reserved_slots=used_slots,
+            backed_slots=used_slots,
+            live_slots=used_slots - waste,
+            internal_fragmentation_slots=waste,
+            reservation_waste_slots=0,
+            pool_slots=self._device.num_blocks * self._block_size,
+        )
+
     def cached_block_hashes(self) -> Iterator[bytes]:
         """Chain hashes of the sealed device blocks a prefix lookup can hit now: the referenced
         ones first (block id order), then the evictable ones, those evicted last first (so a
@@ -358,25 +372,15 @@ class KVCacheManager:
         )
 
     # ------------------------------------------------------------------ mutations
-    def allocate(
-        self,
-        seq_id: SeqId,
-        token_ids: Sequence[int],
-        *,
-        hash_seed: bytes,
-        extra_keys: Sequence[str | bytes] = (),
-        unsalted_blocks: int = 0,
-    ) -> int:
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], key: CacheKey) -> int:
         """New table for `token_ids`; shares the longest cached prefix; returns cached tokens.
 
-        The first `unsalted_blocks` full blocks (an operator-shared prefix such as a system
-        prompt) are hashed without `extra_keys`, so sequences with other extra keys (tenants)
-        share them; every later block carries `extra_keys`. The table remembers the split.
+        The first `key.unsalted_blocks` full blocks (an operator-shared prefix such as a system
+        prompt) are hashed without `key.extra_keys`, so sequences with other extra keys (tenants)
+        share them; every later block carries them. The table remembers the split.
         """
         check_new_seq_id(self._tables, seq_id)
-        prompt, hit_blocks, hit_hashes, needed = self._plan_allocation(
-            token_ids, hash_seed, extra_keys, unsalted_blocks
-        )
+        prompt, hit_blocks, hit_hashes, needed = self._plan_allocation(token_ids, key)
         tokens = prompt.tokens
         pool = self._device
         total = (len(tokens) + self._mask) >> self._shift
@@ -446,6 +450,7 @@ class KVCacheManager:
         tail = table.block_ids[-1]
         pool.release(tail)
         table.block_ids[-1] = block
+        table.synced = min(table.synced, len(table.block_ids) - 1)
         self._cow_copies += 1
         return BlockCopy(src=tail, dst=block, num_tokens=offset)
 
@@ -499,6 +504,7 @@ class KVCacheManager:
                 pool.acquire(holder)
                 pool.release(blocks[index])
                 blocks[index] = holder
+                table.synced = min(table.synced, index)
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """`child_id` shares every block of `parent_id` (same tokens, same computed count)."""
@@ -530,10 +536,11 @@ class KVCacheManager:
 
     def swap_out(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]]:
         """Move the group's blocks nobody else holds to the CPU; returns (device, cpu) pairs."""
-        plan = plan_swap_out(
-            self._device, self._cpu, swap_group(self._tables, seq_ids, swapped=False)
-        )
-        return plan.commit(self._swaps)
+        group = swap_group(self._tables, seq_ids, swapped=False)
+        pairs = plan_swap_out(self._device, self._cpu, group).commit(self._swaps)
+        for table in group:
+            table.synced = 0  # the workers drop a swapped-out sequence
+        return pairs
 
     def swap_in(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]]:
         """Bring the group's CPU blocks back to the device; returns (cpu, device) copy pairs."""

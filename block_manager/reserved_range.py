@@ -1,16 +1,15 @@
 """Shared bookkeeping of the non-paged KV layouts: one contiguous run of block ids per sequence.
 
-`RangeKVManager` implements the part of `KVCacheManager`'s interface the scheduler uses
-(allocate / append_token / mark_computed / block_table / slot_mapping / free / can_allocate /
-can_append / pressure ...) for layouts where a sequence's KV lives in ONE contiguous run of block
-ids `[first, first + reserved)`. Subclasses decide where the run comes from and what counts as
-"full" (`_admit`, `_grow`, `_release`, `_device_used_blocks`, `_backed_blocks`).
+`RangeKVManager` implements the `KVManager` protocol (`block_manager.protocol`) for layouts where
+a sequence's KV lives in ONE contiguous run of block ids `[first, first + reserved)`. Subclasses
+decide where the run comes from and what counts as "full" (`_admit`, `_grow`, `_release`,
+`_device_used_blocks`, `_backed_blocks`).
 
 What these layouts do not do, by design of the layouts they model: no prefix sharing (every
 sequence owns its range alone), no parallel-sampling fork (n > 1), no CPU swap tier (preemption
-is by recompute). Each refusal raises `InvalidOperation` naming the layout. The cache-identity
-arguments (`hash_seed`, `extra_keys`, `unsalted_blocks`) are accepted for the common interface and
-unused: nothing is ever found cached.
+is by recompute). Each refusal raises `InvalidOperation` naming the layout, and `can_fork` is
+False. The `CacheKey` argument is accepted for the common interface and unused: nothing is ever
+found cached.
 
 Invariants (checked by `check_integrity`): ranges of live sequences never overlap; a sequence's
 tokens fit its reserved range; the layout's used-block count never exceeds its pool.
@@ -23,47 +22,35 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from block_manager.cache_key import CacheKey
 from block_manager.errors import IntegrityError, InvalidOperation
 from block_manager.pressure import PressureSnapshot, TierPressure
+from block_manager.protocol import NoDecommits, TableDelta
 from block_manager.types import BlockCopy, SeqId
+from block_manager.usage import LayoutUsage
 from block_manager.validation import check_count
-
-
-@dataclass(frozen=True)
-class LayoutUsage:
-    """Memory accounting of one layout at one instant, in token slots (x bytes per slot = bytes).
-
-    reserved: slots set aside for live sequences (contiguous: their max-length runs; virtual:
-    their virtual ranges, which cost address space, not memory; paged: their blocks).
-    backed: slots physically committed to live sequences (contiguous: = reserved, the memory is
-    dedicated; virtual: committed pages; paged: = their blocks).
-    live: slots holding a token. internal_fragmentation: backed-but-empty slots inside the last
-    block or page of each sequence; reservation_waste: reserved slots beyond that (contiguous: the
-    unused tail of each max-length reservation; 0 for paged and virtual).
-    """
-
-    reserved_slots: int
-    backed_slots: int
-    live_slots: int
-    internal_fragmentation_slots: int
-    reservation_waste_slots: int
-    pool_slots: int
 
 
 @dataclass
 class SequenceRange:
-    """A live sequence: its run `[first, first + reserved_blocks)` and its tokens."""
+    """A live sequence: its run `[first, first + reserved_blocks)` and its tokens.
+
+    `synced`: blocks of its table the workers were told (the run never moves, so only appended
+    blocks are ever new to them).
+    """
 
     first: int
     reserved_blocks: int
     tokens: list[int]
     num_computed: int = 0
+    synced: int = 0
 
 
-class RangeKVManager(ABC):
+class RangeKVManager(NoDecommits, ABC):
     """Base of the contiguous and virtual layouts (see the module docstring)."""
 
     layout = "range"
+    can_fork = False
 
     def __init__(
         self,
@@ -112,7 +99,7 @@ class RangeKVManager(ABC):
         return self._watermark
 
     # ------------------------------------------------------------------ reservation hints
-    def set_max_tokens(self, seq_id: SeqId, max_total_tokens: int) -> None:
+    def reserve(self, seq_id: SeqId, max_total_tokens: int) -> None:
         """The most tokens (prompt + output) `seq_id` can ever hold; its reservation size.
 
         Kept until `forget` (across preemptions); without it a sequence reserves the model context.
@@ -161,6 +148,14 @@ class RangeKVManager(ABC):
         used = -(-len(seq.tokens) // self._block_size)
         return list(range(seq.first, seq.first + used))
 
+    def take_table_delta(self, seq_id: SeqId) -> TableDelta:
+        """Blocks appended since the last call (the run never moves, so nothing is replaced)."""
+        seq = self._seq(seq_id)
+        used = -(-len(seq.tokens) // self._block_size)
+        start = seq.synced
+        seq.synced = used
+        return start, list(range(seq.first + start, seq.first + used))
+
     def range_of(self, seq_id: SeqId) -> tuple[int, int]:
         """`[first, end)` block ids of the sequence's whole reserved range."""
         seq = self._seq(seq_id)
@@ -186,35 +181,14 @@ class RangeKVManager(ABC):
         """No block is ever sealed for reuse in a reserved-range layout: nothing to publish."""
         return iter(())
 
-    def blocks_needed_to_allocate(
-        self,
-        token_ids: Sequence[int],
-        *,
-        hash_seed: bytes,
-        extra_keys: Sequence[str | bytes] = (),
-        unsalted_blocks: int = 0,
-    ) -> int:
+    def blocks_needed_to_allocate(self, token_ids: Sequence[int], key: CacheKey) -> int:
         """Blocks `allocate` would charge against the budget (no prefix is ever cached)."""
         return self._admission_cost(None, len(token_ids))
 
-    def cached_prefix_tokens(
-        self,
-        token_ids: Sequence[int],
-        *,
-        hash_seed: bytes,
-        extra_keys: Sequence[str | bytes] = (),
-        unsalted_blocks: int = 0,
-    ) -> int:
+    def cached_prefix_tokens(self, token_ids: Sequence[int], key: CacheKey) -> int:
         return 0
 
-    def can_allocate(
-        self,
-        token_ids: Sequence[int],
-        *,
-        hash_seed: bytes,
-        extra_keys: Sequence[str | bytes] = (),
-        unsalted_blocks: int = 0,
-    ) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], key: CacheKey) -> bool:
         return self._can_admit(None, len(token_ids))
 
     def can_append(self, seq_ids: Sequence[SeqId]) -> bool:
@@ -229,15 +203,7 @@ class RangeKVManager(ABC):
         return False
 
     # ------------------------------------------------------------------ mutations
-    def allocate(
-        self,
-        seq_id: SeqId,
-        token_ids: Sequence[int],
-        *,
-        hash_seed: bytes,
-        extra_keys: Sequence[str | bytes] = (),
-        unsalted_blocks: int = 0,
-    ) -> int:
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], key: CacheKey) -> int:
         """Reserve the sequence's range (raises NoFreeBlocks / NeverFits); returns 0 cached."""
         if seq_id in self._seqs:
             raise InvalidOperation(f"sequence {seq_id!r} already exists")

@@ -8,7 +8,9 @@ Invariants (checked by `block_manager.integrity`):
   are hashed without the extra keys ``hash_suffix``, the rest with them
   (``len(hashes) * block_size <= num_computed``); sealed blocks are never written again;
 - ``on_cpu`` is None while the sequence is device-resident; while swapped out, ``on_cpu[i]`` says
-  whether ``block_ids[i]`` is a CPU block (moved) or a device block it still shares with others.
+  whether ``block_ids[i]`` is a CPU block (moved) or a device block it still shares with others;
+- ``synced <= len(block_ids)``: the workers' copy of the table equals ``block_ids[:synced]`` (0 for
+  a new, forked or swapped-out table; lowered whenever an entry below it is replaced).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class BlockTable:
         "hashes",
         "num_computed",
         "on_cpu",
+        "synced",
         "tokens",
         "unsalted_blocks",
     )
@@ -51,6 +54,7 @@ class BlockTable:
         self.hash_suffix = hash_suffix
         self.unsalted_blocks = unsalted_blocks
         self.on_cpu: list[bool] | None = None
+        self.synced = 0
 
     def fork(self) -> BlockTable:
         """A copy sharing the same physical ids (the caller adds the references)."""

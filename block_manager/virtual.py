@@ -20,8 +20,9 @@ from __future__ import annotations
 import heapq
 
 from block_manager.errors import InvalidOperation, NeverFits, NoFreeBlocks
-from block_manager.reserved_range import LayoutUsage, RangeKVManager, SequenceRange
+from block_manager.reserved_range import RangeKVManager, SequenceRange
 from block_manager.types import SeqId
+from block_manager.usage import LayoutUsage
 from block_manager.validation import check_count
 
 

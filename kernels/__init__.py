@@ -5,20 +5,30 @@ input (``kernels.validation``) and raises ``ValueError`` before any launch. Disp
 kernels for CUDA tensors, the plain-torch path (``kernels.torch_cpu``) for CPU tensors.
 ``kernels.reference`` holds the simplest correct version of each function, the tests' oracle.
 
+A model attends through an ``AttentionStep``, one step's prepared metadata whatever the KV layout:
+``PagedAttentionStep`` (block tables) or ``kernels.range_attention.RangeAttention`` (one
+contiguous run per sequence). Both write KV through ``step.prepared`` and attend with
+``step.attend(...)``.
+
 Layout: one pool ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; layer l's K
 cache is ``pool[l, 0]`` and its V cache ``pool[l, 1]``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
 from kernels import metadata as _metadata
 from kernels import swap, torch_cpu, validation
+from kernels.kv_pool import allocate_kv_pool
 from kernels.metadata import PreparedAttention, prepare_attention
-from kernels.reference import allocate_kv_pool
 
 __all__ = [
+    "AttentionStep",
+    "PagedAttentionStep",
     "PreparedAttention",
     "allocate_kv_pool",
     "copy_blocks",
@@ -125,6 +135,53 @@ def paged_attention(
     return torch_cpu.paged_attention(
         query, k_cache, v_cache, metadata, float(scale), sliding_window, result
     )
+
+
+class AttentionStep(Protocol):
+    """One step's attention metadata, validated once and shared by every layer.
+
+    ``prepared`` drives the KV writes (``write_kv(..., metadata=step.prepared)``); ``attend``
+    computes causal attention of the step's packed queries over the caches, in the layout the
+    step was prepared for. Returns ``[num_tokens, H_q, D]`` in the query's dtype.
+    """
+
+    @property
+    def prepared(self) -> PreparedAttention: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class PagedAttentionStep:
+    """The paged layout's ``AttentionStep``: ``paged_attention`` over the block tables."""
+
+    prepared: PreparedAttention
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        return paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            scale=scale,
+            sliding_window=sliding_window,
+            metadata=self.prepared,
+        )
 
 
 def copy_blocks(kv_pool: torch.Tensor, pairs: torch.Tensor) -> None:

@@ -12,44 +12,6 @@ import torch
 from kernels import validation
 
 
-def allocate_kv_pool(
-    *,
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    pin_memory: bool = False,
-) -> torch.Tensor:
-    """One zeroed tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
-
-    ``pool[l, 0]`` is layer l's K cache and ``pool[l, 1]`` its V cache. A block id names the same
-    block in every layer, so copies and swaps over all layers are single indexed operations.
-    ``pin_memory`` pins a CPU pool for asynchronous swaps; it is ignored where CUDA is absent.
-    """
-    sizes = {
-        "num_layers": num_layers,
-        "num_blocks": num_blocks,
-        "block_size": block_size,
-        "num_kv_heads": num_kv_heads,
-    }
-    for name, size in sizes.items():
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name} must be a positive int, got {size!r}")
-    if head_dim not in validation.SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"head_dim {head_dim} unsupported; supported: {validation.SUPPORTED_HEAD_DIMS}"
-        )
-    if dtype not in validation.SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {dtype} unsupported; supported: {validation.SUPPORTED_DTYPES}")
-    device = torch.device(device)
-    pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
-
-
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.range_attention import contiguous_runs
 from workers.model import AttentionMetadata
 from workers.plan import SamplingSettings, SequenceWork, StepPlan
-from workers.range_attention import contiguous_runs
 from workers.sampling import SampleRequest
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import PreparedAttention, paged_attention, prepare_attention, write_kv
+from kernels import AttentionStep, PagedAttentionStep, prepare_attention, write_kv
+from kernels.range_attention import RangeAttention
 from workers.checkpoint import CheckpointReader
 from workers.config import ModelSpec
 from workers.layers import (
@@ -24,7 +25,6 @@ from workers.layers import (
     VocabParallelEmbedding,
 )
 from workers.parallel import TensorParallel, even_range, head_layout
-from workers.range_attention import RangeAttention, range_attention
 from workers.rope import RotaryEmbedding, apply_rotary
 
 
@@ -47,9 +47,10 @@ class AttentionMetadata:
     """Contiguous and virtual KV layouts: each sequence's first block. Its KV is the run
     `first, first + 1, ...` and attention takes the non-paged path (`range_attention`)."""
 
-    def prepare_kernels(self, kv_pool: torch.Tensor) -> PreparedAttention:
-        """Validate this step's metadata once for every layer of `kv_pool` (ValueError if bad)."""
-        return prepare_attention(
+    def prepare_kernels(self, kv_pool: torch.Tensor) -> AttentionStep:
+        """Validate this step's metadata once for every layer of `kv_pool` (ValueError if bad):
+        the paged step, or the range one when each sequence's KV is one contiguous run."""
+        prepared = prepare_attention(
             self.cu_query_lens,
             self.context_lens,
             self.block_tables,
@@ -58,6 +59,9 @@ class AttentionMetadata:
             slot_mapping=self.slot_mapping,
             device=kv_pool.device,
         )
+        if self.range_first_blocks is None:
+            return PagedAttentionStep(prepared)
+        return RangeAttention(prepared, self.range_first_blocks)
 
 
 class Attention(torch.nn.Module):
@@ -98,7 +102,7 @@ class Attention(torch.nn.Module):
         self,
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        metadata: PreparedAttention | RangeAttention,
+        step: AttentionStep,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -108,30 +112,8 @@ class Attention(torch.nn.Module):
         q = apply_rotary(q.view(tokens, self.num_q, self.head_dim), *cos_sin)
         k = apply_rotary(k.view(tokens, self.num_kv, self.head_dim), *cos_sin)
         v = v.reshape(tokens, self.num_kv, self.head_dim)
-        if isinstance(metadata, RangeAttention):
-            prepared = metadata.prepared
-            write_kv(k, v, k_cache, v_cache, metadata=prepared)
-            out = range_attention(
-                q,
-                k_cache,
-                v_cache,
-                query_starts=prepared.query_starts,
-                query_lens=prepared.query_lens,
-                context_lens=prepared.context_lens,
-                first_blocks=metadata.first_blocks,
-                scale=self.scale,
-                sliding_window=self.sliding_window,
-            )
-            return self.o_proj(out.reshape(tokens, q_width))
-        write_kv(k, v, k_cache, v_cache, metadata=metadata)
-        out = paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-            metadata=metadata,
-        )
+        write_kv(k, v, k_cache, v_cache, metadata=step.prepared)
+        out = step.attend(q, k_cache, v_cache, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(tokens, q_width))
 
 
@@ -172,11 +154,11 @@ class DecoderLayer(torch.nn.Module):
         self,
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        metadata: PreparedAttention | RangeAttention,
+        step: AttentionStep,
         kv_layer: torch.Tensor,
     ) -> torch.Tensor:
         attended = self.self_attn(
-            self.input_layernorm(hidden), cos_sin, metadata, kv_layer[0], kv_layer[1]
+            self.input_layernorm(hidden), cos_sin, step, kv_layer[0], kv_layer[1]
         )
         hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -216,10 +198,7 @@ class CausalLM(torch.nn.Module):
         """Hidden states `[tokens, hidden]` after the final norm; writes this step's KV."""
         hidden = self.embed_tokens.embed(token_ids)
         cos_sin = self.rotary.cos_sin(metadata.positions, hidden.dtype)
-        prepared = metadata.prepare_kernels(kv_pool)  # validated once, shared by every layer
-        step: PreparedAttention | RangeAttention = prepared
-        if metadata.range_first_blocks is not None:
-            step = RangeAttention(prepared, metadata.range_first_blocks)
+        step = metadata.prepare_kernels(kv_pool)  # validated once, shared by every layer
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos_sin, step, kv_pool[index])
         return self.norm(hidden)

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from block_manager import CacheKey
 from cluster.engine.client import EngineHealth
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
@@ -24,7 +25,6 @@ from cluster.engine.errors import EngineDead, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
-from cluster.engine.request import CacheKey
 from workers import ModelInfo, WorkerGroup
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from block_manager import CacheIdentity
-from cluster.engine.request import CacheKey
+from block_manager import CacheIdentity, CacheKey
 from cluster.engine.tokenization import NO_TEMPLATE
 
 

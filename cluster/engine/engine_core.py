@@ -12,24 +12,21 @@ import itertools
 import time
 from typing import Any
 
-from block_manager import CacheIdentity
-from block_manager.reserved_range import RangeKVManager
-from block_manager.virtual import VirtualKVManager
+from block_manager import CacheIdentity, CacheKey, prompt_block_hashes
 from cluster.engine.cache_keys import CacheKeyFactory
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
 from cluster.engine.errors import ConfigError, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
-from cluster.engine.kv_layouts import LayoutRecorder, build_kv_manager, layout_usage
+from cluster.engine.kv_layouts import LayoutRecorder, build_kv_manager
 from cluster.engine.metrics import EngineMetrics, MetricsRecorder
 from cluster.engine.output_processor import StopLimits, apply_sampled_token
 from cluster.engine.outputs import RequestMetrics, RequestOutput
 from cluster.engine.preemption import PreemptionCostModel
-from cluster.engine.request import Branch, CacheKey, Request, RequestStatus
+from cluster.engine.request import Branch, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerStep
 from cluster.engine.tokenization import PromptRenderer
-from cluster.serving.prefix_index import prompt_block_hashes
 from workers import ModelInfo, WorkerGroup, load_tokenizer
 from workers.plan import StepOutput, StepPlan
 
@@ -118,11 +115,10 @@ class EngineCore:
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        ranges = self.block_manager if isinstance(self.block_manager, RangeKVManager) else None
-        if ranges is not None and params.n > 1:
+        if params.n > 1 and not self.block_manager.can_fork:
             raise RequestRejected(
-                f"n={params.n}: cache.kv_layout {ranges.layout!r} gives every sequence its own "
-                "range and cannot fork one; parallel sampling needs the 'paged' layout"
+                f"n={params.n}: cache.kv_layout {self.block_manager.layout!r} gives every sequence "
+                "its own range and cannot fork one; parallel sampling needs the 'paged' layout"
             )
         seed = params.seed if params.seed is not None else self._default_seed(arrival)
         request = Request(
@@ -137,9 +133,8 @@ class EngineCore:
             branches=[self._new_branch(ids, params, index) for index in range(params.n)],
             metrics=RequestMetrics(arrival_time=time.time()),
         )
-        if ranges is not None:  # the reservation a contiguous layout makes at admission
-            for branch in request.branches:
-                ranges.set_max_tokens(branch.seq_id, len(ids) + max_tokens)
+        for branch in request.branches:  # what a range layout reserves at admission
+            self.block_manager.reserve(branch.seq_id, len(ids) + max_tokens)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -173,13 +168,7 @@ class EngineCore:
         """Chain hashes of the request's blocks a prefix lookup could hit (its full blocks but
         the one holding the last token), exactly as the block manager keys them."""
         key = self.cache_key_for(generate)
-        return prompt_block_hashes(
-            generate.token_ids,
-            hash_seed=key.hash_seed,
-            extra_keys=key.extra_keys,
-            block_size=self.config.cache.block_size,
-            shared_prefix_blocks=key.unsalted_blocks,
-        )
+        return prompt_block_hashes(generate.token_ids, key, self.config.cache.block_size)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Frees everything the request holds; its final output (finish_reason "abort")."""
@@ -199,14 +188,14 @@ class EngineCore:
     def begin_step(self) -> SchedulerStep:
         step = self.scheduler.schedule()
         bm = self.block_manager
-        if isinstance(bm, VirtualKVManager) and not step.is_empty:
+        if not step.is_empty:
             step.plan.decommit = bm.take_decommits()
         if self.config.scheduler.check_integrity:
             bm.check_integrity()
         pressure = bm.pressure()
         self.recorder.observe_pressure(pressure)
         running = sum(len(r.active_branches) for r in self.scheduler.running)
-        self.layout_recorder.observe(layout_usage(bm, pressure), running)
+        self.layout_recorder.observe(bm.usage(), running)
         return step
 
     def finish_step(self, step: SchedulerStep, output: StepOutput | None) -> list[RequestOutput]:
@@ -246,7 +235,7 @@ class EngineCore:
         """`virtual` layout: return the memory of ended sequences now, in a plan of its own
         (step id -1, nothing else in it), instead of with the next step's plan."""
         bm = self.block_manager
-        if isinstance(bm, VirtualKVManager) and bm.has_pending_decommits():
+        if bm.has_pending_decommits():
             ranges = bm.take_decommits()
             output = self.workers.execute(StepPlan(step_id=-1, decommit=ranges))
             self.layout_recorder.observe_output(output, len(ranges))
@@ -350,9 +339,8 @@ class EngineCore:
         metrics.last_token_time = now
 
     def _forget_limits(self, request: Request) -> None:
-        if isinstance(self.block_manager, RangeKVManager):
-            for branch in request.branches:
-                self.block_manager.forget(branch.seq_id)
+        for branch in request.branches:
+            self.block_manager.forget(branch.seq_id)
 
     def _complete(self, request: Request, now: float) -> None:
         self._forget_limits(request)

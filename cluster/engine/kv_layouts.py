@@ -1,10 +1,11 @@
 """The `cache.kv_layout` setting: which manager the scheduler drives, and its accounting.
 
 `build_kv_manager` returns the paged `KVCacheManager` or a range manager (`ContiguousKVManager`,
-`VirtualKVManager`) behind the same interface, so the scheduler, model, sampling and workload
-are the same under every layout. `LayoutRecorder` samples, every step, bytes reserved, bytes
-physically backed and bytes holding live tokens (plus internal fragmentation and reservation
-waste apart), and sums the page faults and decommits the workers report.
+`VirtualKVManager`) behind the one `block_manager.KVManager` protocol, so the scheduler, model,
+sampling and workload are the same under every layout. `LayoutRecorder` samples, every step,
+bytes reserved, bytes physically backed and bytes holding live tokens (plus internal
+fragmentation and reservation waste apart), and sums the page faults and decommits the workers
+report.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from block_manager import KVCacheManager, PressureSnapshot
-from block_manager.contiguous import ContiguousKVManager
-from block_manager.reserved_range import LayoutUsage, RangeKVManager
-from block_manager.virtual import VirtualKVManager
+from block_manager import (
+    ContiguousKVManager,
+    KVCacheManager,
+    KVManager,
+    LayoutUsage,
+    VirtualKVManager,
+)
 from cluster.engine.config import EngineConfig
 from workers import ModelInfo
 from workers.plan import StepOutput
 from workers.virtual_pool import virtual_geometry
-
-KVManager = KVCacheManager | RangeKVManager
 
 
 def build_kv_manager(
@@ -60,26 +62,6 @@ def build_kv_manager(
         commit_blocks=geometry.commit_blocks,
         watermark_blocks=watermark,
     )
-
-
-def paged_usage(pressure: PressureSnapshot) -> LayoutUsage:
-    """The paged layout in `LayoutUsage` terms: blocks held by sequences are reserved and backed
-    alike; the unfilled part of partial tails is its only (internal) waste."""
-    return LayoutUsage(
-        reserved_slots=pressure.token_slots_allocated,
-        backed_slots=pressure.token_slots_allocated,
-        live_slots=pressure.tokens_held,
-        internal_fragmentation_slots=pressure.waste_slots,
-        reservation_waste_slots=0,
-        pool_slots=pressure.device.total * pressure.block_size,
-    )
-
-
-def layout_usage(manager: KVManager, pressure: PressureSnapshot) -> LayoutUsage:
-    """`manager`'s accounting now; `pressure` is its `pressure()` of this instant."""
-    if isinstance(manager, KVCacheManager):
-        return paged_usage(pressure)
-    return manager.usage()
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ Invariants:
 - `branch.token_ids == request.prompt_token_ids + branch.output_token_ids` always.
 - Before a parallel request forks, only branch 0 holds a sequence in the block manager; the
   others are created up front (their seq ids reserved) and join at the fork.
-- `worker_table` mirrors the block table the workers cached for the sequence (what they were
-  last sent); `worker_knows` says whether they hold its state at all (sampling settings too).
+- `worker_knows` says whether the workers hold the sequence's state (its sampling settings and
+  a block table); what they hold of the table is the block manager's business
+  (`KVManager.take_table_delta`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from block_manager import CacheKey
 from cluster.engine.detokenizer import TextTracker
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
@@ -40,7 +42,6 @@ class Branch:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     emitted_tokens: int = 0
-    worker_table: list[int] = field(default_factory=list)
     worker_knows: bool = False
 
     @property
@@ -48,20 +49,7 @@ class Branch:
         return self.finish_reason is not None
 
     def forget_worker_state(self) -> None:
-        self.worker_table = []
         self.worker_knows = False
-
-
-@dataclass(frozen=True)
-class CacheKey:
-    """What seeds and salts this request's block hashes (`CacheIdentity.digest()`, extra keys).
-
-    The first `unsalted_blocks` full blocks (an operator-shared prefix) carry no extra keys.
-    """
-
-    hash_seed: bytes
-    extra_keys: tuple[bytes, ...] = ()
-    unsalted_blocks: int = 0
 
 
 @dataclass

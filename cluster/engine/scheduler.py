@@ -26,8 +26,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from block_manager import KVCacheManager, NeverFits, NoFreeBlocks
-from block_manager.reserved_range import RangeKVManager
+from block_manager import KVManager, NeverFits, NoFreeBlocks
 from cluster.engine.config import SchedulerSettings
 from cluster.engine.preemption import PreemptionCostModel
 from cluster.engine.request import Branch, Request, RequestStatus
@@ -75,7 +74,7 @@ class Scheduler:
     def __init__(
         self,
         settings: SchedulerSettings,
-        block_manager: KVCacheManager | RangeKVManager,
+        block_manager: KVManager,
         cost_model: PreemptionCostModel,
     ) -> None:
         self.settings = settings
@@ -230,20 +229,18 @@ class Scheduler:
     def _sequence_work(
         self, request: Request, branch: Branch, start: int, chunk: int, num_samples: int
     ) -> SequenceWork:
-        table = self.bm.block_table(branch.seq_id)
-        same = _common_prefix_len(branch.worker_table, table)
+        table_start, table_blocks = self.bm.take_table_delta(branch.seq_id)
         work = SequenceWork(
             seq_id=branch.seq_id,
             token_ids=branch.token_ids[start : start + chunk],
             start_pos=start,
-            table_start=same,
-            table_blocks=table[same:],
+            table_start=table_start,
+            table_blocks=table_blocks,
             num_samples=num_samples,
             branch_index=branch.index,
             output_index=len(branch.output_token_ids),
             sampling=None if branch.worker_knows else request.settings,
         )
-        branch.worker_table = table
         branch.worker_knows = True
         return work
 
@@ -342,13 +339,7 @@ class Scheduler:
         cached_first = 0
         try:
             for branch in branches:
-                cached = self.bm.allocate(
-                    branch.seq_id,
-                    branch.token_ids,
-                    hash_seed=request.cache_key.hash_seed,
-                    extra_keys=request.cache_key.extra_keys,
-                    unsalted_blocks=request.cache_key.unsalted_blocks,
-                )
+                cached = self.bm.allocate(branch.seq_id, branch.token_ids, request.cache_key)
                 if not done:
                     cached_first = cached
                 done.append(branch)
@@ -359,12 +350,7 @@ class Scheduler:
         return cached_first
 
     def _uncached_estimate(self, request: Request, branch: Branch) -> int:
-        needed = self.bm.blocks_needed_to_allocate(
-            branch.token_ids,
-            hash_seed=request.cache_key.hash_seed,
-            extra_keys=request.cache_key.extra_keys,
-            unsalted_blocks=request.cache_key.unsalted_blocks,
-        )
+        needed = self.bm.blocks_needed_to_allocate(branch.token_ids, request.cache_key)
         total_blocks = -(-len(branch.token_ids) // self.bm.block_size)
         cached_tokens = max(0, total_blocks - needed) * self.bm.block_size
         return len(branch.token_ids) - cached_tokens
@@ -421,12 +407,3 @@ def _seq_demand(request: Request) -> int:
 def _insert_by_arrival(queue: list[Request], request: Request) -> None:
     keys = [r.arrival_index for r in queue]
     queue.insert(bisect.bisect_left(keys, request.arrival_index), request)
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    length = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        length += 1
-    return length

@@ -22,7 +22,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from block_manager import block_hash
+import block_manager
+from block_manager import CacheKey
 from cluster.engine.generate_request import leading_shared_tokens
 
 ReplicaKey = Hashable
@@ -36,7 +37,8 @@ def prompt_block_hashes(
     block_size: int,
     shared_prefix_blocks: int = 0,
 ) -> list[bytes]:
-    """The chain hashes of the prompt's cacheable blocks.
+    """The chain hashes of the prompt's cacheable blocks (`block_manager.prompt_block_hashes`,
+    the one rule the engine's block manager follows too).
 
     The first `shared_prefix_blocks` blocks are hashed without `extra_keys` (an operator-shared
     system prompt, the same for every tenant); the rest with them. With the default 0 this is
@@ -46,15 +48,8 @@ def prompt_block_hashes(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if shared_prefix_blocks < 0:
         raise ValueError(f"shared_prefix_blocks must be >= 0, got {shared_prefix_blocks}")
-    cacheable = max(0, (len(token_ids) - 1) // block_size)
-    hashes: list[bytes] = []
-    parent = hash_seed
-    for index in range(cacheable):
-        tokens = token_ids[index * block_size : (index + 1) * block_size]
-        keys = () if index < shared_prefix_blocks else extra_keys
-        parent = block_hash(parent, tokens, keys)
-        hashes.append(parent)
-    return hashes
+    key = CacheKey(hash_seed, extra_keys, shared_prefix_blocks)
+    return block_manager.prompt_block_hashes(token_ids, key, block_size)
 
 
 def shared_prefix_blocks(

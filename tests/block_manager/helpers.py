@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from block_manager import CacheIdentity, KVCacheManager
+from block_manager import CacheIdentity, CacheKey, KVCacheManager
 
 IDENTITY = CacheIdentity(model_weights_digest="sha256:weights-v1", tokenizer_digest="sha256:tok-v1")
 SEED = IDENTITY.digest()
@@ -39,7 +39,7 @@ def prefill(
     extra_keys: tuple[str, ...] = (),
 ) -> int:
     """Allocate and compute a whole prompt, as the engine does for a prefill; returns hits."""
-    cached = manager.allocate(seq_id, tokens, hash_seed=seed, extra_keys=extra_keys)
+    cached = manager.allocate(seq_id, tokens, CacheKey(seed, extra_keys))
     manager.mark_computed(seq_id, len(tokens))
     return cached
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from block_manager import InvalidOperation, KVCacheManager
+from block_manager import CacheKey, InvalidOperation, KVCacheManager
 from tests.block_manager.helpers import SEED, make_manager, observe, prefill
 
 
@@ -35,8 +35,8 @@ def test_constructor_rejects_bad_sizes(kwargs: dict[str, object], message: str) 
 def _state() -> KVCacheManager:
     manager = make_manager(device=8, cpu=4, block_size=4)
     prefill(manager, 1, [1, 2, 3, 4, 5])
-    manager.allocate(2, [6, 7, 8], hash_seed=SEED)
-    manager.allocate(3, [9, 9, 9, 9, 9, 9], hash_seed=SEED)
+    manager.allocate(2, [6, 7, 8], CacheKey(SEED))
+    manager.allocate(3, [9, 9, 9, 9, 9, 9], CacheKey(SEED))
     manager.mark_computed(3, 6)
     manager.swap_out([3])
     return manager
@@ -51,14 +51,14 @@ BAD_OPERATIONS: list[tuple[str, Operation, str]] = [
     ("unknown slots", lambda m: m.slot_mapping(99, 0, 1), "unknown sequence 99"),
     ("unknown mark", lambda m: m.mark_computed(99, 1), "unknown sequence 99"),
     ("unknown query", lambda m: m.num_tokens(99), "unknown sequence 99"),
-    ("duplicate id", lambda m: m.allocate(1, [1], hash_seed=SEED), "already exists"),
-    ("bad id type", lambda m: m.allocate("7", [1], hash_seed=SEED), "must be an int"),  # type: ignore[arg-type]
-    ("empty prompt", lambda m: m.allocate(7, [], hash_seed=SEED), "empty sequence"),
-    ("negative token", lambda m: m.allocate(7, [1, -2], hash_seed=SEED), r"\[0, 2\*\*32\)"),
-    ("float token", lambda m: m.allocate(7, [1.5], hash_seed=SEED), r"\[0, 2\*\*32\)"),
-    ("bad seed", lambda m: m.allocate(7, [1], hash_seed=b"x"), "32 bytes"),
-    ("str seed", lambda m: m.allocate(7, [1], hash_seed="s" * 32), "32 bytes"),  # type: ignore[arg-type]
-    ("bad salt", lambda m: m.allocate(7, [1], hash_seed=SEED, extra_keys="salt"), "sequence"),
+    ("duplicate id", lambda m: m.allocate(1, [1], CacheKey(SEED)), "already exists"),
+    ("bad id type", lambda m: m.allocate("7", [1], CacheKey(SEED)), "must be an int"),  # type: ignore[arg-type]
+    ("empty prompt", lambda m: m.allocate(7, [], CacheKey(SEED)), "empty sequence"),
+    ("negative token", lambda m: m.allocate(7, [1, -2], CacheKey(SEED)), r"\[0, 2\*\*32\)"),
+    ("float token", lambda m: m.allocate(7, [1.5], CacheKey(SEED)), r"\[0, 2\*\*32\)"),
+    ("bad seed", lambda m: m.allocate(7, [1], CacheKey(b"x")), "32 bytes"),
+    ("str seed", lambda m: m.allocate(7, [1], CacheKey("s" * 32)), "32 bytes"),  # type: ignore[arg-type]
+    ("bad salt", lambda m: m.allocate(7, [1], CacheKey(SEED, "salt")), "sequence"),
     ("append bad token", lambda m: m.append_token(1, -1), r"\[0, 2\*\*32\)"),
     ("append swapped", lambda m: m.append_token(3, 1), "swapped out"),
     ("table swapped", lambda m: m.block_table(3), "swapped out"),

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from block_manager import IntegrityError, KVCacheManager
+from block_manager import CacheKey, IntegrityError, KVCacheManager
 from tests.block_manager.helpers import SEED, make_manager, prefill
 
 
@@ -20,7 +20,7 @@ def _healthy() -> KVCacheManager:
     manager.fork(1, 2)
     prefill(manager, 3, [7, 7, 7, 7, 7])
     manager.free(3)
-    manager.allocate(4, [8, 8, 8, 8, 8], hash_seed=SEED)
+    manager.allocate(4, [8, 8, 8, 8, 8], CacheKey(SEED))
     manager.swap_out([4])
     manager.check_integrity()
     return manager

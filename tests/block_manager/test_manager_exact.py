@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager import BlockCopy, NeverFits, NoFreeBlocks
+from block_manager import BlockCopy, CacheKey, NeverFits, NoFreeBlocks
 from tests.block_manager.helpers import OTHER_SEED, SEED, make_manager, observe, prefill
 
 
 def test_prefill_allocates_by_length_and_decode_fills_the_tail() -> None:
     manager = make_manager(device=8, block_size=4)
-    assert manager.allocate(1, [1, 2, 3, 4, 5, 6], hash_seed=SEED) == 0
+    assert manager.allocate(1, [1, 2, 3, 4, 5, 6], CacheKey(SEED)) == 0
     assert manager.block_table(1) == [0, 1]
     assert manager.num_computed_tokens(1) == 0
     assert manager.slot_mapping(1, 0, 6) == [0, 1, 2, 3, 4, 5]
@@ -55,11 +55,11 @@ def test_lru_eviction_order_and_unsealed_blocks_reused_first() -> None:
     prefill(manager, 3, [9] * 6)
     assert manager.block_table(3) == [5, 2, 1]
     # Sequence 1's first block is still cached: a prompt starting with it hits block 0.
-    assert manager.allocate(4, [1, 1, 7], hash_seed=SEED) == 2
+    assert manager.allocate(4, [1, 1, 7], CacheKey(SEED)) == 2
     assert manager.block_table(4)[0] == 0
     # Sequence 1's second block was evicted: this prompt hits only its first block.
     manager.free(4)
-    assert manager.allocate(5, [1, 1, 1, 1, 7], hash_seed=SEED) == 2
+    assert manager.allocate(5, [1, 1, 1, 1, 7], CacheKey(SEED)) == 2
     manager.check_integrity()
 
 
@@ -71,7 +71,7 @@ def test_prefix_hit_after_the_holder_finished() -> None:
     manager.free(1)
     assert manager.num_free_device_blocks() == 8
     # Same prompt: the two full blocks are hits; the partial tail is recomputed.
-    assert manager.allocate(2, prompt, hash_seed=SEED) == 8
+    assert manager.allocate(2, prompt, CacheKey(SEED)) == 8
     assert manager.block_table(2)[:2] == blocks[:2]
     assert manager.num_computed_tokens(2) == 8
     pressure = manager.pressure()
@@ -82,7 +82,7 @@ def test_prefix_hit_after_the_holder_finished() -> None:
 def test_prefix_hit_never_covers_the_last_token() -> None:
     manager = make_manager(device=8, block_size=4)
     prefill(manager, 1, list(range(8)))
-    assert manager.allocate(2, list(range(8)), hash_seed=SEED) == 4
+    assert manager.allocate(2, list(range(8)), CacheKey(SEED)) == 4
     assert manager.block_table(2)[0] == manager.block_table(1)[0]
     assert manager.block_table(2)[1] != manager.block_table(1)[1]
     manager.check_integrity()
@@ -90,10 +90,10 @@ def test_prefix_hit_never_covers_the_last_token() -> None:
 
 def test_uncomputed_blocks_are_never_hit() -> None:
     manager = make_manager(device=8, block_size=4)
-    manager.allocate(1, list(range(9)), hash_seed=SEED)
-    assert manager.allocate(2, list(range(9)), hash_seed=SEED) == 0
+    manager.allocate(1, list(range(9)), CacheKey(SEED))
+    assert manager.allocate(2, list(range(9)), CacheKey(SEED)) == 0
     manager.mark_computed(1, 6)  # only block 0 is fully computed
-    assert manager.allocate(3, list(range(9)), hash_seed=SEED) == 4
+    assert manager.allocate(3, list(range(9)), CacheKey(SEED)) == 4
     manager.check_integrity()
 
 
@@ -111,8 +111,8 @@ def test_lookup_misses_when_identity_salt_or_a_token_differs(
 ) -> None:
     manager = make_manager(device=8, block_size=4)
     prefill(manager, 1, list(range(9)), extra_keys=("tenant-a",))
-    assert manager.allocate(2, tokens, hash_seed=seed, extra_keys=extra) == 0
-    assert manager.allocate(3, list(range(9)), hash_seed=SEED, extra_keys=("tenant-a",)) == 8
+    assert manager.allocate(2, tokens, CacheKey(seed, extra)) == 0
+    assert manager.allocate(3, list(range(9)), CacheKey(SEED, ("tenant-a",))) == 8
 
 
 def test_copy_on_write_of_a_forked_partial_tail() -> None:
@@ -172,13 +172,13 @@ def test_failed_operations_leave_everything_unchanged() -> None:
     manager.fork(1, 2)
     before = observe(manager, [1, 2, 3])
     with pytest.raises(NoFreeBlocks) as failure:
-        manager.allocate(3, list(range(8)), hash_seed=SEED)  # 2 needed, 2 free, watermark 1
+        manager.allocate(3, list(range(8)), CacheKey(SEED))  # 2 needed, 2 free, watermark 1
     assert (failure.value.needed, failure.value.available) == (2, 1)
     assert observe(manager, [1, 2, 3]) == before
-    assert not manager.can_allocate(list(range(8)), hash_seed=SEED)
-    assert manager.can_allocate(list(range(4)), hash_seed=SEED)
+    assert not manager.can_allocate(list(range(8)), CacheKey(SEED))
+    assert manager.can_allocate(list(range(4)), CacheKey(SEED))
     with pytest.raises(NeverFits):
-        manager.allocate(3, list(range(17)), hash_seed=SEED)
+        manager.allocate(3, list(range(17)), CacheKey(SEED))
     assert observe(manager, [1, 2, 3]) == before
     with pytest.raises(NoFreeBlocks) as swap_failure:
         manager.swap_out([1, 2])  # 2 blocks to move, 1 CPU block
@@ -279,7 +279,7 @@ def test_prefix_caching_disabled_never_hits() -> None:
     manager = make_manager(device=8, block_size=4, caching=False)
     prefill(manager, 1, list(range(9)))
     manager.free(1)
-    assert manager.allocate(2, list(range(9)), hash_seed=SEED) == 0
+    assert manager.allocate(2, list(range(9)), CacheKey(SEED)) == 0
     assert manager.pressure().device.evictable_cached == 0
     manager.check_integrity()
 
@@ -287,8 +287,8 @@ def test_prefix_caching_disabled_never_hits() -> None:
 def test_same_content_computed_twice_is_deduplicated_at_sealing() -> None:
     manager = make_manager(device=8, block_size=4)
     prompt = [1, 2, 3, 4, 5, 6]
-    manager.allocate(1, prompt, hash_seed=SEED)
-    manager.allocate(2, prompt, hash_seed=SEED)  # nothing computed yet: no hit
+    manager.allocate(1, prompt, CacheKey(SEED))
+    manager.allocate(2, prompt, CacheKey(SEED))  # nothing computed yet: no hit
     assert manager.block_table(1)[0] != manager.block_table(2)[0]
     manager.mark_computed(1, 6)
     own_block = manager.block_table(2)[0]
@@ -299,7 +299,7 @@ def test_same_content_computed_twice_is_deduplicated_at_sealing() -> None:
     manager.check_integrity()
     manager.free(1)
     # The shared sealed block is still held by 2, so it stays findable.
-    assert manager.allocate(3, prompt, hash_seed=SEED) == 4
+    assert manager.allocate(3, prompt, CacheKey(SEED)) == 4
 
 
 def test_blocks_needed_counts_reclaimed_cached_blocks() -> None:
@@ -308,18 +308,18 @@ def test_blocks_needed_counts_reclaimed_cached_blocks() -> None:
     manager.free(1)
     assert manager._device.free_queue() == [2, 3, 1, 0]
     # A hit on a free cached block still takes it out of the free queue.
-    assert manager.blocks_needed_to_allocate(list(range(9)), hash_seed=SEED) == 3
-    assert manager.cached_prefix_tokens(list(range(9)), hash_seed=SEED) == 8
+    assert manager.blocks_needed_to_allocate(list(range(9)), CacheKey(SEED)) == 3
+    assert manager.cached_prefix_tokens(list(range(9)), CacheKey(SEED)) == 8
     prefill(manager, 2, [50] * 12)  # takes 2, 3, then evicts the LRU cached block 1
     assert manager.block_table(2) == [2, 3, 1]
     manager.free(2)
-    assert manager.allocate(3, list(range(9)), hash_seed=SEED) == 4  # only block 0 is left
+    assert manager.allocate(3, list(range(9)), CacheKey(SEED)) == 4  # only block 0 is left
     manager.free(3)
     prefill(manager, 4, list(range(9)))
     manager.fork(4, 5)
     # Both full blocks are now held: a new copy of the prompt needs only its own tail.
-    assert manager.blocks_needed_to_allocate(list(range(9)), hash_seed=SEED) == 1
-    assert manager.can_allocate(list(range(9)), hash_seed=SEED)
+    assert manager.blocks_needed_to_allocate(list(range(9)), CacheKey(SEED)) == 1
+    assert manager.can_allocate(list(range(9)), CacheKey(SEED))
     manager.check_integrity()
 
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from block_manager import InvalidOperation, KVCacheManager, NeverFits, NoFreeBlocks
+from block_manager import CacheKey, InvalidOperation, KVCacheManager, NeverFits, NoFreeBlocks
 from tests.block_manager.helpers import OTHER_SEED, SEED, observe
 
 BLOCK = 4
@@ -74,6 +74,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.cpu_kv: dict[int, KV] = {}
         self.sealed_prefixes: set[tuple[Signature, tuple[int, ...]]] = set()
         self.next_id = 0
+        self.worker_tables: dict[int, list[int]] = {}
+        """What the workers hold of each table, built only from `take_table_delta`."""
 
     # ------------------------------------------------------------------ helpers
     def resident(self) -> list[int]:
@@ -116,7 +118,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(prefix=st.sampled_from(PREFIXES))
     def start(self, prefix: tuple[int, ...]) -> None:
         """Every run starts with one computed prompt, so every rule has something to act on."""
-        self.manager.allocate(0, list(prefix), hash_seed=SEEDS[0], extra_keys=SALTS[0])
+        self.manager.allocate(0, list(prefix), CacheKey(SEEDS[0], SALTS[0]))
         slots = self.manager.slot_mapping(0, 0, len(prefix))
         self.seqs[0] = ModelSeq(list(prefix), len(prefix), (0, 0))
         for position, slot in enumerate(slots):
@@ -147,24 +149,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if unsalted != TOO_LONG:
             unsalted = min(unsalted, len(tokens) // BLOCK)
         seq_id, (seed_index, salt_index) = self.next_id, identity
-        kwargs = {
-            "hash_seed": SEEDS[seed_index],
-            "extra_keys": SALTS[salt_index],
-            "unsalted_blocks": unsalted,
-        }
+        key = CacheKey(SEEDS[seed_index], SALTS[salt_index], unsalted)
         if unsalted > len(tokens) // BLOCK:
             before = self.snapshot()
             try:
-                self.manager.allocate(seq_id, tokens, **kwargs)
+                self.manager.allocate(seq_id, tokens, key)
             except InvalidOperation:
                 event("allocate: unsalted blocks beyond the prompt refused")
                 assert self.snapshot() == before
                 return
             raise AssertionError("unsalted blocks beyond the prompt's full blocks must be refused")
-        expected_ok = self.manager.can_allocate(tokens, **kwargs)
+        expected_ok = self.manager.can_allocate(tokens, key)
         before = self.snapshot()
         try:
-            cached = self.manager.allocate(seq_id, tokens, **kwargs)
+            cached = self.manager.allocate(seq_id, tokens, key)
         except NeverFits:
             event("allocate: never fits")
             assert -(-len(tokens) // BLOCK) > DEVICE_BLOCKS
@@ -268,6 +266,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
         self.manager.free(seq_id)
         del self.seqs[seq_id]
+        self.worker_tables.pop(seq_id, None)  # the workers release a freed sequence
         assert not self.manager.has_sequence(seq_id)
 
     @precondition(lambda self: bool(self.resident()))
@@ -295,6 +294,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 )
         for seq_id in group:
             self.seqs[seq_id].swapped = True
+            self.worker_tables.pop(seq_id, None)  # the workers release a swapped-out sequence
 
     @precondition(lambda self: bool(self.swapped()))
     @rule(data=st.data())
@@ -320,6 +320,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 )
         for seq_id in group:
             self.seqs[seq_id].swapped = False
+
+    @precondition(lambda self: bool(self.resident()))
+    @rule(data=st.data())
+    def sync_tables(self, data: st.DataObject) -> None:
+        """The workers apply each scheduled sequence's delta to their copy of its table: the
+        result is always the manager's table, and the delta never reaches past their copy."""
+        group = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, unique=True))
+        for seq_id in group:
+            mirror = self.worker_tables.setdefault(seq_id, [])
+            start, blocks = self.manager.take_table_delta(seq_id)
+            assert 0 <= start <= len(mirror)
+            if start < len(mirror):
+                event("table delta: an entry below the workers' end was replaced")
+            del mirror[start:]
+            mirror.extend(blocks)
+            assert mirror == self.manager.block_table(seq_id)
+            assert self.manager.take_table_delta(seq_id) == (len(mirror), [])
 
     @staticmethod
     def _copy(source: dict[int, KV], src: int, target: dict[int, KV], dst: int) -> None:

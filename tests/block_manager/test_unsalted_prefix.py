@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager import InvalidOperation, KVCacheManager, block_hash
+from block_manager import CacheKey, InvalidOperation, KVCacheManager, block_hash
 from tests.block_manager.helpers import SEED, make_manager, observe
 
 BLOCK = 4
@@ -24,9 +24,7 @@ def prefill(
     manager: KVCacheManager, seq_id: int, tokens: list[int], salt: tuple[bytes, ...], unsalted: int
 ) -> int:
     """Allocate and compute a whole prompt with `unsalted` shared blocks; returns hits."""
-    cached = manager.allocate(
-        seq_id, tokens, hash_seed=SEED, extra_keys=salt, unsalted_blocks=unsalted
-    )
+    cached = manager.allocate(seq_id, tokens, CacheKey(SEED, salt, unsalted))
     manager.mark_computed(seq_id, len(tokens))
     manager.check_integrity()
     return cached
@@ -57,15 +55,15 @@ def test_unsalted_blocks_hash_like_a_sequence_without_extra_keys() -> None:
     planning queries agree with `allocate`."""
     manager = make_manager(block_size=BLOCK)
     prefill(manager, 1, PROMPT, SALT_A, unsalted=2)
-    plain = dict(hash_seed=SEED, extra_keys=())
-    assert manager.cached_prefix_tokens(PROMPT, **plain) == len(SYSTEM)
-    salted_b = dict(hash_seed=SEED, extra_keys=SALT_B, unsalted_blocks=2)
-    assert manager.cached_prefix_tokens(PROMPT, **salted_b) == len(SYSTEM)
-    needed = manager.blocks_needed_to_allocate(PROMPT, **salted_b)
+    plain = CacheKey(SEED, ())
+    assert manager.cached_prefix_tokens(PROMPT, plain) == len(SYSTEM)
+    salted_b = CacheKey(SEED, SALT_B, 2)
+    assert manager.cached_prefix_tokens(PROMPT, salted_b) == len(SYSTEM)
+    needed = manager.blocks_needed_to_allocate(PROMPT, salted_b)
     assert needed == 4 - 2  # four blocks, two found
-    assert manager.can_allocate(PROMPT, **salted_b)
+    assert manager.can_allocate(PROMPT, salted_b)
     free_before = manager.num_free_device_blocks()
-    assert manager.allocate(4, PROMPT, **salted_b) == len(SYSTEM)
+    assert manager.allocate(4, PROMPT, salted_b) == len(SYSTEM)
     assert free_before - manager.num_free_device_blocks() == needed
 
 
@@ -80,16 +78,14 @@ def test_sealed_hashes_follow_the_published_chain() -> None:
     h1 = block_hash(h0, SYSTEM[4:])
     tail = [*QUESTION, 0]  # a longer prompt so the block can be hit
     # Block 1 under seed h0, no extra keys; block 2 under seed h1 with tenant A's salt.
-    assert manager.cached_prefix_tokens([*SYSTEM[4:], 0], hash_seed=h0) == BLOCK
-    assert manager.cached_prefix_tokens(tail, hash_seed=h1, extra_keys=SALT_A) == BLOCK
-    assert manager.cached_prefix_tokens(tail, hash_seed=h1) == 0  # block 2 is salted
-    assert manager.cached_prefix_tokens([*SYSTEM[4:], 0], hash_seed=h0, extra_keys=SALT_A) == 0
-    manager.allocate(2, tail, hash_seed=h1, extra_keys=SALT_A)
+    assert manager.cached_prefix_tokens([*SYSTEM[4:], 0], CacheKey(h0)) == BLOCK
+    assert manager.cached_prefix_tokens(tail, CacheKey(h1, SALT_A)) == BLOCK
+    assert manager.cached_prefix_tokens(tail, CacheKey(h1)) == 0  # block 2 is salted
+    assert manager.cached_prefix_tokens([*SYSTEM[4:], 0], CacheKey(h0, SALT_A)) == 0
+    manager.allocate(2, tail, CacheKey(h1, SALT_A))
     assert manager.block_table(2)[0] == table[2]
     # Declaring a longer shared prefix looks block 2 up unsalted: a miss there.
-    assert manager.cached_prefix_tokens(
-        PROMPT, hash_seed=SEED, extra_keys=SALT_A, unsalted_blocks=3
-    ) == len(SYSTEM)
+    assert manager.cached_prefix_tokens(PROMPT, CacheKey(SEED, SALT_A, 3)) == len(SYSTEM)
 
 
 def test_decode_blocks_after_the_prefix_are_salted() -> None:
@@ -131,8 +127,8 @@ def test_bad_unsalted_blocks_are_refused_with_nothing_changed(unsalted: object) 
     prefill(manager, 1, PROMPT, SALT_A, unsalted=2)
     before = observe(manager, [1, 2])
     with pytest.raises(InvalidOperation, match="unsalted_blocks"):
-        manager.allocate(2, PROMPT, hash_seed=SEED, extra_keys=SALT_B, unsalted_blocks=unsalted)  # type: ignore[arg-type]
+        manager.allocate(2, PROMPT, CacheKey(SEED, SALT_B, unsalted))  # type: ignore[arg-type]
     with pytest.raises(InvalidOperation, match="unsalted_blocks"):
-        manager.can_allocate(PROMPT, hash_seed=SEED, unsalted_blocks=unsalted)  # type: ignore[arg-type]
+        manager.can_allocate(PROMPT, CacheKey(SEED, unsalted_blocks=unsalted))  # type: ignore[arg-type]
     assert observe(manager, [1, 2]) == before
     manager.check_integrity()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from block_manager import CacheIdentity, KVCacheManager
+from block_manager import CacheIdentity, CacheKey, KVCacheManager
 from cluster.engine.cache_keys import CacheKeyFactory
 from cluster.engine.errors import EngineOverloaded, RequestRejected
 from cluster.engine.sampling_params import SamplingParams
@@ -164,7 +164,7 @@ def test_adapter_identity_changes_the_hash_seed() -> None:
     manager = KVCacheManager(num_device_blocks=16, num_cpu_blocks=0, block_size=4)
     tokens = list(range(100, 113))
     for seq_id, key in enumerate((adapter_a, adapter_a, adapter_b, plain)):
-        cached = manager.allocate(seq_id, tokens, hash_seed=key.hash_seed)
+        cached = manager.allocate(seq_id, tokens, CacheKey(key.hash_seed))
         assert cached == (12 if seq_id == 1 else 0)
         manager.mark_computed(seq_id, len(tokens))
         manager.free(seq_id)

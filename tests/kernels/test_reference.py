@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from kernels.kv_pool import allocate_kv_pool
 from tests.kernels.cases import make_case
 
 
@@ -58,7 +59,7 @@ def test_reference_full_prefill_matches_is_causal_sdpa() -> None:
 
 
 def test_reference_write_then_read_round_trips() -> None:
-    pool = reference.allocate_kv_pool(
+    pool = allocate_kv_pool(
         num_layers=1, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=64,
         dtype=torch.float32, device="cpu",
     )  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager import KVCacheManager, NeverFits, NoFreeBlocks
+from block_manager import CacheKey, KVCacheManager, NeverFits, NoFreeBlocks
 from block_manager.contiguous import ContiguousKVManager
 from cluster.engine.sampling_params import SamplingParams
 from tests.cluster.slot_workers import reference_tokens
@@ -21,17 +21,17 @@ def test_contiguous_queues_what_paged_admits() -> None:
     contiguous = ContiguousKVManager(num_device_blocks=32, block_size=4, max_model_len=128)
     paged = KVCacheManager(num_device_blocks=32, num_cpu_blocks=0, block_size=4)
     for seq_id in (1, 2):
-        contiguous.set_max_tokens(seq_id, 64)
-        contiguous.allocate(seq_id, list(range(8)), hash_seed=SEED)
-        paged.allocate(seq_id, [seq_id * 100 + t for t in range(8)], hash_seed=SEED)
-    contiguous.set_max_tokens(3, 64)
+        contiguous.reserve(seq_id, 64)
+        contiguous.allocate(seq_id, list(range(8)), CacheKey(SEED))
+        paged.allocate(seq_id, [seq_id * 100 + t for t in range(8)], CacheKey(SEED))
+    contiguous.reserve(3, 64)
     assert contiguous.pressure().device.free == 0
-    assert not contiguous.can_allocate([7, 7, 7, 7], hash_seed=SEED)
+    assert not contiguous.can_allocate([7, 7, 7, 7], CacheKey(SEED))
     with pytest.raises(NoFreeBlocks):
-        contiguous.allocate(3, [7, 7, 7, 7], hash_seed=SEED)
+        contiguous.allocate(3, [7, 7, 7, 7], CacheKey(SEED))
     assert not contiguous.has_sequence(3)
-    assert paged.can_allocate([7, 7, 7, 7], hash_seed=SEED)
-    paged.allocate(3, [7, 7, 7, 7], hash_seed=SEED)
+    assert paged.can_allocate([7, 7, 7, 7], CacheKey(SEED))
+    paged.allocate(3, [7, 7, 7, 7], CacheKey(SEED))
     assert paged.pressure().device.used == 5
 
 
@@ -39,31 +39,31 @@ def test_contiguous_external_fragmentation() -> None:
     """20 blocks free in two runs of 10: a 12-block reservation waits, paged takes 12 blocks."""
     contiguous = ContiguousKVManager(num_device_blocks=30, block_size=4, max_model_len=128)
     for seq_id in (1, 2, 3):
-        contiguous.set_max_tokens(seq_id, 40)
-        contiguous.allocate(seq_id, [1, 2], hash_seed=SEED)
+        contiguous.reserve(seq_id, 40)
+        contiguous.allocate(seq_id, [1, 2], CacheKey(SEED))
     contiguous.free(1)
     contiguous.free(3)
     assert contiguous.free_runs() == [(0, 10), (20, 10)]
-    contiguous.set_max_tokens(4, 48)
+    contiguous.reserve(4, 48)
     with pytest.raises(NoFreeBlocks, match="external fragmentation"):
-        contiguous.allocate(4, [1, 2], hash_seed=SEED)
+        contiguous.allocate(4, [1, 2], CacheKey(SEED))
     contiguous.free(2)
     assert contiguous.free_runs() == [(0, 30)]
-    contiguous.allocate(4, [1, 2], hash_seed=SEED)
+    contiguous.allocate(4, [1, 2], CacheKey(SEED))
     assert contiguous.block_table(4) == [0]
     contiguous.check_integrity()
     paged = KVCacheManager(num_device_blocks=30, num_cpu_blocks=0, block_size=4)
-    paged.allocate(9, list(range(48)), hash_seed=SEED)
+    paged.allocate(9, list(range(48)), CacheKey(SEED))
     assert paged.pressure().device.used == 12
 
 
 def test_contiguous_rejects_a_reservation_larger_than_the_pool() -> None:
     contiguous = ContiguousKVManager(num_device_blocks=16, block_size=4, max_model_len=512)
-    contiguous.set_max_tokens(1, 100)  # 25 blocks reserved for 8 tokens that fit in 2
+    contiguous.reserve(1, 100)  # 25 blocks reserved for 8 tokens that fit in 2
     with pytest.raises(NeverFits):
-        contiguous.allocate(1, list(range(8)), hash_seed=SEED)
+        contiguous.allocate(1, list(range(8)), CacheKey(SEED))
     paged = KVCacheManager(num_device_blocks=16, num_cpu_blocks=0, block_size=4)
-    assert paged.can_allocate(list(range(8)), hash_seed=SEED)
+    assert paged.can_allocate(list(range(8)), CacheKey(SEED))
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous", "virtual"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from workers.range_attention import contiguous_runs, range_attention
+from kernels.range_attention import contiguous_runs, range_attention
 
 
 @pytest.mark.parametrize("sliding_window", [None, 5])

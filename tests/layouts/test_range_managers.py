@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from block_manager import NeverFits, NoFreeBlocks
+from block_manager import CacheKey, NeverFits, NoFreeBlocks
 from block_manager.contiguous import ContiguousKVManager
 from block_manager.virtual import VirtualKVManager
 
@@ -44,11 +44,11 @@ class ContiguousMachine(RuleBasedStateMachine):
         seq_id = self.next_id
         self.next_id += 1
         limit = min(prompt + extra, MAX_LEN)
-        self.manager.set_max_tokens(seq_id, prompt + extra)
+        self.manager.reserve(seq_id, prompt + extra)
         blocks = -(-max(limit, prompt + 1) // BLOCK)
         expected = first_fit(self.occupied, blocks)
         try:
-            self.manager.allocate(seq_id, [5] * prompt, hash_seed=SEED)
+            self.manager.allocate(seq_id, [5] * prompt, CacheKey(SEED))
         except (NoFreeBlocks, NeverFits):
             assert expected is None
             assert not self.manager.has_sequence(seq_id)
@@ -126,7 +126,7 @@ class VirtualMachine(RuleBasedStateMachine):
         self.next_id += 1
         fits = len(self.tokens) < SLOTS and self.total() + self.committed(prompt) <= BUDGET
         try:
-            self.manager.allocate(seq_id, [3] * prompt, hash_seed=SEED)
+            self.manager.allocate(seq_id, [3] * prompt, CacheKey(SEED))
         except (NoFreeBlocks, NeverFits):
             assert not fits
             return
@@ -188,8 +188,8 @@ def test_range_layouts_publish_no_cached_block_hashes() -> None:
         ),
     )
     for manager in managers:
-        manager.set_max_tokens(0, 2 * BLOCK + 1)
-        manager.allocate(0, list(range(2 * BLOCK + 1)), hash_seed=SEED)
+        manager.reserve(0, 2 * BLOCK + 1)
+        manager.allocate(0, list(range(2 * BLOCK + 1)), CacheKey(SEED))
         manager.mark_computed(0, 2 * BLOCK + 1)
         assert list(manager.cached_block_hashes()) == []
         manager.free(0)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from block_manager import CacheIdentity, KVCacheManager
+from block_manager import CacheIdentity, CacheKey, KVCacheManager
 from cluster.serving.prefix_index import (
     PrefixIndex,
     PublishedBlocks,
@@ -66,7 +66,7 @@ def test_shared_leading_hashes_are_exactly_the_block_managers_cache_hits(
     extra = [salt] if salt else []
     manager = KVCacheManager(num_device_blocks=64, num_cpu_blocks=0, block_size=4)
     first = list(range(100, 123))  # 5 full blocks + 3 tokens
-    manager.allocate(0, first, hash_seed=SEED, extra_keys=extra)
+    manager.allocate(0, first, CacheKey(SEED, extra))
     manager.mark_computed(0, len(first))
     manager.free(0)
     published = prompt_block_hashes(first, hash_seed=SEED, extra_keys=extra, block_size=4)
@@ -77,7 +77,7 @@ def test_shared_leading_hashes_are_exactly_the_block_managers_cache_hits(
             (i for i, (a, b) in enumerate(zip(published, hashes, strict=False)) if a != b),
             min(len(published), len(hashes)),
         )
-        hits = manager.cached_prefix_tokens(other, hash_seed=SEED, extra_keys=extra)
+        hits = manager.cached_prefix_tokens(other, CacheKey(SEED, extra))
         assert hits == common * 4
     other_tenant = prompt_block_hashes(first, hash_seed=SEED, extra_keys=[b"x"], block_size=4)
     assert not set(other_tenant) & set(published)

@@ -8,7 +8,7 @@ import random
 import pytest
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from block_manager import CacheIdentity, KVCacheManager
+from block_manager import CacheIdentity, CacheKey, KVCacheManager
 from cluster.serving.autoscaling import (
     KV_UTILIZATION,
     KVPressurePolicy,
@@ -129,7 +129,7 @@ def test_kv_used_fraction_counts_referenced_blocks_only() -> None:
     seed = CacheIdentity(model_weights_digest="w", tokenizer_digest="t", block_size=4).digest()
     manager = KVCacheManager(num_device_blocks=16, num_cpu_blocks=0, block_size=4)
     assert kv_used_fraction(manager.pressure()) == 0.0
-    manager.allocate(0, list(range(10)), hash_seed=seed)  # 3 blocks
+    manager.allocate(0, list(range(10)), CacheKey(seed))  # 3 blocks
     assert kv_used_fraction(manager.pressure()) == 3 / 16
     manager.mark_computed(0, 10)
     manager.free(0)  # two sealed blocks stay cached but unreferenced

@@ -4,6 +4,9 @@ There a sequence's KV occupies one contiguous run of blocks starting at `first_b
 keys are a plain view of the cache, `k_cache[first : first + n].flatten(0, 1)[:context_len]`: no
 block table, no gather. Each sequence attends with one `scaled_dot_product_attention` call (GQA by
 `enable_gqa`, causal by an explicit mask over its chunk, sliding window honoured).
+
+`RangeAttention` is this layout's step metadata: it satisfies `kernels.AttentionStep` like the
+paged `PagedAttentionStep`, so the model calls `step.attend(...)` without asking which it holds.
 """
 
 from __future__ import annotations
@@ -14,16 +17,39 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import PreparedAttention
+from kernels.metadata import PreparedAttention
 
 
 @dataclass(frozen=True)
 class RangeAttention:
     """One step's validated kernel metadata (KV writes go through it as in the paged layout)
-    plus each sequence's first block: the model then attends with `range_attention`."""
+    plus each sequence's first block; `attend` runs `range_attention` over them."""
 
     prepared: PreparedAttention
     first_blocks: list[int]
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Attention of this step's packed queries over each sequence's contiguous run."""
+        prepared = self.prepared
+        return range_attention(
+            query,
+            k_cache,
+            v_cache,
+            query_starts=prepared.query_starts,
+            query_lens=prepared.query_lens,
+            context_lens=prepared.context_lens,
+            first_blocks=self.first_blocks,
+            scale=scale,
+            sliding_window=sliding_window,
+        )
 
 
 def contiguous_runs(tables: list[list[int]]) -> list[int]:

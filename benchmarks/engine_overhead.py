@@ -1,0 +1,127 @@
+"""The engine's per-step Python time with no model: schedule() + on_step_done() at N sequences.
+
+`python -m benchmarks.engine_overhead --json [--seqs 64]` runs `EngineCore` over a worker stand-in
+that answers every plan at once (no forward pass), so what is timed is the scheduler's own work
+per decode step with `--seqs` sequences running: building the plan (appends, block-table deltas,
+slot bookkeeping) and applying the step's output (marking KV computed). `engine_us_per_step`
+adds the rest of the engine's step (detokenizing, stop checks, outputs, metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine_core import EngineCore
+from cluster.engine.sampling_params import SamplingParams
+from workers import ModelInfo, load_tokenizer
+from workers.plan import SampledToken, StepOutput, StepPlan
+
+FIRST_TOKEN = 1000
+
+
+class EchoWorkers:
+    """Answers a plan instantly: each sampled token is a function of its position."""
+
+    def __init__(self, *, num_device_blocks: int, block_size: int, max_model_len: int) -> None:
+        self.num_device_blocks = num_device_blocks
+        self.num_cpu_blocks = 0
+        self.model_info = ModelInfo(
+            architecture="echo", num_layers=1, hidden_size=1, num_heads=1, num_kv_heads=1,
+            head_dim=1, vocab_size=49152, max_model_len=max_model_len, sliding_window=None,
+            bos_token_id=1, eos_token_ids=(2,), weights_digest="echo-v1", dtype="float32",
+            rope="none", quantization="none", kv_bytes_per_block=block_size * 1024,
+        )  # fmt: skip
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        output = StepOutput(step_id=plan.step_id)
+        for work in plan.sequences:
+            if work.num_samples:
+                position = work.start_pos + len(work.token_ids)
+                token = SampledToken(FIRST_TOKEN + (position * 7 + work.seq_id) % 20000)
+                output.samples[work.seq_id] = [token] * work.num_samples
+        return output
+
+    def shutdown(self) -> None:
+        pass
+
+
+def measure(num_seqs: int = 64, prompt_len: int = 200, steps: int = 300) -> dict[str, Any]:
+    """Per-step timings once all `num_seqs` sequences are decoding (prefill steps excluded)."""
+    block_size, max_model_len = 16, 2048
+    config = EngineConfig().with_overrides(
+        {
+            "cache": {"block_size": block_size, "watermark": 0.0},
+            "scheduler": {"max_num_seqs": num_seqs, "max_num_batched_tokens": 8192},
+            "parallel": {"backend": "local"},
+        }
+    )
+    workers = EchoWorkers(
+        num_device_blocks=num_seqs * (prompt_len + steps + 64) // block_size + 64,
+        block_size=block_size,
+        max_model_len=max_model_len,
+    )
+    engine = EngineCore(config, workers, tokenizer=load_tokenizer("default"))  # type: ignore[arg-type]
+    scheduler = engine.scheduler
+    spent = {"schedule": 0.0, "on_step_done": 0.0}
+    for name in spent:
+        method = getattr(scheduler, name)
+
+        def timed(*args: Any, _method: Any = method, _name: str = name) -> Any:
+            start = time.perf_counter()
+            try:
+                return _method(*args)
+            finally:
+                spent[_name] += time.perf_counter() - start
+
+        setattr(scheduler, name, timed)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for index in range(num_seqs):
+        prompt = [FIRST_TOKEN + (index * 31 + t) % 20000 for t in range(prompt_len)]
+        engine.add_request({"prompt_token_ids": prompt}, params)
+    while len(scheduler.running) < num_seqs or scheduler.waiting:
+        engine.step()
+    for _ in range(5):  # every prompt is computed: steady decode from here
+        engine.step()
+    scheduler_us: list[float] = []
+    engine_us: list[float] = []
+    for _ in range(steps):
+        spent["schedule"] = spent["on_step_done"] = 0.0
+        start = time.perf_counter()
+        step = engine.begin_step()
+        output = workers.execute(step.plan)
+        engine.finish_step(step, output)
+        engine_us.append((time.perf_counter() - start) * 1e6)
+        scheduler_us.append((spent["schedule"] + spent["on_step_done"]) * 1e6)
+        assert len(step.plan.sequences) == num_seqs
+    engine.shutdown()
+    p50 = statistics.median(scheduler_us)
+    return {
+        "running_sequences": num_seqs,
+        "steps": steps,
+        "scheduler_us_per_step_p50": round(p50, 1),
+        "scheduler_us_per_step_mean": round(statistics.fmean(scheduler_us), 1),
+        "scheduler_steps_per_s": round(1e6 / p50, 1),
+        "engine_us_per_step_p50": round(statistics.median(engine_us), 1),
+        "engine_steps_per_s": round(1e6 / statistics.median(engine_us), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3, help="best p50 of this many runs")
+    args = parser.parse_args()
+    runs = [measure(args.seqs, steps=args.steps) for _ in range(args.repeats)]
+    best = min(runs, key=lambda r: r["scheduler_us_per_step_p50"])
+    print(json.dumps(best, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

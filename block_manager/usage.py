@@ -1,0 +1,29 @@
+"""`LayoutUsage`: one KV layout's memory accounting at one instant, in token slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayoutUsage:
+    """Memory accounting of one layout at one instant, in token slots (x bytes per slot = bytes).
+
+    reserved: slots set aside for live sequences (contiguous: their max-length runs; virtual:
+    their virtual ranges, which cost address space, not memory; paged: their blocks).
+    backed: slots physically committed to live sequences (contiguous: = reserved, the memory is
+    dedicated; virtual: committed pages; paged: = their blocks).
+    live: slots holding a token. internal_fragmentation: backed-but-empty slots inside the last
+    block or page of each sequence; reservation_waste: reserved slots beyond that (contiguous: the
+    unused tail of each max-length reservation; 0 for paged and virtual).
+
+    Invariant: live + internal_fragmentation + reservation_waste == reserved for contiguous and
+    paged; backed <= pool for every layout.
+    """
+
+    reserved_slots: int
+    backed_slots: int
+    live_slots: int
+    internal_fragmentation_slots: int
+    reservation_waste_slots: int
+    pool_slots: int
