@@ -15,6 +15,7 @@ from block_manager.errors import (
     NeverFits,
     NoFreeBlocks,
 )
+from block_manager.events import BlockEvent
 from block_manager.identity import CacheIdentity, block_hash
 from block_manager.manager import KVCacheManager
 from block_manager.pressure import PressureSnapshot, TierPressure
@@ -27,6 +28,7 @@ from block_manager.virtual import VirtualKVManager
 __all__ = [
     "AllocationFailure",
     "BlockCopy",
+    "BlockEvent",
     "BlockManagerError",
     "CacheIdentity",
     "CacheKey",

@@ -18,7 +18,8 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from block_manager.cache_key import CacheKey
-from block_manager.errors import InvalidOperation, NeverFits, NoFreeBlocks
+from block_manager.errors import InvalidOperation, NeverFits, NoFreeBlocks, Tier
+from block_manager.events import BlockEvent
 from block_manager.identity import (
     block_suffix,
     check_hash_seed,
@@ -89,7 +90,10 @@ class KVCacheManager(NoReservationHooks):
         block_size: int,
         enable_prefix_caching: bool = True,
         watermark_blocks: int = 0,
+        record_events: bool = False,
     ) -> None:
+        """`record_events`: keep a `BlockEvent` for every seal and eviction in either tier, for
+        `take_events` (a cluster-wide index follows the cache from them)."""
         check_manager_sizes(num_device_blocks, num_cpu_blocks, block_size, watermark_blocks)
         self._block_size = block_size
         self._shift = block_size.bit_length() - 1
@@ -100,6 +104,8 @@ class KVCacheManager(NoReservationHooks):
         self._device = BlockPool("device", num_device_blocks)
         self._device_refs = self._device.ref_counts  # the same list, for the decode hot path
         self._cpu = BlockPool("cpu", num_cpu_blocks)
+        if record_events:
+            self._device.events = self._cpu.events = []
         self._tables: dict[SeqId, BlockTable] = {}
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
@@ -359,6 +365,21 @@ class KVCacheManager(NoReservationHooks):
             if digest is None:  # unsealed free blocks all sit before the cached ones
                 return
             yield digest
+
+    def cached_hashes_by_tier(self) -> dict[Tier, list[bytes]]:
+        """Every hash a prefix lookup can hit now, per tier (a full scan: for resyncs only)."""
+        return {
+            pool.tier: [digest for digest in pool.hashes if digest is not None]
+            for pool in (self._device, self._cpu)
+        }
+
+    def take_events(self) -> list[BlockEvent]:
+        """The seals and evictions since the last call, in order ([] unless `record_events`)."""
+        events = self._device.events
+        if not events:
+            return []
+        self._device.events = self._cpu.events = []
+        return events
 
     def check_integrity(self, *, verify_hashes: bool = True) -> None:
         """Raise `IntegrityError` if any invariant is broken (see `block_manager.integrity`)."""

@@ -17,6 +17,7 @@ Invariants (checked by `block_manager.integrity`):
 from __future__ import annotations
 
 from block_manager.errors import Tier
+from block_manager.events import BlockEvent
 
 _NOT_QUEUED = -1
 
@@ -28,6 +29,7 @@ class BlockPool:
         "_next",
         "_prev",
         "cached",
+        "events",
         "hashes",
         "keys",
         "num_blocks",
@@ -54,6 +56,8 @@ class BlockPool:
             self._prev, self._next = [0], [0]
         self.num_free = num_blocks
         self.num_free_cached = 0
+        self.events: list[BlockEvent] | None = None
+        """Where seals and evictions are recorded (`BlockEvent`), when someone listens."""
 
     # --- free queue primitives (O(1), no allocation)
     def _unlink(self, block: int) -> None:
@@ -92,33 +96,33 @@ class BlockPool:
         self._unlink(block)
         old = self.keys[block]
         if old is not None:
-            del self.cached[old]
-            self.keys[block] = self.hashes[block] = None
-            self.num_free_cached -= 1
+            self._evict(block, old)
         self.ref_counts[block] = 1
         return block
+
+    def _evict(self, block: int, key: bytes) -> None:
+        """Forget the hash of a cached block that is being reused."""
+        if self.events is not None:
+            digest = self.hashes[block]
+            assert digest is not None
+            self.events.append(BlockEvent(False, digest, self.tier))
+        del self.cached[key]
+        self.keys[block] = self.hashes[block] = None
+        self.num_free_cached -= 1
 
     def pop_many(self, count: int) -> list[int]:
         """Take `count` blocks from the front of the free queue (one cut of the list), ref 1 each.
 
         The caller must have checked ``num_free >= count``.
         """
-        prev, nxt, refs, hashes, keys = (
-            self._prev,
-            self._next,
-            self.ref_counts,
-            self.hashes,
-            self.keys,
-        )
+        prev, nxt, refs, keys = self._prev, self._next, self.ref_counts, self.keys
         taken: list[int] = []
         block = nxt[self.sentinel]
         for _ in range(count):
             taken.append(block)
             old = keys[block]
             if old is not None:
-                del self.cached[old]
-                keys[block] = hashes[block] = None
-                self.num_free_cached -= 1
+                self._evict(block, old)
             refs[block] = 1
             following = nxt[block]
             prev[block] = nxt[block] = _NOT_QUEUED
@@ -176,6 +180,8 @@ class BlockPool:
         self.cached[key] = block
         self.keys[block] = key
         self.hashes[block] = block_hash
+        if self.events is not None:
+            self.events.append(BlockEvent(True, block_hash, self.tier))
 
     # --- read-only views (tests, integrity, pressure)
     def free_queue(self) -> list[int]:

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from block_manager.cache_key import CacheKey
+from block_manager.errors import Tier
+from block_manager.events import BlockEvent
 from block_manager.pressure import PressureSnapshot
 from block_manager.types import BlockCopy, SeqId
 from block_manager.usage import LayoutUsage
@@ -86,6 +88,10 @@ class KVManager(Protocol):
     def swap_out(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]]: ...
     def swap_in(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]]: ...
     def take_table_delta(self, seq_id: SeqId) -> TableDelta: ...
+
+    # what the cluster-wide index learns of this cache
+    def take_events(self) -> list[BlockEvent]: ...
+    def cached_hashes_by_tier(self) -> dict[Tier, list[bytes]]: ...
 
     # layout hooks
     def reserve(self, seq_id: SeqId, max_total_tokens: int) -> None: ...

@@ -23,7 +23,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from block_manager.cache_key import CacheKey
-from block_manager.errors import IntegrityError, InvalidOperation
+from block_manager.errors import IntegrityError, InvalidOperation, Tier
+from block_manager.events import BlockEvent
 from block_manager.pressure import PressureSnapshot, TierPressure
 from block_manager.protocol import NoDecommits, TableDelta
 from block_manager.types import BlockCopy, SeqId
@@ -180,6 +181,13 @@ class RangeKVManager(NoDecommits, ABC):
     def cached_block_hashes(self) -> Iterator[bytes]:
         """No block is ever sealed for reuse in a reserved-range layout: nothing to publish."""
         return iter(())
+
+    def take_events(self) -> list[BlockEvent]:
+        """Nothing is ever sealed, so nothing changes in the findable set."""
+        return []
+
+    def cached_hashes_by_tier(self) -> dict[Tier, list[bytes]]:
+        return {"device": [], "cpu": []}
 
     def blocks_needed_to_allocate(self, token_ids: Sequence[int], key: CacheKey) -> int:
         """Blocks `allocate` would charge against the budget (no prefix is ever cached)."""

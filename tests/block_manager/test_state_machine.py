@@ -68,7 +68,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             num_cpu_blocks=CPU_BLOCKS,
             block_size=BLOCK,
             watermark_blocks=1,
+            record_events=True,
         )
+        self.findable: dict[str, set[bytes]] = {"device": set(), "cpu": set()}
+        """What a cluster-wide index holds after applying every `take_events()` in order."""
         self.seqs: dict[int, ModelSeq] = {}
         self.device_kv: dict[int, KV] = {}
         self.cpu_kv: dict[int, KV] = {}
@@ -349,6 +352,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def integrity(self) -> None:
         self.manager.check_integrity()
+
+    @invariant()
+    def events_replay_to_the_findable_set(self) -> None:
+        for stored, digest, tier in self.manager.take_events():
+            held = self.findable[tier]
+            assert (digest in held) != stored, (stored, tier)  # no double store or removal
+            (held.add if stored else held.discard)(digest)
+        scanned = self.manager.cached_hashes_by_tier()
+        assert {tier: set(hashes) for tier, hashes in scanned.items()} == self.findable
 
     @invariant()
     def matches_model(self) -> None:
