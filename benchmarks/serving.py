@@ -248,7 +248,7 @@ def routing_comparison(
     from ray.serve.config import RequestRouterConfig
 
     from cluster.serving.routing import ROUTER_CLASS_PATH
-    from cluster.serving.serve_app import GenerationServer
+    from cluster.serving.serve_app import bind_app
 
     prompts = routing_workload(random.Random(seed), count, prefixes)
     app_args = {k: v for k, v in app_args.items() if k != "api_keys"}  # handle calls, no key
@@ -259,12 +259,17 @@ def routing_comparison(
     }
     for label, router in routers.items():
         config = RequestRouterConfig(request_router_class=router)
-        app = GenerationServer.options(
-            num_replicas=replicas,
-            request_router_config=config,
-            ray_actor_options={"num_cpus": 0},
-            max_ongoing_requests=8,
-        ).bind(app_args)
+        engine_options = {
+            "num_replicas": replicas,
+            "request_router_config": config,
+            "ray_actor_options": {"num_cpus": 0},
+            "max_ongoing_requests": 8,
+        }
+        app = bind_app(
+            app_args,
+            engine_options=engine_options,
+            ingress_options={"ray_actor_options": {"num_cpus": 0}},
+        )
         handle = serve.run(app, name=f"routing-{label}", route_prefix=None)
         results[label] = asyncio.run(routed_hit_rate(handle, prompts))
         serve.delete(f"routing-{label}")
@@ -294,7 +299,7 @@ def local_server(
     import ray
     from ray import serve
 
-    from cluster.serving.serve_app import GenerationServer, build_app
+    from cluster.serving.serve_app import bind_app, build_app
 
     config = yaml.safe_load(CONFIG.read_text())
     args = copy.deepcopy(config["applications"][0]["args"])
@@ -308,13 +313,14 @@ def local_server(
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
-            replica = GenerationServer.options(ray_actor_options={"num_cpus": 0})
+            no_cpu = {"ray_actor_options": {"num_cpus": 0}}
             for name, route, app_args in (
                 ("pagedserve", "/", args),
                 ("pagedserve-nocache", "/nocache", no_cache),
             ):
                 build_app(app_args)  # validates
-                serve.run(replica.bind(app_args), name=name, route_prefix=route)
+                graph = bind_app(app_args, engine_options=no_cpu, ingress_options=no_cpu)
+                serve.run(graph, name=name, route_prefix=route)
             base = f"http://127.0.0.1:{port}"
             targets = {"prefix_cache": base, "no_prefix_cache": f"{base}/nocache"}
             if routing is not None:

@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from block_manager import CacheKey
 from cluster.engine.client import EngineHealth
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
@@ -113,11 +112,6 @@ class AsyncEngine:
     def request_builder(self) -> RequestBuilder:
         """Renders prompts for this engine's tokenizer (no operator shared prefixes)."""
         return self.core.request_builder
-
-    def plain_cache_key(self, tenant_salt: bytes | None) -> CacheKey:
-        """The cache key of a tenant's text and token-id prompts (no chat template, no shared
-        prefix): with `block_size`, what a caller needs to hash token ids as this engine does."""
-        return self.core.cache_keys.key(tenant_salt=tenant_salt)
 
     def cached_block_hashes(self, limit: int) -> list[bytes]:
         """At most `limit` chain hashes of blocks the engine holds cached on the device now

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from block_manager import CacheIdentity, CacheKey
+from block_manager import CacheIdentity, CacheKey, prompt_block_hashes
+from cluster.engine.errors import RequestRejected
+from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.tokenization import NO_TEMPLATE
 
 
@@ -44,3 +46,38 @@ class CacheKeyFactory:
             self._seeds[memo] = seed
         extra = (b"tenant:" + tenant_salt,) if tenant_salt else ()
         return CacheKey(hash_seed=seed, extra_keys=extra, unsalted_blocks=unsalted_blocks)
+
+
+class RequestKeys:
+    """The cache key and cacheable block hashes of a `GenerateRequest`, exactly as the engine's
+    block manager keys its blocks. Picklable: an ingress holds a copy to hash prompts for
+    routing without asking an engine."""
+
+    def __init__(self, factory: CacheKeyFactory, block_size: int) -> None:
+        self.factory = factory
+        self.block_size = block_size
+
+    def key_for(self, request: GenerateRequest) -> CacheKey:
+        """Its template's identity seed, the tenant salt, and `shared_prefix_tokens //
+        block_size` leading unsalted blocks. Raises RequestRejected for a shared prefix that is
+        not an int within the prompt, or for an adapter (none is served yet)."""
+        shared = request.shared_prefix_tokens
+        num_prompt_tokens = request.num_prompt_tokens
+        valid = isinstance(shared, int) and not isinstance(shared, bool)
+        if not valid or not 0 <= shared <= num_prompt_tokens:
+            raise RequestRejected(
+                f"shared_prefix_tokens must be an int in [0, {num_prompt_tokens}] (the prompt's "
+                f"length), got {shared!r}"
+            )
+        if request.adapter is not None:
+            raise RequestRejected(f"adapter {request.adapter!r}: no LoRA adapter is served here")
+        return self.factory.key(
+            chat_template_digest=request.prompt.chat_template_digest,
+            tenant_salt=request.tenant_salt,
+            unsalted_blocks=shared // self.block_size,
+        )
+
+    def block_hashes(self, request: GenerateRequest) -> list[bytes]:
+        """Chain hashes of the request's blocks a prefix lookup could hit (its full blocks but
+        the one holding the last token)."""
+        return prompt_block_hashes(request.token_ids, self.key_for(request), self.block_size)

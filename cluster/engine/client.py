@@ -1,4 +1,5 @@
-"""`EngineClient`: what the front ends (OpenAI HTTP, gRPC, handle callers) need of an engine.
+"""`EngineClient`: what the front ends (OpenAI HTTP, gRPC, handle callers) need of an engine;
+`EngineHealth`, the step loop's health snapshot; `ModelInfo`, what the engine serves.
 
 The in-process `AsyncEngine` implements it; so can anything that forwards to engines elsewhere
 (a routed client over Serve deployment handles) or a test double. Front ends are typed on this
@@ -8,7 +9,8 @@ Invariants every implementation keeps:
 - `generate` raises RequestRejected / EngineOverloaded / EngineDead before its first output when
   the request cannot run; every stream it returns ends with an output whose `finished` is True,
   or raises; closing the stream early aborts the request and frees its blocks;
-- `metrics()` and `health()` are snapshots that never block on the engine's step.
+- an engine's metrics and health are the deployment's business (the engine replica reports
+  them to Serve and to the ingress), not the client's.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cluster.engine.generate_request import GenerateRequest
-from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
 from workers import ModelInfo
+
+__all__ = ["EngineClient", "EngineHealth", "ModelInfo"]
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,3 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None:
         """Frees every block of the request (now, or right after the step in flight)."""
         ...
-
-    def metrics(self) -> EngineMetrics: ...
-
-    def health(self) -> EngineHealth: ...
-
-    def model_info(self) -> ModelInfo: ...

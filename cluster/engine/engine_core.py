@@ -12,8 +12,8 @@ import itertools
 import time
 from typing import Any
 
-from block_manager import CacheIdentity, CacheKey, prompt_block_hashes
-from cluster.engine.cache_keys import CacheKeyFactory
+from block_manager import CacheIdentity, CacheKey
+from cluster.engine.cache_keys import CacheKeyFactory, RequestKeys
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
 from cluster.engine.errors import ConfigError, EngineOverloaded, RequestRejected
@@ -64,7 +64,7 @@ class EngineCore:
             tokenizer = load_tokenizer(config.model.model)
         self.renderer = PromptRenderer(tokenizer, info.vocab_size)
         self.request_builder = RequestBuilder(self.renderer, config.cache.block_size)
-        self.cache_keys = CacheKeyFactory(
+        cache_keys = CacheKeyFactory(
             CacheIdentity(
                 model_weights_digest=info.weights_digest,
                 tokenizer_digest=self.renderer.digest,
@@ -75,6 +75,7 @@ class EngineCore:
                 quantization=info.quantization,
             )
         )
+        self.request_keys = RequestKeys(cache_keys, config.cache.block_size)
         self.scheduler = Scheduler(
             sched,
             self.block_manager,
@@ -140,35 +141,13 @@ class EngineCore:
         return request
 
     def cache_key_for(self, generate: GenerateRequest) -> CacheKey:
-        """The key a rendered request's blocks are cached under: its template's identity seed,
-        the tenant salt, and `shared_prefix_tokens // block_size` leading unsalted blocks.
-        Raises RequestRejected for a shared prefix longer than the prompt."""
-        shared = generate.shared_prefix_tokens
-        num_prompt_tokens = generate.num_prompt_tokens
-        if (
-            isinstance(shared, bool)
-            or not isinstance(shared, int)
-            or not 0 <= shared <= num_prompt_tokens
-        ):
-            raise RequestRejected(
-                f"shared_prefix_tokens must be an int in [0, {num_prompt_tokens}] (the prompt's "
-                f"length), got {shared!r}"
-            )
-        if generate.adapter is not None:
-            raise RequestRejected(
-                f"adapter {generate.adapter!r}: this engine serves no LoRA adapters"
-            )
-        return self.cache_keys.key(
-            chat_template_digest=generate.prompt.chat_template_digest,
-            tenant_salt=generate.tenant_salt,
-            unsalted_blocks=shared // self.config.cache.block_size,
-        )
+        """The key the request's blocks are cached under (see `RequestKeys.key_for`)."""
+        return self.request_keys.key_for(generate)
 
     def prompt_block_hashes(self, generate: GenerateRequest) -> list[bytes]:
-        """Chain hashes of the request's blocks a prefix lookup could hit (its full blocks but
-        the one holding the last token), exactly as the block manager keys them."""
-        key = self.cache_key_for(generate)
-        return prompt_block_hashes(generate.token_ids, key, self.config.cache.block_size)
+        """Chain hashes of the request's blocks a prefix lookup could hit, exactly as the block
+        manager keys them."""
+        return self.request_keys.block_hashes(generate)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Frees everything the request holds; its final output (finish_reason "abort")."""

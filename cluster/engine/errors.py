@@ -15,6 +15,14 @@ class EngineOverloaded(Exception):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Crosses process boundaries (Serve handles) with its retry hint intact.
+        return (_overloaded, (str(self), self.retry_after_s))
+
+
+def _overloaded(message: str, retry_after_s: float) -> EngineOverloaded:
+    return EngineOverloaded(message, retry_after_s=retry_after_s)
+
 
 class EngineDead(RuntimeError):
     """The engine's step loop stopped after an internal error; no request can make progress."""

@@ -85,6 +85,8 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     """Set when the engine gave up on the request (e.g. it can never fit the KV cache)."""
+    served_by: str | None = None
+    """The engine replica that produced it, when it crossed a deployment handle."""
 
     @property
     def usage(self) -> Usage:

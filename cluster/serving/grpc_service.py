@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from ray.serve.grpc_util import RayServegRPCContext
 
-from cluster.engine.client import EngineClient
+from cluster.engine.client import EngineClient, ModelInfo
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import PromptInput
 from cluster.engine.metrics import EngineMetrics
@@ -269,22 +269,18 @@ class GenerationRpc:
             raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "set one of input.text, input.chat")
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.frontend.max_model_len)
 
-    def model_info(self, block_size: int, tensor_parallel_size: int) -> pb.ModelInfo:
-        info = self.engine.model_info()
+    def model_info(self, model: ModelInfo, block_size: int, tp_size: int) -> pb.ModelInfo:
         return pb.ModelInfo(
             model=self.served_model_name,
-            max_model_len=info.max_model_len,
-            vocab_size=info.vocab_size,
+            max_model_len=model.max_model_len,
+            vocab_size=model.vocab_size,
             block_size=block_size,
-            tensor_parallel_size=tensor_parallel_size,
-            dtype=info.dtype,
-            kv_cache_dtype=info.dtype,
-            weights_digest=info.weights_digest,
-            quantization=info.quantization,
+            tensor_parallel_size=tp_size,
+            dtype=model.dtype,
+            kv_cache_dtype=model.dtype,
+            weights_digest=model.weights_digest,
+            quantization=model.quantization,
         )
-
-    def cache_stats(self) -> pb.CacheStats:
-        return cache_stats(self.engine.metrics())
 
 
 def metadata_value(metadata: Sequence[tuple[str, str]], name: str) -> str | None:
@@ -299,21 +295,25 @@ def fail(context: RayServegRPCContext, error: GrpcAbort) -> GrpcAbort:
 
 
 class GrpcMethods:
-    """The gRPC methods of the Serve replica, named as the RPCs so Serve's gRPC proxy finds them:
-    `pagedserve.v1.Generation` and `grpc.health.v1.Health`. The replica class inherits them and
-    provides `rpc`, `grpc_block_size`, `grpc_tensor_parallel_size` and `grpc_tenant_salt`."""
+    """The gRPC methods of the application's ingress, named as the RPCs so Serve's gRPC proxy
+    finds them: `pagedserve.v1.Generation` and `grpc.health.v1.Health`. The ingress class
+    inherits them and provides `rpc` and the `grpc_*` hooks."""
 
     rpc: GenerationRpc
-    grpc_block_size: int
-    grpc_tensor_parallel_size: int
 
-    def grpc_serving(self) -> bool:
-        """Whether the engine is healthy (the replica decides)."""
+    async def grpc_serving(self) -> bool:
+        """Whether the engines can serve (the ingress decides)."""
         raise NotImplementedError
 
     def grpc_tenant_salt(self, authorization: str | None) -> bytes | None:
         """The tenant salt for the call's `authorization` metadata; raises GrpcAbort
         (UNAUTHENTICATED) for a missing or unknown key when keys are configured."""
+        raise NotImplementedError
+
+    async def grpc_model_info(self) -> pb.ModelInfo:
+        raise NotImplementedError
+
+    async def grpc_cache_stats(self) -> pb.CacheStats:
         raise NotImplementedError
 
     def _salt(self, context: RayServegRPCContext) -> bytes | None:
@@ -350,13 +350,13 @@ class GrpcMethods:
         self, request: pb.GetModelInfoRequest, grpc_context: RayServegRPCContext
     ) -> pb.ModelInfo:
         self._salt(grpc_context)
-        return self.rpc.model_info(self.grpc_block_size, self.grpc_tensor_parallel_size)
+        return await self.grpc_model_info()
 
     async def GetCacheStats(
         self, request: pb.GetCacheStatsRequest, grpc_context: RayServegRPCContext
     ) -> pb.CacheStats:
         self._salt(grpc_context)
-        return self.rpc.cache_stats()
+        return await self.grpc_cache_stats()
 
     async def Check(
         self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
@@ -364,7 +364,7 @@ class GrpcMethods:
         if request.service not in ("", GRPC_SERVICE_NAME):
             error = GrpcAbort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
             raise fail(grpc_context, error)
-        return health_response(serving=self.grpc_serving())
+        return health_response(serving=await self.grpc_serving())
 
     async def Watch(
         self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext

@@ -1,208 +1,216 @@
-"""Prefix-routed HTTP: an ingress deployment in front of the engine deployment.
+"""The application's entry: `OpenAIIngress`, in front of the engine deployment.
 
-Serve's HTTP proxy picks a replica before the request body is read, so it cannot route by the
-prompt. With `routing.http_ingress: true` the application's HTTP entry is `PrefixRoutingIngress`
-instead: it reads the body, gets the prompt's block hashes (rendered, tokenized and hashed by the
-engine's own code on some replica, `GenerationServer.request_block_hashes`), then calls the engine
-deployment's `http_call` through a handle with those hashes, so `PrefixAwareRouter` sends it to
-the replica that holds the longest prefix. The routed replica runs the call through its own
-OpenAI routes (`asgi_call`, the same FastAPI app its direct HTTP uses), so responses, errors and
-streaming are byte-for-byte those of a direct call.
+Every way in lands here: OpenAI HTTP (a FastAPI ingress), gRPC (`GrpcMethods`, which Serve's gRPC
+proxy routes to by RPC name) and handle callers (`generate`, see `RoutedClient`). The ingress
+authenticates, validates, renders and tokenizes each prompt once (`FrontEnd`, with the engines'
+own tokenizer and cache keys, fetched from an engine replica at start), hashes its blocks, and
+calls the engine deployment through a handle (`RoutedEngineClient`), so `PrefixAwareRouter`
+sends it to the replica holding the longest prefix. Ingress and engine replicas scale
+independently; the engines never tokenize.
 
 Invariants:
-- the first part of every `http_call` stream is an `HttpHead`, then body chunks in order;
-- closing the stream (a client disconnect at the ingress) cancels the route on the replica,
-  which closes the engine stream and so aborts the request and frees its blocks;
-- the ingress derives nothing about tenants: the replicas authenticate and salt as they do for
-  direct calls (a bad key gets no hashes and then the replica's 401).
+- the tenant salt that keys the prefix cache is derived here from the API key's tenant; no
+  request field can choose it;
+- bad input is a 400 with OpenAI's error body (gRPC: INVALID_ARGUMENT); admission refusal a 503
+  with Retry-After (gRPC: RESOURCE_EXHAUSTED);
+- a request that is cancelled (client disconnect, gRPC cancel) closes its engine stream, which
+  cancels the call on the engine replica, aborts the request and frees its blocks;
+- an engine replica that dies mid-request ends the request with an error the client can read.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.engine.generate_request import PromptInput
+from cluster.engine.generate_request import RequestBuilder
+from cluster.engine.tokenization import PromptRenderer
+from cluster.serving.app_args import ServeAppArgs
+from cluster.serving.engine_server import EngineDescription
+from cluster.serving.frontend import FrontEnd
+from cluster.serving.grpc_service import GenerationRpc, GrpcAbort, GrpcMethods, cache_stats
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ModelCard,
+    ModelList,
     OpenAIError,
+    authentication_error,
+    invalid_request,
     parse_request,
 )
-from cluster.serving.openai_serving import engine_prompt
-from cluster.serving.routing import BLOCK_HASHES_KWARG
+from cluster.serving.openai_serving import OpenAIServing, ResponseMeta
+from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
+from cluster.serving.routed_engine import RoutedEngineClient, client_error
+from cluster.serving.routing import RoutedOutput, RoutedRequest
+from cluster.serving.tenancy import Tenancy, Unauthenticated
+from protos import generation_pb2 as pb
 
-INGRESS_NAME = "PrefixRoutingIngress"
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_PATH = "/v1/chat/completions"
-FORWARDED_HEADERS = ("authorization", "content-type", "accept")
-AsgiMessage = MutableMapping[str, Any]
-AsgiApp = Callable[
-    [AsgiMessage, Callable[[], Awaitable[AsgiMessage]], Callable[[AsgiMessage], Awaitable[None]]],
-    Awaitable[None],
-]
+INGRESS_NAME = "OpenAIIngress"
+REPLICA_HEADER = "x-pagedserve-replica"
 
 
-@dataclass(frozen=True)
-class HttpCall:
-    """An HTTP request as the ingress forwards it (headers lower-cased, only those the routes
-    read)."""
+def build_http_api(ingress: OpenAIIngress) -> FastAPI:
+    """The OpenAI-compatible routes (plus /health and /metrics)."""
+    api = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
 
-    method: str
-    path: str
-    headers: tuple[tuple[str, str], ...]
-    body: bytes = b""
-    query_string: bytes = b""
+    @api.exception_handler(OpenAIError)
+    async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
+        return JSONResponse(error.body().model_dump(), error.status, headers=error.headers)
 
-    def header(self, name: str) -> str | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+    @api.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths and wrong methods, in OpenAI's error shape too."""
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return await openai_error(request, OpenAIError(error.status_code, message))
 
+    @api.get("/health")
+    async def health() -> JSONResponse:
+        problem = await ingress.engine_problem()
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, 503)
+        return JSONResponse({"status": "ok"})
 
-@dataclass(frozen=True)
-class HttpHead:
-    """The status and headers of a forwarded response (its first stream part)."""
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        replica_id, engine_metrics = await ingress.engine.metrics.remote()
+        text = render_prometheus({replica_id: engine_metrics})
+        headers = {REPLICA_HEADER: replica_id}
+        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE, headers=headers)
 
-    status: int
-    headers: tuple[tuple[str, str], ...]
+    @api.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        ingress.http_tenant_salt(request)
+        card = ModelCard(
+            id=ingress.args.served_model_name,
+            created=ingress.created,
+            max_model_len=ingress.frontend.max_model_len,
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
 
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        salt = ingress.http_tenant_salt(request)
+        parsed = parse_request(await request.body(), CompletionRequest)
+        ingress.check_model(parsed.model)
+        meta = ResponseMeta()
+        if parsed.stream:
+            events = await ingress.openai.stream_completion(parsed, salt, meta)
+            return StreamingResponse(events, media_type="text/event-stream", headers=meta_of(meta))
+        response = await ingress.openai.completion(parsed, salt, meta)
+        return JSONResponse(response.model_dump(exclude_none=True), headers=meta_of(meta))
 
-def request_prompt(path: str, body: bytes) -> PromptInput | None:
-    """The (first) prompt of an OpenAI completions or chat body, or None when the body is not
-    one (the routed replica then answers with the proper error)."""
-    try:
-        if path == COMPLETIONS_PATH:
-            prompts = parse_request(body, CompletionRequest).prompts()
-            return engine_prompt(prompts[0]) if prompts else None
-        if path == CHAT_PATH:
-            return parse_request(body, ChatCompletionRequest).chat_messages()
-    except OpenAIError:
-        return None
-    return None
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        salt = ingress.http_tenant_salt(request)
+        parsed = parse_request(await request.body(), ChatCompletionRequest)
+        ingress.check_model(parsed.model)
+        meta = ResponseMeta()
+        if parsed.stream:
+            events = await ingress.openai.stream_chat(parsed, salt, meta)
+            return StreamingResponse(events, media_type="text/event-stream", headers=meta_of(meta))
+        response = await ingress.openai.chat(parsed, salt, meta)
+        return JSONResponse(response.model_dump(exclude_none=True), headers=meta_of(meta))
 
-
-async def asgi_call(app: AsgiApp, call: HttpCall) -> AsyncIterator[HttpHead | bytes]:
-    """Runs `call` through an ASGI app in this process: yields the `HttpHead`, then each
-    non-empty body chunk. Closing the iterator cancels the app (seen as a client disconnect)."""
-    messages: asyncio.Queue[AsgiMessage | None] = asyncio.Queue()
-    delivered = False
-
-    async def receive() -> AsgiMessage:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": call.body, "more_body": False}
-        await asyncio.Event().wait()  # the client never disconnects on its own; cancel does
-        return {"type": "http.disconnect"}
-
-    async def send(message: AsgiMessage) -> None:
-        await messages.put(message)
-
-    scope: AsgiMessage = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": call.method,
-        "scheme": "http",
-        "path": call.path,
-        "raw_path": call.path.encode(),
-        "root_path": "",
-        "query_string": call.query_string,
-        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in call.headers],
-        "client": None,
-        "server": None,
-    }
-
-    async def run() -> None:
-        try:
-            await app(scope, receive, send)
-        finally:
-            messages.put_nowait(None)
-
-    task = asyncio.get_running_loop().create_task(run())
-    try:
-        while (message := await messages.get()) is not None:
-            if message["type"] == "http.response.start":
-                headers = tuple(
-                    (k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"]
-                )
-                yield HttpHead(int(message["status"]), headers)
-            elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield bytes(message["body"])
-                if not message.get("more_body", False):
-                    break
-        await task  # re-raises what the app raised, if anything
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    return api
 
 
-async def http_call_of(request: Request) -> HttpCall:
-    """The forwarded form of an incoming request (path relative to the app's route prefix)."""
-    headers = tuple(
-        (name, value)
-        for name in FORWARDED_HEADERS
-        if (value := request.headers.get(name)) is not None
-    )
-    path, root = request.scope["path"], request.scope.get("root_path", "")
-    if root and path.startswith(root):  # Serve keeps the route prefix in the path
-        path = path[len(root) :] or "/"
-    return HttpCall(request.method, path, headers, await request.body(), request.url.query.encode())
+def meta_of(meta: ResponseMeta) -> dict[str, str]:
+    return {REPLICA_HEADER: meta.served_by} if meta.served_by else {}
 
 
-@serve.deployment(name=INGRESS_NAME)
-class PrefixRoutingIngress:
-    """The HTTP entry of a prefix-routed application (see the module doc). A plain Serve HTTP
-    deployment (not FastAPI: Serve allows one FastAPI ingress per application, the replicas')."""
+INGRESS_MAX_ONGOING_REQUESTS = 256
+"""The ingress only waits on engines: it must not be what queues requests (admission control
+and load shedding belong to the engines, which know their capacity)."""
 
-    def __init__(self, engine: Any) -> None:
+
+@serve.deployment(name=INGRESS_NAME, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
+@serve.ingress()
+class OpenAIIngress(GrpcMethods):
+    """The application's entry (see the module doc). `engine` is the engine deployment's handle."""
+
+    async def __init__(self, engine: Any, args: dict[str, Any]) -> None:
         self.engine = engine
+        self.args = ServeAppArgs.model_validate(args)
+        description: EngineDescription = await engine.describe.remote()
+        self.description = description
+        info = description.model_info
+        renderer = PromptRenderer(description.tokenizer, info.vocab_size)
+        builder = RequestBuilder(renderer, description.block_size, self.args.shared_prefixes)
+        self.frontend = FrontEnd(builder, info.max_model_len)
+        self.tenancy = Tenancy(self.args.api_keys)
+        self.client = RoutedEngineClient(engine, description.keys)
+        name = self.args.served_model_name
+        self.openai = OpenAIServing(self.client, self.frontend, name)
+        self.rpc = GenerationRpc(self.client, self.frontend, name)
+        self.created = int(time.time())
 
-    async def __call__(self, request: Request) -> StreamingResponse:
-        return await self.forward(await http_call_of(request))
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_http_api(self)
 
-    async def block_hashes(self, call: HttpCall) -> list[bytes]:
-        prompt = request_prompt(call.path, call.body) if call.method == "POST" else None
-        if prompt is None:
-            return []
-        hashes: list[bytes] = await self.engine.request_block_hashes.remote(
-            prompt, call.header("authorization")
+    async def engine_problem(self) -> str | None:
+        """Why the engines cannot serve now, as one engine replica reports it, or None."""
+        try:
+            problem: str | None = await self.engine.health_report.remote()
+        except Exception as error:  # no replica could answer: that is the problem
+            mapped = client_error(error)
+            return str(mapped if mapped is not None else error)
+        return problem
+
+    async def generate(self, request: RoutedRequest) -> AsyncIterator[RoutedOutput]:
+        """For handle callers: streams the engine's outputs. Raises Unauthenticated,
+        RequestRejected, EngineOverloaded like the engine."""
+        salt = self.tenancy.salt_for(request.authorization)
+        request_id = request.request_id or f"handle-{time.time_ns()}"
+        prepared = self.frontend.prepare(
+            request.prompt, request.params, request_id=request_id, tenant_salt=salt
         )
-        return hashes
+        stream = self.client.generate(prepared)
+        try:
+            async for output in stream:
+                yield RoutedOutput(output.served_by or "", output)
+        finally:
+            await stream.aclose()
 
-    async def forward(self, call: HttpCall) -> StreamingResponse:
-        hashes = await self.block_hashes(call)
-        stream = self.engine.options(stream=True).http_call.remote(
-            call, **{BLOCK_HASHES_KWARG: hashes}
+    def http_tenant_salt(self, request: Request) -> bytes | None:
+        try:
+            return self.tenancy.salt_for(request.headers.get("authorization"))
+        except Unauthenticated as error:
+            raise authentication_error(str(error)) from None
+
+    def check_model(self, model: str) -> None:
+        if model != self.args.served_model_name:
+            raise invalid_request(
+                f"The model '{model}' does not exist; this server serves "
+                f"'{self.args.served_model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    # --- gRPC hooks (GrpcMethods) ------------------------------------------------------------
+
+    async def grpc_serving(self) -> bool:
+        return await self.engine_problem() is None
+
+    def grpc_tenant_salt(self, authorization: str | None) -> bytes | None:
+        try:
+            return self.tenancy.salt_for(authorization)
+        except Unauthenticated as error:
+            raise GrpcAbort(grpc.StatusCode.UNAUTHENTICATED, str(error)) from None
+
+    async def grpc_model_info(self) -> pb.ModelInfo:
+        description = self.description
+        return self.rpc.model_info(
+            description.model_info, description.block_size, description.tensor_parallel_size
         )
-        head = await anext(stream)
-        if not isinstance(head, HttpHead):
-            raise TypeError(f"http_call must start with an HttpHead, got {type(head).__name__}")
-        headers = {k: v for k, v in head.headers if k.lower() != "content-length"}
-        return StreamingResponse(
-            _body(stream), status_code=head.status, headers=headers, media_type=None
-        )
 
-
-async def _body(stream: Any) -> AsyncIterator[bytes]:
-    """The body parts; a client that goes away cancels the replica's call (and so its request)."""
-    finished = False
-    try:
-        async for chunk in stream:
-            yield chunk
-        finished = True
-    finally:
-        if not finished:
-            stream.cancel()
+    async def grpc_cache_stats(self) -> pb.CacheStats:
+        _, metrics = await self.engine.metrics.remote()
+        return cache_stats(metrics)

@@ -100,6 +100,14 @@ async def _chain(first: RequestOutput, rest: Stream) -> Stream:
 
 
 @dataclass
+class ResponseMeta:
+    """What a route learns about a response besides its body: the engine replica that served
+    it (None in process), for the `x-pagedserve-replica` header."""
+
+    served_by: str | None = None
+
+
+@dataclass
 class _End:
     error: Exception | None = None
 
@@ -168,10 +176,16 @@ class OpenAIServing:
         return self.frontend.token_text(token_id)
 
     async def start(
-        self, prompts: Sequence[PromptInput], params: SamplingParams, rid: str, salt: bytes | None
+        self,
+        prompts: Sequence[PromptInput],
+        params: SamplingParams,
+        rid: str,
+        salt: bytes | None,
+        meta: ResponseMeta | None = None,
     ) -> list[Stream]:
         """Renders every prompt once, queues one engine request per prompt and waits for each
-        one's first output, so a refusal becomes an HTTP status before any byte is sent."""
+        one's first output, so a refusal becomes an HTTP status before any byte is sent; `meta`
+        learns which engine replica served the first prompt."""
         param = "prompt" if isinstance(prompts[0], str | Mapping) else "messages"
         try:
             requests = [
@@ -194,6 +208,8 @@ class OpenAIServing:
                     first = await anext(stream)
                 except ENGINE_ERRORS as error:
                     raise http_error(error) from None
+                if meta is not None and meta.served_by is None:
+                    meta.served_by = first.served_by
                 streams.append(_chain(first, stream))
         except BaseException:
             for started in streams:
@@ -274,12 +290,12 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     async def completion(
-        self, request: CompletionRequest, salt: bytes | None
+        self, request: CompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> CompletionResponse:
         params = sampling_params(request.sampling_kwargs())
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
-        finals = await self.finals(await self.start(prompts, params, rid, salt))
+        finals = await self.finals(await self.start(prompts, params, rid, salt, meta))
         choices = [
             self.completion_choice(i, output, params.n, whole=True)
             for i, final in enumerate(finals)
@@ -294,21 +310,23 @@ class OpenAIServing:
         )
 
     async def stream_completion(
-        self, request: CompletionRequest, salt: bytes | None
+        self, request: CompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> AsyncIterator[str]:
         params = sampling_params(request.sampling_kwargs())
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
-        streams = await self.start(prompts, params, rid, salt)
+        streams = await self.start(prompts, params, rid, salt, meta)
         encoder = CompletionChunks(self, rid, params.n)
         return self.events(streams, encoder, request.include_usage)
 
     async def chat(
-        self, request: ChatCompletionRequest, salt: bytes | None
+        self, request: ChatCompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> ChatCompletionResponse:
         params = sampling_params(request.sampling_kwargs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        (final,) = await self.finals(await self.start([request.chat_messages()], params, rid, salt))
+        (final,) = await self.finals(
+            await self.start([request.chat_messages()], params, rid, salt, meta)
+        )
         choices = [
             ChatChoice(
                 index=output.index,
@@ -329,11 +347,11 @@ class OpenAIServing:
         )
 
     async def stream_chat(
-        self, request: ChatCompletionRequest, salt: bytes | None
+        self, request: ChatCompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> AsyncIterator[str]:
         params = sampling_params(request.sampling_kwargs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start([request.chat_messages()], params, rid, salt)
+        streams = await self.start([request.chat_messages()], params, rid, salt, meta)
         return self.events(streams, ChatChunks(self, rid), request.include_usage)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
 
 import block_manager
 from block_manager import CacheKey
@@ -58,29 +57,6 @@ def shared_prefix_blocks(
     """Whole blocks at the start of the prompt that are tokens of an operator-shared prefix
     (`leading_shared_tokens`, the engine's own rule, in blocks)."""
     return leading_shared_tokens(token_ids, shared_prefixes, block_size) // block_size
-
-
-@dataclass(frozen=True)
-class BlockHasher:
-    """What a caller needs to hash token-id prompts the way one replica's engine does (for one
-    tenant): the seed, the tenant's extra keys, the block size and the operator-shared prefixes
-    (as token ids) whose whole blocks the engine caches without the extra keys."""
-
-    hash_seed: bytes
-    extra_keys: tuple[bytes, ...]
-    block_size: int
-    shared_prefixes: tuple[tuple[int, ...], ...] = ()
-
-    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        return prompt_block_hashes(
-            token_ids,
-            hash_seed=self.hash_seed,
-            extra_keys=self.extra_keys,
-            block_size=self.block_size,
-            shared_prefix_blocks=shared_prefix_blocks(
-                token_ids, self.shared_prefixes, self.block_size
-            ),
-        )
 
 
 class PublishedBlocks:

@@ -30,7 +30,7 @@ from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.autoscaling import kv_used_fraction
-from cluster.serving.prefix_index import BlockHasher, PrefixIndex
+from cluster.serving.prefix_index import PrefixIndex
 
 BLOCK_HASHES_KWARG = "block_hashes"
 ROUTER_CLASS_PATH = "cluster.serving.routing:PrefixAwareRouter"
@@ -194,29 +194,17 @@ def request_block_hashes(pending_request: PendingRequest | None) -> list[bytes]:
 
 
 class RoutedClient:
-    """Calls `GenerationServer.generate` through a deployment handle with the prompt's block
-    hashes attached, so `PrefixAwareRouter` can route it (token-id prompts are hashed here; a
-    text prompt travels without hashes and goes to the least busy replica)."""
+    """Calls the application's ingress (`OpenAIIngress.generate`) through a deployment handle:
+    the ingress renders and hashes the prompt once and routes it by prefix to an engine
+    replica; each output comes back with the replica that produced it."""
 
     def __init__(self, handle: Any, authorization: str | None = None) -> None:
         self.handle = handle
         self.authorization = authorization
-        self._hasher: BlockHasher | None = None
-
-    async def hasher(self) -> BlockHasher:
-        if self._hasher is None:
-            self._hasher = await self.handle.block_hasher.remote(self.authorization)
-        return self._hasher
 
     async def generate(
         self, prompt: str | dict[str, list[int]], params: SamplingParams
     ) -> AsyncIterator[RoutedOutput]:
-        hashes: list[bytes] = []
-        if isinstance(prompt, dict):
-            hashes = (await self.hasher()).hashes(prompt["prompt_token_ids"])
         request = RoutedRequest(prompt, params, self.authorization)
-        stream = self.handle.options(stream=True).generate.remote(
-            request, **{BLOCK_HASHES_KWARG: hashes}
-        )
-        async for item in stream:
+        async for item in self.handle.options(stream=True).generate.remote(request):
             yield item

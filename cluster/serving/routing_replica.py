@@ -3,8 +3,7 @@
 `ReplicaBlocks` publishes the block hashes the replica's engine actually holds cached on the
 device (`AsyncEngine.cached_block_hashes`, evictable blocks included), at most `capacity` of
 them; Serve collects them through the replica's `record_routing_stats` (see
-`cluster.serving.routing`). It also tells handle callers how to hash token-id prompts as the
-engine does (`hasher`), operator-shared prefixes included.
+`cluster.serving.routing`).
 
 Invariants:
 - a published hash is one the engine's block manager holds sealed at publication time (it may
@@ -17,32 +16,19 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.generate_request import RequestBuilder
-from cluster.serving.prefix_index import BlockHasher
 from cluster.serving.routing import LoadReport, routing_stats
 
 
 class ReplicaBlocks:
-    """What one replica publishes to the routers, and how callers key prompts for its engine."""
+    """What one replica publishes to the routers."""
 
-    def __init__(self, engine: AsyncEngine, builder: RequestBuilder, capacity: int) -> None:
+    def __init__(self, engine: AsyncEngine, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.engine = engine
-        self.builder = builder
         self.capacity = capacity
         self.version = 0
         self._published: frozenset[bytes] = frozenset()
-
-    def hasher(self, tenant_salt: bytes | None) -> BlockHasher:
-        """How a caller hashes a token-id prompt (no chat template) for this tenant."""
-        key = self.engine.plain_cache_key(tenant_salt)
-        return BlockHasher(
-            key.hash_seed,
-            tuple(bytes(k) for k in key.extra_keys),
-            self.builder.block_size,
-            self.builder.shared_prefixes,
-        )
 
     def published(self) -> list[bytes]:
         """The cached block hashes to publish, least valuable first (the router's bounded index

@@ -113,7 +113,7 @@ def main(model_dir: str) -> None:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from cluster.serving.serve_app import GenerationServer
+    from cluster.serving.serve_app import bind_app
 
     cluster = Cluster(
         initialize_head=True,
@@ -129,13 +129,15 @@ def main(model_dir: str) -> None:
         # (several arrive between two steps), or it refuses them as overloaded.
         engine["scheduler"]["max_waiting_requests"] = MAX_ONGOING
         args = {"served_model_name": MODEL, "engine": engine}
-        app = GenerationServer.options(
-            autoscaling_config=AUTOSCALING,
-            max_ongoing_requests=MAX_ONGOING,
-            ray_actor_options={"num_cpus": 0, "resources": {SLOT: 1}},
-            graceful_shutdown_wait_loop_s=0.2,
-            graceful_shutdown_timeout_s=5,
-        ).bind(args)
+        engine_options = {
+            "autoscaling_config": AUTOSCALING,
+            "max_ongoing_requests": MAX_ONGOING,
+            "ray_actor_options": {"num_cpus": 0, "resources": {SLOT: 1}},
+            "graceful_shutdown_wait_loop_s": 0.2,
+            "graceful_shutdown_timeout_s": 5,
+        }
+        ingress_options = {"ray_actor_options": {"num_cpus": 0}}
+        app = bind_app(args, engine_options=engine_options, ingress_options=ingress_options)
         handle = serve.run(app, name="autoscaled", route_prefix=None)
         outcome = asyncio.run(drive(handle, "autoscaled"))
         print("AUTOSCALING_OUTCOME " + json.dumps(asdict(outcome)), flush=True)

@@ -81,7 +81,7 @@ def served(tiny_model_dir: pathlib.Path) -> Iterator[Served]:
     import ray
     from ray import serve
 
-    from cluster.serving.serve_app import GenerationServer
+    from cluster.serving.serve_app import bind_app
 
     http_port, grpc_port = free_port(), free_port()
     started_ray = not ray.is_initialized()  # reuse a cluster another fixture started
@@ -98,9 +98,11 @@ def served(tiny_model_dir: pathlib.Path) -> Iterator[Served]:
             "api_keys": API_KEYS,
             "shared_prefixes": [SHARED_SYSTEM_PROMPT],
         }
-        app = GenerationServer.options(
-            ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64
-        ).bind(args)
+        app = bind_app(
+            args,
+            engine_options={"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 64},
+            ingress_options={"ray_actor_options": {"num_cpus": 0}},
+        )
         serve.run(app, name="pagedserve", route_prefix="/")
         yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
     finally:

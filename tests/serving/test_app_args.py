@@ -7,7 +7,9 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.engine.errors import ConfigError
-from cluster.serving.serve_app import ServeAppArgs, Tenancy, Unauthenticated, build_app
+from cluster.serving.app_args import ServeAppArgs
+from cluster.serving.serve_app import build_app
+from cluster.serving.tenancy import Tenancy, Unauthenticated
 
 KEYS = {"k1": "alice", "k2": "alice", "k3": "bob"}
 
@@ -38,9 +40,13 @@ def test_build_app_rejects_a_bad_engine_section_naming_the_field() -> None:
         ServeAppArgs.model_validate({"unknown_option": 1})
 
 
-def test_build_app_binds_the_deployment_with_validated_args() -> None:
+def test_build_app_binds_the_ingress_over_the_engine_with_validated_args() -> None:
     app = build_app({"served_model_name": "m", "api_keys": KEYS})
-    deployment = app._bound_deployment  # the one deployment of the app
-    assert deployment.name == "GenerationServer"
-    (args,) = deployment.init_args
+    ingress = app._bound_deployment  # the application's entry
+    assert ingress.name == "OpenAIIngress"
+    engine_app, args = ingress.init_args
     assert ServeAppArgs.model_validate(args).api_keys == KEYS
+    engine = engine_app._bound_deployment
+    assert engine.name == "GenerationServer"
+    (engine_args,) = engine.init_args
+    assert engine_args == args

@@ -5,7 +5,7 @@ from __future__ import annotations
 from block_manager import KVCacheManager
 from cluster.engine.client import EngineHealth
 from cluster.engine.metrics import EngineMetrics, Histogram
-from cluster.serving.serve_app import StepProgress, replica_problem
+from cluster.serving.replica_health import StepProgress, replica_problem
 
 
 def metrics(steps: int, running: int = 0, waiting: int = 0) -> EngineMetrics:

@@ -82,7 +82,8 @@ def test_default_values_render_a_rayservice_with_a_valid_serve_config(chart: Any
     assert engine.parallel.tensor_parallel_size == 1
     assert engine.model.model == "default"
     assert app.args["served_model_name"] == "SmolLM2-135M-Instruct"
-    (deployment,) = app.deployments
+    ingress, deployment = app.deployments
+    assert (ingress.name, deployment.name) == ("OpenAIIngress", "GenerationServer")
     assert deployment.autoscaling_config["min_replicas"] == 1
     assert deployment.autoscaling_config["max_replicas"] == 4
     assert deployment.placement_group_bundles == [{"CPU": 1}, {"CPU": 1, "GPU": 1}]
@@ -153,7 +154,8 @@ def test_non_default_values_flow_into_every_object(chart: Any) -> None:
     assert engine.model.dtype == "bfloat16"  # a default kept beside the overrides
     assert engine.parallel.tensor_parallel_size == 2
     assert engine.cache.block_size == 32
-    (deployment,) = app.deployments
+    ingress, deployment = app.deployments
+    assert (ingress.name, deployment.name) == ("OpenAIIngress", "GenerationServer")
     assert deployment.autoscaling_config["min_replicas"] == 2
     assert deployment.autoscaling_config["max_replicas"] == 6
     assert deployment.autoscaling_config["target_ongoing_requests"] == 4
@@ -202,7 +204,7 @@ def test_inconsistent_values_fail_to_render_with_a_clear_message(
 
 
 def test_routing_and_kv_autoscaling_follow_the_values(chart: Any) -> None:
-    (default,) = serve_config(render(chart)).applications[0].deployments
+    _, default = serve_config(render(chart)).applications[0].deployments
     assert default.request_router_config["request_router_class"] == (
         "cluster.serving.routing:PrefixAwareRouter"
     )
@@ -216,6 +218,6 @@ def test_routing_and_kv_autoscaling_follow_the_values(chart: Any) -> None:
             "autoscaling": {"targetKvUtilization": 0.6},
         }
     }
-    (changed,) = serve_config(render(chart, values)).applications[0].deployments
+    _, changed = serve_config(render(chart, values)).applications[0].deployments
     assert "request_router_config" not in changed.model_fields_set
     assert changed.autoscaling_config["policy"]["policy_kwargs"] == {"target_kv_utilization": 0.6}

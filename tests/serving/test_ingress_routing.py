@@ -1,6 +1,6 @@
-"""Prefix-routed HTTP through `PrefixRoutingIngress` on a real local Ray cluster: two engine
-replicas behind the ingress; repeated-prefix HTTP requests land on one replica (the
-`x-pagedserve-replica` header the replica adds) whose engine reports the prefix as cached, and
+"""Prefix-routed HTTP through `OpenAIIngress` on a real local Ray cluster: two engine replicas
+behind the ingress; repeated-prefix HTTP requests land on one replica (the `x-pagedserve-replica`
+header names the replica that served it) whose engine reports the prefix as cached, and
 streaming, errors and the `openai` client work through it unchanged."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.serving.serve_app import REPLICA_HEADER
+from cluster.serving.ingress import REPLICA_HEADER
 from tests.serving.conftest import API_KEYS, MODEL, Served, engine_section
 
 PREFIX = "/ingress"
@@ -39,19 +39,22 @@ def ingress_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
     """A third application on the session's Serve instance: the ingress and two replicas."""
     from ray import serve
 
-    from cluster.serving.ingress import PrefixRoutingIngress
-    from cluster.serving.serve_app import GenerationServer
+    from cluster.serving.serve_app import bind_app
 
     args = {
         "served_model_name": MODEL,
         "engine": engine_section(tiny_model_dir),
         "api_keys": API_KEYS,
-        "routing": {"http_ingress": True},
     }
-    engines = GenerationServer.options(
-        num_replicas=2, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16
-    ).bind(args)
-    app = PrefixRoutingIngress.options(ray_actor_options={"num_cpus": 0}).bind(engines)
+    app = bind_app(
+        args,
+        engine_options={
+            "num_replicas": 2,
+            "ray_actor_options": {"num_cpus": 0},
+            "max_ongoing_requests": 16,
+        },
+        ingress_options={"ray_actor_options": {"num_cpus": 0}},
+    )
     serve.run(app, name="ingressed", route_prefix=PREFIX)
     yield served.http_base + PREFIX
     serve.delete("ingressed")

@@ -25,12 +25,18 @@ def routed_app(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[object]
     """A second application on the session's Serve instance, with two replicas."""
     from ray import serve
 
-    from cluster.serving.serve_app import GenerationServer
+    from cluster.serving.serve_app import bind_app
 
     args = {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
-    app = GenerationServer.options(
-        num_replicas=2, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16
-    ).bind(args)
+    app = bind_app(
+        args,
+        engine_options={
+            "num_replicas": 2,
+            "ray_actor_options": {"num_cpus": 0},
+            "max_ongoing_requests": 16,
+        },
+        ingress_options={"ray_actor_options": {"num_cpus": 0}},
+    )
     handle = serve.run(app, name="routed", route_prefix="/routed")
     yield handle
     serve.delete("routed")
@@ -51,15 +57,14 @@ def test_a_repeated_prefix_goes_to_the_replica_that_holds_it(routed_app: object)
     async def scenario() -> list[tuple[int, RoutedOutput]]:
         client = RoutedClient(routed_app)
         results = []
-        for round_ in range(4):
+        for _ in range(4):
             for which, prefix in enumerate(prefixes):
                 tail = [rng.randrange(3, 250) for _ in range(3)]
                 results.append((which, await run_one(client, prefix + tail)))
-                assert round_ >= 0
         return results
 
     results = asyncio.run(scenario())
-    published_check(routed_app, prefixes)
+    published_check(prefixes)
     replicas_by_prefix: dict[int, set[str]] = {}
     for which, result in results:
         replicas_by_prefix.setdefault(which, set()).add(result.replica_id)
@@ -70,20 +75,27 @@ def test_a_repeated_prefix_goes_to_the_replica_that_holds_it(routed_app: object)
     assert all(r.output.num_cached_tokens == 0 for _, r in first_round)
 
 
-def published_check(handle: Any, prefixes: list[list[int]]) -> None:
-    """What the replicas publish for the routers are the hashes a client computes for the same
-    prompts (the engine's chain): every prefix served is published, whole."""
+def published_check(prefixes: list[list[int]]) -> None:
+    """What the engine replicas publish for the routers are the hashes the ingress computes for
+    the same prompts (the engine's chain): every prefix served is published, whole."""
+    from ray import serve
+
+    from block_manager import prompt_block_hashes
+    from cluster.serving.serve_app import DEPLOYMENT_NAME
+
+    engine = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name="routed")
 
     async def both() -> tuple[set[bytes], Any]:
         published: set[bytes] = set()
         for _ in range(30):  # unhinted calls land on either replica; 30 reach both
-            stats = await handle.record_routing_stats.remote()
+            stats = await engine.record_routing_stats.remote()
             published |= set(stats["block_hashes"])
-        return published, await RoutedClient(handle).hasher()
+        return published, await engine.describe.remote()
 
-    published, hasher = asyncio.run(both())
+    published, description = asyncio.run(both())
+    key = description.keys.factory.key()  # a token-id prompt of the keyless tenant
     for prefix in prefixes:
-        chain = hasher.hashes([*prefix, 0])
+        chain = prompt_block_hashes([*prefix, 0], key, description.block_size)
         assert len(chain) == PREFIX_TOKENS // 4
         assert set(chain) <= published
 

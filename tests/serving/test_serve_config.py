@@ -37,7 +37,8 @@ def test_the_application_autoscales_and_its_engine_section_is_an_engine_config()
     (app,) = load_config().applications
     assert app.route_prefix == "/"
     assert app.import_path == "cluster.serving.serve_app:build_app"
-    (deployment,) = app.deployments
+    ingress, deployment = app.deployments
+    assert (ingress.name, deployment.name) == ("OpenAIIngress", "GenerationServer")
     autoscaling = deployment.autoscaling_config
     assert 1 <= autoscaling["min_replicas"] < autoscaling["max_replicas"]
     assert autoscaling["target_ongoing_requests"] <= deployment.max_ongoing_requests
@@ -65,7 +66,7 @@ def test_it_agrees_with_the_helm_chart_on_the_application() -> None:
     )
     assert [d.name for d in chart_app.deployments] == [d.name for d in local_app.deployments]
     assert chart_app.args["served_model_name"] == local_app.args["served_model_name"]
-    (chart_deployment,), (local_deployment,) = chart_app.deployments, local_app.deployments
+    (_, chart_deployment), (_, local_deployment) = chart_app.deployments, local_app.deployments
     for key in ("policy",):
         assert chart_deployment.autoscaling_config[key] == local_deployment.autoscaling_config[key]
     assert chart_deployment.request_router_config == local_deployment.request_router_config
@@ -77,7 +78,7 @@ def test_the_deployment_uses_our_router_and_autoscaling_policy() -> None:
     from cluster.serving.autoscaling import KVPressurePolicy
     from cluster.serving.routing import PrefixAwareRouter
 
-    (deployment,) = load_config().applications[0].deployments
+    _, deployment = load_config().applications[0].deployments
     router = RequestRouterConfig.model_validate(deployment.request_router_config)
     assert router.get_request_router_class() is PrefixAwareRouter
     autoscaling = AutoscalingConfig.model_validate(deployment.autoscaling_config)

@@ -21,12 +21,13 @@ ROUTE = "/smollm2"
 def smollm2(served: Served) -> Iterator[tuple[openai.OpenAI, str]]:
     from ray import serve
 
-    from cluster.serving.serve_app import GenerationServer, build_app
+    from cluster.serving.serve_app import bind_app, build_app
 
     (app,) = yaml.safe_load(CONFIG.read_text())["applications"]
     build_app(app["args"])  # validates the shipped args, engine section included
-    deployment = GenerationServer.options(ray_actor_options={"num_cpus": 0})
-    serve.run(deployment.bind(app["args"]), name="smollm2", route_prefix=ROUTE)
+    no_cpu = {"ray_actor_options": {"num_cpus": 0}}
+    graph = bind_app(app["args"], engine_options=no_cpu, ingress_options=no_cpu)
+    serve.run(graph, name="smollm2", route_prefix=ROUTE)
     try:
         client = openai.OpenAI(base_url=f"{served.http_base}{ROUTE}/v1", api_key="-", max_retries=0)
         yield client, app["args"]["served_model_name"]

@@ -65,12 +65,21 @@ tensor-parallel rank, packed onto one node.
       "request_router_class" "cluster.serving.routing:PrefixAwareRouter"
       "request_routing_stats_period_s" .Values.serve.routing.statsPeriodS) -}}
 {{- end -}}
+{{- $ingressScaling := .Values.serve.ingress -}}
+{{- $ingress := dict
+      "name" "OpenAIIngress"
+      "max_ongoing_requests" (int $ingressScaling.maxOngoingRequests)
+      "autoscaling_config" (dict
+        "min_replicas" (int $ingressScaling.minReplicas)
+        "max_replicas" (int $ingressScaling.maxReplicas)
+        "target_ongoing_requests" $ingressScaling.targetOngoingRequests)
+      "ray_actor_options" (dict "num_cpus" $ingressScaling.cpus) -}}
 {{- $app := dict
       "name" .Values.serve.appName
       "route_prefix" .Values.serve.routePrefix
       "import_path" .Values.serve.importPath
       "args" $args
-      "deployments" (list $deployment) -}}
+      "deployments" (list $ingress $deployment) -}}
 {{- $config := dict
       "proxy_location" "EveryNode"
       "http_options" (dict "host" "0.0.0.0" "port" (int .Values.serve.httpPort))

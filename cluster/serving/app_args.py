@@ -1,0 +1,60 @@
+"""The `args` of the Serve application, validated when the app is built (pydantic at the edge).
+
+`engine` is `cluster.engine.config.EngineConfig` as a mapping, validated by `engine_config()`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.engine.config import EngineConfig
+
+
+class RoutingArgs(BaseModel):
+    """Prefix-aware routing settings of a replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    published_blocks: int = Field(
+        4096, ge=1, description="block hashes a replica publishes to the routers (newest kept)"
+    )
+
+
+class HealthArgs(BaseModel):
+    """When a replica reports itself unhealthy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stuck_after_s: float = Field(
+        60.0, gt=0, description="an engine with work whose step count has not moved this long"
+    )
+
+
+class ServeAppArgs(BaseModel):
+    """The `args` of the Serve application (validated when the app is built)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    served_model_name: str = Field("SmolLM2-135M-Instruct", min_length=1)
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="cluster.engine.config.EngineConfig"
+    )
+    api_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="API key -> tenant name; empty: no authentication and one shared tenant",
+    )
+
+    routing: RoutingArgs = Field(default_factory=RoutingArgs)
+    health: HealthArgs = Field(default_factory=HealthArgs)
+    shared_prefixes: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description=(
+            "operator-chosen prompt prefixes (e.g. a system prompt, as the rendered prompt "
+            "begins) whose whole KV blocks all tenants share; blocks after them stay per tenant"
+        ),
+    )
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.build(self.engine)

@@ -1,0 +1,129 @@
+"""The engine deployment: each replica owns one `AsyncEngine` (one TP group's pools) and runs
+the `GenerateRequest`s the ingress sends it through a deployment handle.
+
+The replica renders nothing: requests arrive rendered and tokenized by the ingress, with the
+prompt's block hashes as the `block_hashes` keyword that `PrefixAwareRouter` reads to choose the
+replica holding the longest prefix. It publishes what its engine holds cached and its load
+(`record_routing_stats`), reports KV pressure to the autoscaler (`record_autoscaling_stats`),
+and reports itself unhealthy when its step loop died or stopped moving (`check_health`).
+
+Invariants:
+- a replica touches its engine only from its own event loop (every method here is async);
+- every output it streams carries `served_by` (this replica's id);
+- closing a `generate` stream (the ingress's client went away) aborts the request and frees its
+  blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.cache_keys import RequestKeys
+from cluster.engine.client import ModelInfo
+from cluster.engine.generate_request import GenerateRequest
+from cluster.engine.metrics import EngineMetrics
+from cluster.engine.outputs import RequestOutput
+from cluster.serving.app_args import ServeAppArgs
+from cluster.serving.autoscaling import autoscaling_stats
+from cluster.serving.replica_health import StepProgress, replica_problem
+from cluster.serving.routing import ROUTER_CLASS_PATH
+from cluster.serving.routing_replica import ReplicaBlocks
+
+DEPLOYMENT_NAME = "GenerationServer"
+ROUTING_STATS_PERIOD_S = 1.0
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    """What an ingress needs to prepare requests exactly as the engines key and run them: the
+    tokenizer, the cache keys (identity seed, block size), the model and its parallelism."""
+
+    tokenizer: Any
+    keys: RequestKeys
+    model_info: ModelInfo
+    tensor_parallel_size: int
+
+    @property
+    def block_size(self) -> int:
+        return self.keys.block_size
+
+
+@serve.deployment(
+    name=DEPLOYMENT_NAME,
+    request_router_config=RequestRouterConfig(
+        request_router_class=ROUTER_CLASS_PATH,
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+    ),
+)
+class GenerationServer:
+    """One engine replica (see the module doc)."""
+
+    async def __init__(self, args: dict[str, Any]) -> None:
+        self.args = ServeAppArgs.model_validate(args)
+        self.config = self.args.engine_config()
+        self.engine = AsyncEngine(self.config)
+        self.blocks = ReplicaBlocks(self.engine, self.args.routing.published_blocks)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.progress = StepProgress(self.args.health.stuck_after_s)
+
+    async def __del__(self) -> None:
+        """Serve calls this when it stops the replica: stop the step loop and the workers."""
+        engine = getattr(self, "engine", None)  # absent when the constructor failed
+        if engine is not None:
+            await engine.shutdown()
+
+    async def describe(self) -> EngineDescription:
+        return EngineDescription(
+            tokenizer=self.engine.request_builder.renderer.tokenizer,
+            keys=self.engine.core.request_keys,
+            model_info=self.engine.model_info(),
+            tensor_parallel_size=self.config.parallel.tensor_parallel_size,
+        )
+
+    async def generate(
+        self, request: GenerateRequest, block_hashes: list[bytes] | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the engine's outputs; `block_hashes` is read by the router only. Raises
+        RequestRejected, EngineOverloaded, EngineDead like the engine, before the first output."""
+        stream = self.engine.generate(request)
+        try:
+            async for output in stream:
+                yield dataclasses.replace(output, served_by=self.replica_id)
+        finally:
+            await stream.aclose()
+
+    async def metrics(self) -> tuple[str, EngineMetrics]:
+        """This replica's id and its engine's metrics (what /metrics and cache stats show)."""
+        return self.replica_id, self.engine.metrics()
+
+    def health_problem(self) -> str | None:
+        """Why this replica should not get traffic, or None: a dead or shut-down step loop
+        (even while idle), or one that has work but stopped stepping."""
+        return replica_problem(
+            self.engine.health(), self.progress, self.engine.metrics(), time.monotonic()
+        )
+
+    async def health_report(self) -> str | None:
+        return self.health_problem()
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically and replaces a replica for which it raises."""
+        problem = self.health_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve calls this periodically; every router of this deployment receives it."""
+        return self.blocks.routing_stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this periodically; the autoscaling policy receives it."""
+        return autoscaling_stats(self.engine.metrics())
