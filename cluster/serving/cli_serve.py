@@ -29,6 +29,7 @@ BENCHMARKS: tuple[str, ...] = (
     "throughput",
     "serving",
     "layouts",
+    "vs_llamacpp",
 )
 """Modules under `benchmarks/` that `pagedserve bench NAME` runs."""
 
