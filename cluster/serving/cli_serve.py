@@ -34,6 +34,10 @@ BENCHMARKS: tuple[str, ...] = (
 """Modules under `benchmarks/` that `pagedserve bench NAME` runs."""
 
 
+ENGINE_DEPLOYMENT = "GenerationServer"
+"""The engine deployment's name in a Serve config (`cluster.serving.engine_server`)."""
+
+
 def shipped_serve_config() -> Path:
     """The Serve config YAML shipped with the package (`cluster/serving/serve_config.yaml`)."""
     return Path(str(resources.files("cluster.serving") / "serve_config.yaml"))
@@ -56,7 +60,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--replicas",
         type=int,
         default=None,
-        help="pin every deployment to N replicas (autoscaling off); default: from config",
+        help="pin the engine deployment to N replicas (autoscaling off); default: from config",
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
@@ -98,14 +102,16 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def pin_replicas(config: dict[str, Any], replicas: int) -> None:
-    """Sets `num_replicas` on every deployment and drops its `autoscaling_config`: Serve takes
-    one or the other, and a pinned count must not grow (e.g. two engines on two cores)."""
+    """Sets `num_replicas` on every engine deployment and drops its `autoscaling_config`: Serve
+    takes one or the other, and a pinned count must not grow (e.g. two engines on two cores).
+    The ingress keeps its own setting: it scales apart from the engines."""
     if replicas < 1:
         raise ConfigError(f"--replicas must be at least 1, got {replicas}")
     for app in config.get("applications", []):
         for deployment in app.get("deployments", []):
-            deployment.pop("autoscaling_config", None)
-            deployment["num_replicas"] = replicas
+            if deployment.get("name") == ENGINE_DEPLOYMENT:
+                deployment.pop("autoscaling_config", None)
+                deployment["num_replicas"] = replicas
 
 
 def describe_endpoints(config: dict[str, Any]) -> list[str]:

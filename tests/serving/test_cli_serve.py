@@ -17,6 +17,7 @@ from cluster.serving.cli_serve import (
     resolve_serve_config,
     shipped_serve_config,
 )
+from cluster.serving.engine_server import DEPLOYMENT_NAME
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
@@ -86,12 +87,15 @@ def test_every_listed_benchmark_module_exists() -> None:
         assert (benchmarks / f"{name}.py").is_file(), name
 
 
-def test_replicas_flag_pins_the_count_and_turns_autoscaling_off() -> None:
-    config = resolve_serve_config(_serve_args("--replicas", "1"))
+def test_replicas_flag_pins_the_engine_count_and_turns_autoscaling_off() -> None:
+    config = resolve_serve_config(_serve_args("--replicas", "3"))
     deployments = [d for app in config["applications"] for d in app.get("deployments", [])]
-    assert deployments
-    for deployment in deployments:
-        assert deployment["num_replicas"] == 1
+    engines = [d for d in deployments if d["name"] == DEPLOYMENT_NAME]
+    assert engines and len(engines) < len(deployments)  # the ingress is left as configured
+    for deployment in engines:
+        assert deployment["num_replicas"] == 3
         assert "autoscaling_config" not in deployment
+    (ingress,) = [d for d in deployments if d["name"] != DEPLOYMENT_NAME]
+    assert ingress == resolve_serve_config(_serve_args())["applications"][0]["deployments"][0]
     with pytest.raises(ConfigError, match="--replicas"):
         resolve_serve_config(_serve_args("--replicas", "0"))
