@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from block_manager.cache_key import CacheKey
+from block_manager.errors import InvalidOperation
 from block_manager.identity import (
     chain_blocks,
     check_hash_seed,
@@ -30,8 +31,11 @@ def cacheable_blocks(num_tokens: int, block_size: int) -> int:
 def prompt_block_hashes(token_ids: Sequence[int], key: CacheKey, block_size: int) -> list[bytes]:
     """Chain hashes of the prompt's cacheable blocks, exactly as the block manager keys them.
 
-    Raises `InvalidOperation` for a bad seed, extra key or token id (as `allocate` would).
+    Raises `InvalidOperation` for a bad block size, seed, extra key or token id (as `allocate`
+    would).
     """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise InvalidOperation(f"block_size must be an int >= 1, got {block_size!r}")
     count = cacheable_blocks(len(token_ids), block_size)
     if count == 0:
         return []

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from block_manager import BlockEvent
 from cluster.engine.client import EngineHealth
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
@@ -36,8 +37,16 @@ class AsyncEngine:
     """Continuous batching behind an async API. Create it inside a running event loop's thread;
     the step loop starts with the first request."""
 
-    def __init__(self, config: EngineConfig, workers: WorkerGroup | None = None) -> None:
-        self.core = EngineCore(config, workers)
+    def __init__(
+        self,
+        config: EngineConfig,
+        workers: WorkerGroup | None = None,
+        *,
+        record_block_events: bool = False,
+    ) -> None:
+        """`record_block_events`: keep the block manager's events for `take_block_events` (a
+        replica that publishes to the KV directory)."""
+        self.core = EngineCore(config, workers, record_block_events=record_block_events)
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._pending_aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
@@ -119,6 +128,15 @@ class AsyncEngine:
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         return list(itertools.islice(self.core.block_manager.cached_block_hashes(), limit))
+
+    def take_block_events(self) -> list[BlockEvent]:
+        """The block manager's seals and evictions since the last call (see `BlockEvent`);
+        [] unless built with `record_block_events`."""
+        return self.core.block_manager.take_events()
+
+    def cached_hashes_by_tier(self) -> dict[str, list[bytes]]:
+        """Every hash a prefix lookup can hit now, per tier (a full scan: for resyncs)."""
+        return dict(self.core.block_manager.cached_hashes_by_tier())
 
     def model_info(self) -> ModelInfo:
         return self.core.model_info

@@ -40,6 +40,7 @@ class EngineCore:
         workers: WorkerGroup | None = None,
         *,
         tokenizer: Any | None = None,
+        record_block_events: bool = False,
     ) -> None:
         """`workers` and `tokenizer` default to ones built from `config` (tests inject them)."""
         self.config = config
@@ -55,7 +56,11 @@ class EngineCore:
                 "set model.max_model_len"
             )
         self.block_manager = build_kv_manager(
-            config, info, self.workers.num_device_blocks, self.workers.num_cpu_blocks
+            config,
+            info,
+            self.workers.num_device_blocks,
+            self.workers.num_cpu_blocks,
+            record_events=record_block_events,
         )
         self.layout_recorder = LayoutRecorder(
             config.cache.kv_layout, info.kv_bytes_per_block / config.cache.block_size

@@ -28,9 +28,16 @@ from workers.virtual_pool import virtual_geometry
 
 
 def build_kv_manager(
-    config: EngineConfig, info: ModelInfo, num_device_blocks: int, num_cpu_blocks: int
+    config: EngineConfig,
+    info: ModelInfo,
+    num_device_blocks: int,
+    num_cpu_blocks: int,
+    *,
+    record_events: bool = False,
 ) -> KVManager:
-    """The manager of `config.cache.kv_layout` over a budget of `num_device_blocks` blocks."""
+    """The manager of `config.cache.kv_layout` over a budget of `num_device_blocks` blocks;
+    `record_events` keeps its `BlockEvent`s for a cluster-wide index (paged layout only: the
+    range layouts cache nothing)."""
     cache = config.cache
     watermark = min(num_device_blocks - 1, math.floor(cache.watermark * num_device_blocks))
     if cache.kv_layout == "paged":
@@ -40,6 +47,7 @@ def build_kv_manager(
             block_size=cache.block_size,
             enable_prefix_caching=cache.enable_prefix_caching,
             watermark_blocks=watermark,
+            record_events=record_events,
         )
     if cache.kv_layout == "contiguous":
         return ContiguousKVManager(

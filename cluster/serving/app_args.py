@@ -12,13 +12,22 @@ from pydantic import BaseModel, ConfigDict, Field
 from cluster.engine.config import EngineConfig
 
 
-class RoutingArgs(BaseModel):
-    """Prefix-aware routing settings of a replica."""
+class DirectoryArgs(BaseModel):
+    """The KV directory: the application's cluster-wide prefix index (kv_directory.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    published_blocks: int = Field(
-        4096, ge=1, description="block hashes a replica publishes to the routers (newest kept)"
+    max_entries: int = Field(
+        1_000_000, ge=1, description="block hashes indexed at most (least recently used go first)"
+    )
+    publish_period_s: float = Field(
+        0.05, gt=0, le=10, description="how often an engine replica sends its block events"
+    )
+    replica_timeout_s: float = Field(
+        10.0, gt=0, description="a replica silent this long is dropped with its entries"
+    )
+    query_timeout_s: float = Field(
+        0.25, gt=0, description="a routing query slower than this answers nothing (load only)"
     )
 
 
@@ -46,7 +55,7 @@ class ServeAppArgs(BaseModel):
         description="API key -> tenant name; empty: no authentication and one shared tenant",
     )
 
-    routing: RoutingArgs = Field(default_factory=RoutingArgs)
+    directory: DirectoryArgs = Field(default_factory=DirectoryArgs)
     health: HealthArgs = Field(default_factory=HealthArgs)
     shared_prefixes: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,

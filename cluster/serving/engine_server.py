@@ -1,11 +1,12 @@
 """The engine deployment: each replica owns one `AsyncEngine` (one TP group's pools) and runs
 the `GenerateRequest`s the ingress sends it through a deployment handle.
 
-The replica renders nothing: requests arrive rendered and tokenized by the ingress, with the
-prompt's block hashes as the `block_hashes` keyword that `PrefixAwareRouter` reads to choose the
-replica holding the longest prefix. It publishes what its engine holds cached and its load
-(`record_routing_stats`), reports KV pressure to the autoscaler (`record_autoscaling_stats`),
-and reports itself unhealthy when its step loop died or stopped moving (`check_health`).
+The replica renders nothing: requests arrive rendered and tokenized by the ingress, with what
+`PrefixAwareRouter` reads to choose the replica holding the longest prefix (`prefix_blocks`,
+from the KV directory, and `block_hashes`). The replica streams its block manager's events to the
+KV directory (`DirectoryPublisher`), reports its load to the routers (`record_routing_stats`) and
+KV pressure to the autoscaler (`record_autoscaling_stats`), and reports itself unhealthy when
+its step loop died or stopped moving (`check_health`).
 
 Invariants:
 - a replica touches its engine only from its own event loop (every method here is async);
@@ -33,9 +34,9 @@ from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.autoscaling import autoscaling_stats
+from cluster.serving.kv_directory import CacheSource, DirectoryPublisher, directory_handle
 from cluster.serving.replica_health import StepProgress, replica_problem
-from cluster.serving.routing import ROUTER_CLASS_PATH
-from cluster.serving.routing_replica import ReplicaBlocks
+from cluster.serving.routing import ROUTER_CLASS_PATH, LoadReport, routing_stats
 
 DEPLOYMENT_NAME = "GenerationServer"
 ROUTING_STATS_PERIOD_S = 1.0
@@ -69,14 +70,30 @@ class GenerationServer:
     async def __init__(self, args: dict[str, Any]) -> None:
         self.args = ServeAppArgs.model_validate(args)
         self.config = self.args.engine_config()
-        self.engine = AsyncEngine(self.config)
-        self.blocks = ReplicaBlocks(self.engine, self.args.routing.published_blocks)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.engine = AsyncEngine(self.config, record_block_events=True)
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
         self.progress = StepProgress(self.args.health.stuck_after_s)
+        directory = self.args.directory
+        source = CacheSource(
+            take_events=self.engine.take_block_events,
+            hashes_by_tier=self.engine.cached_hashes_by_tier,
+            pressure=lambda: self.engine.metrics().pressure,
+        )
+        self.publisher = DirectoryPublisher(
+            directory_handle(context.app_name, directory.max_entries, directory.replica_timeout_s),
+            self.replica_id,
+            source,
+            directory.publish_period_s,
+        )
+        self.publisher.start()
 
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica: stop the step loop and the workers."""
-        engine = getattr(self, "engine", None)  # absent when the constructor failed
+        publisher = getattr(self, "publisher", None)  # absent when the constructor failed
+        if publisher is not None:
+            await publisher.close()
+        engine = getattr(self, "engine", None)
         if engine is not None:
             await engine.shutdown()
 
@@ -89,10 +106,14 @@ class GenerationServer:
         )
 
     async def generate(
-        self, request: GenerateRequest, block_hashes: list[bytes] | None = None
+        self,
+        request: GenerateRequest,
+        block_hashes: list[bytes] | None = None,
+        prefix_blocks: dict[str, int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the engine's outputs; `block_hashes` is read by the router only. Raises
-        RequestRejected, EngineOverloaded, EngineDead like the engine, before the first output."""
+        """Streams the engine's outputs; `block_hashes` and `prefix_blocks` are read by the
+        router only. Raises RequestRejected, EngineOverloaded, EngineDead like the engine, before
+        the first output."""
         stream = self.engine.generate(request)
         try:
             async for output in stream:
@@ -122,7 +143,7 @@ class GenerationServer:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve calls this periodically; every router of this deployment receives it."""
-        return self.blocks.routing_stats()
+        return routing_stats(LoadReport.of(self.engine.metrics()))
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve calls this periodically; the autoscaling policy receives it."""

@@ -33,9 +33,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.engine.generate_request import RequestBuilder
 from cluster.engine.tokenization import PromptRenderer
 from cluster.serving.app_args import ServeAppArgs
+from cluster.serving.directory_metrics import render_directory
 from cluster.serving.engine_server import EngineDescription
 from cluster.serving.frontend import FrontEnd
 from cluster.serving.grpc_service import GenerationRpc, GrpcAbort, GrpcMethods, cache_stats
+from cluster.serving.kv_directory import DirectoryClient, directory_handle
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -82,6 +84,7 @@ def build_http_api(ingress: OpenAIIngress) -> FastAPI:
     async def metrics() -> Response:
         replica_id, engine_metrics = await ingress.engine.metrics.remote()
         text = render_prometheus({replica_id: engine_metrics})
+        text += render_directory(await ingress.directory.report(), ingress.directory)
         headers = {REPLICA_HEADER: replica_id}
         return Response(text, media_type=PROMETHEUS_CONTENT_TYPE, headers=headers)
 
@@ -146,7 +149,13 @@ class OpenAIIngress(GrpcMethods):
         builder = RequestBuilder(renderer, description.block_size, self.args.shared_prefixes)
         self.frontend = FrontEnd(builder, info.max_model_len)
         self.tenancy = Tenancy(self.args.api_keys)
-        self.client = RoutedEngineClient(engine, description.keys)
+        settings = self.args.directory
+        app_name = serve.get_replica_context().app_name
+        self.directory = DirectoryClient(
+            directory_handle(app_name, settings.max_entries, settings.replica_timeout_s),
+            settings.query_timeout_s,
+        )
+        self.client = RoutedEngineClient(engine, description.keys, self.directory.holdings)
         name = self.args.served_model_name
         self.openai = OpenAIServing(self.client, self.frontend, name)
         self.rpc = GenerationRpc(self.client, self.frontend, name)

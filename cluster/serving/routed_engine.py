@@ -1,8 +1,9 @@
 """`RoutedEngineClient`: the `EngineClient` an ingress uses to reach the engine deployment.
 
 Each request goes out through a Serve deployment handle with its prompt's block hashes as the
-`block_hashes` keyword, so `PrefixAwareRouter` sends it to the replica that holds the longest
-prefix (or, when overloaded, the least busy one); the outputs stream back through the handle.
+`block_hashes` keyword and the KV directory's answer for them (replica -> leading blocks held)
+as `prefix_blocks`, so `PrefixAwareRouter` sends it to the replica that holds the longest prefix
+(or, when overloaded, the least busy one); the outputs stream back through the handle.
 
 Invariants:
 - what a replica raises for the client (RequestRejected, EngineOverloaded, EngineDead) comes
@@ -16,7 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from ray import exceptions as ray_errors
@@ -26,9 +27,15 @@ from cluster.engine.cache_keys import RequestKeys
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.outputs import RequestOutput
-from cluster.serving.routing import BLOCK_HASHES_KWARG
+from cluster.serving.routing import BLOCK_HASHES_KWARG, PREFIX_BLOCKS_KWARG
 
 CLIENT_ERRORS = (RequestRejected, EngineOverloaded, EngineDead)
+Holdings = Callable[[list[bytes]], Awaitable[dict[str, int]]]
+"""Which replicas hold how many leading blocks of a chain (the KV directory; never raises)."""
+
+
+async def no_holdings(chain: list[bytes]) -> dict[str, int]:
+    return {}
 
 
 def client_error(error: BaseException) -> Exception | None:
@@ -52,14 +59,16 @@ def client_error(error: BaseException) -> Exception | None:
 class RoutedEngineClient:
     """Streams `GenerateRequest`s through the engine deployment's handle (see the module doc)."""
 
-    def __init__(self, handle: Any, keys: RequestKeys) -> None:
+    def __init__(self, handle: Any, keys: RequestKeys, holdings: Holdings = no_holdings):
         self.handle = handle
         self.keys = keys
+        self.holdings = holdings
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         hashes = self.keys.block_hashes(request)  # RequestRejected for a bad shared prefix
+        held = await self.holdings(hashes)
         stream = self.handle.options(stream=True).generate.remote(
-            request, **{BLOCK_HASHES_KWARG: hashes}
+            request, **{BLOCK_HASHES_KWARG: hashes, PREFIX_BLOCKS_KWARG: held}
         )
         finished = False
         try:

@@ -1,13 +1,14 @@
 """Prefix-aware request routing across replicas, through Ray Serve's own extension point (a
 custom `RequestRouter`, set with `request_router_config` on the deployment).
 
-A request that carries its prompt's block hashes (keyword `block_hashes` of a handle call, see
-`RoutedRequest`) goes to the replica that holds the longest prefix of them, unless that replica is
-overloaded; a request without hashes, or whose prefix no replica holds, goes to the less busy of
-the two least loaded replicas. Replicas publish what they hold through Serve's routing stats
-(`record_routing_stats`, see `routing_stats`); every router merges those into a bounded
-`PrefixIndex`, and records where it just sent a request so a repeat that arrives before the next
-publication follows it.
+The ingress asks the KV directory which engine replicas hold how many leading blocks of the
+prompt's hash chain and passes the answer as the `prefix_blocks` keyword of the handle call (with
+the chain itself as `block_hashes`). The request goes to the replica that holds the longest
+prefix, unless that replica is overloaded; a request whose prefix no replica holds goes to the
+less busy of the two least loaded replicas. The directory is the one source of what replicas
+hold; the router adds only where it has just sent a chain (`PrefixIndex.record`), so a repeat
+that arrives before the replica's next event batch reaches the directory follows it. Replicas
+report their load through Serve's routing stats (`record_routing_stats`, see `routing_stats`).
 
 Invariants:
 - the choice only ranks replicas: Serve still probes queue lengths and moves on to the next rank
@@ -33,6 +34,7 @@ from cluster.serving.autoscaling import kv_used_fraction
 from cluster.serving.prefix_index import PrefixIndex
 
 BLOCK_HASHES_KWARG = "block_hashes"
+PREFIX_BLOCKS_KWARG = "prefix_blocks"
 ROUTER_CLASS_PATH = "cluster.serving.routing:PrefixAwareRouter"
 
 
@@ -69,17 +71,16 @@ class LoadReport:
         return cls(metrics.num_running, metrics.num_waiting, kv_used_fraction(metrics.pressure))
 
 
-def routing_stats(block_hashes: list[bytes], load: LoadReport, version: int) -> dict[str, Any]:
-    """What `record_routing_stats` returns: Serve hands it to every router as `routing_stats`
-    (`block_hashes` oldest first, as `PrefixIndex.sync` takes them)."""
-    return {"version": version, "block_hashes": block_hashes, "load": load}
+def routing_stats(load: LoadReport) -> dict[str, Any]:
+    """What `record_routing_stats` returns: Serve hands it to every router as `routing_stats`."""
+    return {"load": load}
 
 
 @dataclass(frozen=True)
 class RoutingPolicy:
     """The thresholds of `PrefixAwareRouter` (its `request_router_kwargs`)."""
 
-    max_indexed_blocks: int = 65536
+    max_indexed_blocks: int = 16384
     overload_fraction: float = 0.75
     max_waiting: int = 4
     max_kv_utilization: float = 0.95
@@ -143,22 +144,16 @@ class PrefixAwareRouter(RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.policy = RoutingPolicy(**kwargs)
-        self.index = PrefixIndex(self.policy.max_indexed_blocks)
-        self._synced_versions: dict[ReplicaID, int] = {}
+        self.recent = PrefixIndex(self.policy.max_indexed_blocks)
+        """Where this router just sent each chain (until the directory learns of it)."""
         self._rng = random.Random()
+        self._known: set[ReplicaID] = set()
 
-    def _sync(self, candidates: list[RunningReplica]) -> None:
+    def _forget_gone(self, candidates: list[RunningReplica]) -> None:
         live = {c.replica_id for c in candidates}
-        for gone in set(self._synced_versions) - live:
-            self.index.forget(gone)
-            del self._synced_versions[gone]
-        for candidate in candidates:
-            stats = candidate.routing_stats or {}
-            version = stats.get("version")
-            if version is None or self._synced_versions.get(candidate.replica_id) == version:
-                continue
-            self.index.sync(candidate.replica_id, stats.get("block_hashes", []))
-            self._synced_versions[candidate.replica_id] = version
+        for gone in self._known - live:
+            self.recent.forget(gone)
+        self._known = live
 
     def _view(self, candidate: RunningReplica) -> ReplicaView:
         ongoing = self.replica_queue_len_cache.get(candidate.replica_id) or 0
@@ -170,9 +165,14 @@ class PrefixAwareRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        self._sync(candidate_replicas)
+        self._forget_gone(candidate_replicas)
         hashes = request_block_hashes(pending_request)
-        prefix = self.index.longest_prefixes(hashes) if hashes else {}
+        prefix = self.recent.longest_prefixes(hashes) if hashes else {}
+        held = request_prefix_blocks(pending_request)
+        for candidate in candidate_replicas:
+            blocks = held.get(candidate.replica_id.unique_id, 0)
+            if blocks > prefix.get(candidate.replica_id, 0):
+                prefix[candidate.replica_id] = blocks
         by_id = {c.replica_id: c for c in candidate_replicas}
         views = [self._view(c) for c in candidate_replicas]
         ranks = rank_replicas(views, prefix, self.policy, self._rng)
@@ -183,7 +183,15 @@ class PrefixAwareRouter(RequestRouter):
     ) -> None:
         hashes = request_block_hashes(pending_request)
         if hashes:
-            self.index.record(replica_id, hashes)
+            self.recent.record(replica_id, hashes)
+
+
+def request_prefix_blocks(pending_request: PendingRequest | None) -> dict[str, int]:
+    """The directory's answer the ingress attached: replica id -> leading blocks it holds."""
+    if pending_request is None:
+        return {}
+    held = pending_request.kwargs.get(PREFIX_BLOCKS_KWARG) or {}
+    return {k: v for k, v in held.items() if isinstance(k, str) and isinstance(v, int)}
 
 
 def request_block_hashes(pending_request: PendingRequest | None) -> list[bytes]:

@@ -1,6 +1,7 @@
-"""The routing index: prompt block hashes against an independent implementation of the
-published hash formula and against the block manager's own cache hits; `PrefixIndex` against a
-plain list-and-dict model under random operations (Hypothesis)."""
+"""Routing by prefix: a prompt's block hashes (`block_manager.prompt_block_hashes`, what the
+ingress sends the directory) against an independent implementation of the published hash
+formula and against the block manager's own cache hits; the router's `PrefixIndex` of recent
+routes against a plain list-and-dict model under random operations (Hypothesis)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import block_manager
 from block_manager import CacheIdentity, CacheKey, KVCacheManager
-from cluster.serving.prefix_index import (
-    PrefixIndex,
-    PublishedBlocks,
-    prompt_block_hashes,
-    shared_prefix_blocks,
-)
+from cluster.engine.generate_request import leading_shared_tokens
+from cluster.serving.prefix_index import PrefixIndex
 
 SEED = CacheIdentity(model_weights_digest="w", tokenizer_digest="t", block_size=4).digest()
 SALT = b"tenant:" + bytes(range(32))
+
+
+def prompt_block_hashes(
+    tokens: list[int],
+    *,
+    hash_seed: bytes,
+    extra_keys: list[bytes] | tuple[bytes, ...],
+    block_size: int,
+    shared_prefix_blocks: int = 0,
+) -> list[bytes]:
+    key = CacheKey(hash_seed, tuple(extra_keys), shared_prefix_blocks)
+    return block_manager.prompt_block_hashes(tokens, key, block_size)
+
+
+def shared_prefix_blocks(tokens: list[int], prefixes: list[list[int]], block_size: int) -> int:
+    return leading_shared_tokens(tokens, prefixes, block_size) // block_size
 
 
 def spec_hash(parent: bytes, tokens: list[int], extra: list[bytes]) -> bytes:
@@ -88,8 +102,6 @@ def test_bad_arguments_are_named() -> None:
         prompt_block_hashes([1, 2], hash_seed=SEED, extra_keys=(), block_size=0)
     with pytest.raises(ValueError, match="capacity"):
         PrefixIndex(0)
-    with pytest.raises(ValueError, match="capacity"):
-        PublishedBlocks(0)
 
 
 class ModelIndex:
@@ -99,7 +111,6 @@ class ModelIndex:
         self.capacity = capacity
         self.order: list[bytes] = []
         self.holders: dict[bytes, set[str]] = {}
-        self.published: dict[str, set[bytes]] = {}
 
     def record(self, replica: str, hashes: list[bytes]) -> None:
         for h in hashes:
@@ -134,7 +145,7 @@ class ModelIndex:
 HASHES = [bytes([i]) * 32 for i in range(8)]
 chains = st.lists(st.sampled_from(HASHES), max_size=6)
 operations = st.lists(
-    st.tuples(st.sampled_from(["record", "sync", "forget"]), st.sampled_from("abc"), chains),
+    st.tuples(st.sampled_from(["record", "forget"]), st.sampled_from("abc"), chains),
     max_size=25,
 )
 
@@ -149,25 +160,11 @@ def test_prefix_index_matches_a_plain_model(
         if op == "record":
             index.record(replica, hashes)
             model.record(replica, hashes)
-        elif op == "sync":
-            index.sync(replica, hashes)
-            dropped = model.published.get(replica, set()) - set(hashes)
-            model.remove(replica, {h for h in model.holders if h not in dropped})
-            model.published[replica] = set(hashes)
-            model.record(replica, hashes)
         else:
             index.forget(replica)
             model.remove(replica, set())
-            model.published.pop(replica, None)
         assert len(index) == len(model.order) <= capacity
         assert index.longest_prefixes(query) == model.longest(query)
-
-
-def test_published_blocks_keep_the_newest() -> None:
-    published = PublishedBlocks(3)
-    published.add(HASHES[:3])
-    published.add([HASHES[0], HASHES[4]])  # HASHES[0] refreshed, HASHES[1] the oldest now
-    assert published.snapshot() == [HASHES[2], HASHES[0], HASHES[4]]
 
 
 def test_shared_prefix_blocks_count_only_whole_blocks_of_an_operator_prefix() -> None:
@@ -183,13 +180,3 @@ def test_shared_prefix_blocks_count_only_whole_blocks_of_an_operator_prefix() ->
         [*system, 1, 2], hash_seed=SEED, extra_keys=[b"bob"], block_size=4, shared_prefix_blocks=2
     )
     assert shared[:2] == other[:2] and shared[2] != other[2]  # only the operator's blocks match
-
-
-def test_a_publication_older_than_a_routed_request_keeps_the_routers_record() -> None:
-    index = PrefixIndex(16)
-    index.sync("a", HASHES[:2])
-    index.record("a", HASHES[2:4])  # routed there just now
-    index.sync("a", HASHES[1:2])  # published before that request arrived; dropped HASHES[0]
-    assert index.longest_prefixes(HASHES[2:4]) == {"a": 2}
-    assert index.longest_prefixes(HASHES[:2]) == {}
-    assert index.longest_prefixes(HASHES[1:2]) == {"a": 1}

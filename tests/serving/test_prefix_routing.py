@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import random
+import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -64,7 +64,7 @@ def test_a_repeated_prefix_goes_to_the_replica_that_holds_it(routed_app: object)
         return results
 
     results = asyncio.run(scenario())
-    published_check(prefixes)
+    directory_check(results, prefixes)
     replicas_by_prefix: dict[int, set[str]] = {}
     for which, result in results:
         replicas_by_prefix.setdefault(which, set()).add(result.replica_id)
@@ -75,29 +75,32 @@ def test_a_repeated_prefix_goes_to_the_replica_that_holds_it(routed_app: object)
     assert all(r.output.num_cached_tokens == 0 for _, r in first_round)
 
 
-def published_check(prefixes: list[list[int]]) -> None:
-    """What the engine replicas publish for the routers are the hashes the ingress computes for
-    the same prompts (the engine's chain): every prefix served is published, whole."""
+def directory_check(results: list[tuple[int, RoutedOutput]], prefixes: list[list[int]]) -> None:
+    """The KV directory holds each served prefix, whole, for the replica that served it: the
+    hashes the engine replicas report are the chain the ingress computes for the prompt."""
+    import ray
     from ray import serve
 
     from block_manager import prompt_block_hashes
+    from cluster.serving.kv_directory import DIRECTORY_NAMESPACE, directory_name
     from cluster.serving.serve_app import DEPLOYMENT_NAME
 
     engine = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name="routed")
-
-    async def both() -> tuple[set[bytes], Any]:
-        published: set[bytes] = set()
-        for _ in range(30):  # unhinted calls land on either replica; 30 reach both
-            stats = await engine.record_routing_stats.remote()
-            published |= set(stats["block_hashes"])
-        return published, await engine.describe.remote()
-
-    published, description = asyncio.run(both())
+    directory = ray.get_actor(directory_name("routed"), namespace=DIRECTORY_NAMESPACE)
+    description = engine.describe.remote().result()
     key = description.keys.factory.key()  # a token-id prompt of the keyless tenant
-    for prefix in prefixes:
+    served_by = {which: result.replica_id for which, result in results}
+    for which, prefix in enumerate(prefixes):
         chain = prompt_block_hashes([*prefix, 0], key, description.block_size)
         assert len(chain) == PREFIX_TOKENS // 4
-        assert set(chain) <= published
+        deadline = time.monotonic() + 10  # the replica's next event batch may be in flight
+        while True:
+            holdings = ray.get(directory.query.remote(chain))
+            held = holdings.get(served_by[which])
+            if (held is not None and held.blocks == len(chain)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert held is not None and held.blocks == len(chain), holdings
 
 
 def test_a_prompt_without_hashes_is_still_served(routed_app: object) -> None:
