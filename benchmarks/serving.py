@@ -18,13 +18,9 @@ met both ``--ttft-slo`` and ``--tpot-slo``. ``ratios`` compares runs measured si
 same process: cached over uncached on the shared-prefix workload, and shared-prefix over mixed.
 A progress bar goes to stderr; ``--plot FILE.png`` saves latency CDFs when matplotlib is installed.
 
-``--routing-replicas N`` (local cluster only) also measures prefix-aware routing: a third and a
-fourth application with N replicas each, one behind
-``cluster.serving.routing.PrefixAwareRouter`` and one behind Serve's default power-of-two-choices
-router, get the same sequence of token-id prompts
-(``--routing-prefixes`` distinct 64-token prefixes, each followed by a unique 8-token tail) through
-deployment handles; each reports the fraction of prompt tokens its engines found cached and how
-many replicas each prefix was spread over.
+``--routing-replicas N`` (local cluster only; 2 by default, 0 skips it) also measures prefix
+routing through the KV directory against Serve's default router on N engine replicas, over the
+default HTTP path (see ``benchmarks/prefix_routing.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +43,8 @@ from typing import Any
 import httpx
 import yaml
 from tqdm import tqdm
+
+from benchmarks.prefix_routing import routing_comparison
 
 CONFIG = Path(__file__).resolve().parent.parent / "cluster" / "serving" / "serve_config.yaml"
 VOCABULARY_TEXT = (
@@ -71,6 +69,7 @@ class Result:
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    served_by: str = ""
     gaps: list[float] = field(default_factory=list)
     error: str = ""
 
@@ -118,6 +117,7 @@ async def one_request(client: httpx.AsyncClient, model: str, job: Job) -> Result
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
+            result.served_by = response.headers.get("x-pagedserve-replica", "")
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -204,84 +204,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-ROUTING_PREFIX_TOKENS = 64
-ROUTING_TAIL_TOKENS = 8
-
-
-def routing_workload(rng: random.Random, count: int, prefixes: int) -> list[tuple[int, list[int]]]:
-    """(prefix index, token ids) in a random order; token ids stay below 250 (any vocabulary)."""
-    heads = [[rng.randrange(3, 250) for _ in range(ROUTING_PREFIX_TOKENS)] for _ in range(prefixes)]
-    order = [i % prefixes for i in range(count)]
-    rng.shuffle(order)
-    return [
-        (i, heads[i] + [rng.randrange(3, 250) for _ in range(ROUTING_TAIL_TOKENS)]) for i in order
-    ]
-
-
-async def routed_hit_rate(handle: Any, prompts: list[tuple[int, list[int]]]) -> dict[str, Any]:
-    """Sends the prompts one after another through a handle; the engines' cached-token counts."""
-    from cluster.engine.sampling_params import SamplingParams
-    from cluster.serving.routing import RoutedClient
-
-    client = RoutedClient(handle)
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    cached = total = 0
-    spread: dict[int, set[str]] = {}
-    for prefix, ids in tqdm(prompts, desc="routing", file=sys.stderr, leave=False):
-        last = None
-        async for item in client.generate({"prompt_token_ids": ids}, params):
-            last = item
-        assert last is not None
-        cached += last.output.num_cached_tokens
-        total += len(ids)
-        spread.setdefault(prefix, set()).add(last.replica_id)
-    return {
-        "prefix_hit_rate": cached / total,
-        "mean_replicas_per_prefix": statistics.mean(len(s) for s in spread.values()),
-    }
-
-
-def routing_comparison(
-    app_args: dict[str, Any], replicas: int, count: int, prefixes: int, seed: int
-) -> dict[str, Any]:
-    """Prefix-aware against power-of-two routing on the same prompts (Ray and Serve running)."""
-    from ray import serve
-    from ray.serve.config import RequestRouterConfig
-
-    from cluster.serving.routing import ROUTER_CLASS_PATH
-    from cluster.serving.serve_app import bind_app
-
-    prompts = routing_workload(random.Random(seed), count, prefixes)
-    app_args = {k: v for k, v in app_args.items() if k != "api_keys"}  # handle calls, no key
-    results: dict[str, Any] = {}
-    routers = {
-        "prefix_aware": ROUTER_CLASS_PATH,
-        "power_of_two": RequestRouterConfig().request_router_class,  # Serve's default
-    }
-    for label, router in routers.items():
-        config = RequestRouterConfig(request_router_class=router)
-        engine_options = {
-            "num_replicas": replicas,
-            "request_router_config": config,
-            "ray_actor_options": {"num_cpus": 0},
-            "max_ongoing_requests": 8,
-        }
-        app = bind_app(
-            app_args,
-            engine_options=engine_options,
-            ingress_options={"ray_actor_options": {"num_cpus": 0}},
-        )
-        handle = serve.run(app, name=f"routing-{label}", route_prefix=None)
-        results[label] = asyncio.run(routed_hit_rate(handle, prompts))
-        serve.delete(f"routing-{label}")
-    repeats = count - min(count, prefixes)  # prompts whose prefix was seen before
-    results["config"] = {"replicas": replicas, "requests": count, "prefixes": prefixes}
-    results["upper_bound_hit_rate"] = (
-        repeats * ROUTING_PREFIX_TOKENS / (count * (ROUTING_PREFIX_TOKENS + ROUTING_TAIL_TOKENS))
-    )
-    return results
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -325,7 +247,9 @@ def local_server(
             base = f"http://127.0.0.1:{port}"
             targets = {"prefix_cache": base, "no_prefix_cache": f"{base}/nocache"}
             if routing is not None:
-                routing.update(routing_comparison(args, **routing.pop("request")))
+                routing.update(
+                    routing_comparison(args, base, "bench-key", **routing.pop("request"))
+                )
             yield targets, args["served_model_name"], "bench-key"
         finally:
             serve.shutdown()
@@ -379,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tpot-slo", type=float, default=0.25, help="seconds, for goodput")
     parser.add_argument("--plot", type=Path, help="save TTFT/TPOT CDFs to this PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--routing-replicas", type=int, default=0, help="0: skip routing")
-    parser.add_argument("--routing-prefixes", type=int, default=4)
-    parser.add_argument("--routing-requests", type=int, default=24)
+    parser.add_argument("--routing-replicas", type=int, default=2, help="0: skip routing")
+    parser.add_argument("--routing-prefixes", type=int, default=16)
+    parser.add_argument("--routing-concurrency", type=int, default=4)
     args = parser.parse_args(argv)
     if args.routing_replicas and args.url:
         parser.error("--routing-replicas starts its own replicas: not with --url")
@@ -418,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             routing = {
                 "request": {
                     "replicas": args.routing_replicas,
-                    "count": args.routing_requests,
                     "prefixes": args.routing_prefixes,
+                    "concurrency": args.routing_concurrency,
                     "seed": args.seed,
                 }
             }
@@ -454,10 +378,13 @@ def main(argv: list[str] | None = None) -> int:
             "shared_prefix_over_mixed_tpot_mean": compare(
                 "shared_prefix", "mixed", "tpot_s", "mean"
             ),
-            "prefix_routing_over_power_of_two_hit_rate": ratio(
-                reports.get("routing", {}).get("prefix_aware", {}).get("prefix_hit_rate"),
-                reports.get("routing", {}).get("power_of_two", {}).get("prefix_hit_rate"),
+            "prefix_routing_over_power_of_two_cached_fraction": ratio(
+                reports.get("routing", {}).get("prefix_aware", {}).get("cached_fraction"),
+                reports.get("routing", {}).get("power_of_two", {}).get("cached_fraction"),
             ),
+            "prefix_routing_of_best_possible": reports.get("routing", {})
+            .get("prefix_aware", {})
+            .get("of_best_possible"),
         },
     }
     if args.plot:

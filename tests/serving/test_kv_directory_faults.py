@@ -1,0 +1,140 @@
+"""The KV directory under faults, on a real local Ray cluster (two engine replicas behind the
+ingress): when the directory dies no request fails and routing falls back to load; Ray restarts
+it and it rebuilds from the replicas' snapshots; when an engine replica dies, its entries are
+dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from block_manager import prompt_block_hashes
+from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.routing import RoutedClient, RoutedOutput
+from tests.serving.conftest import MODEL, Served, engine_section
+
+APP = "faults"
+GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+PREFIX_TOKENS = 24  # 6 blocks of 4
+
+
+@pytest.fixture(scope="module")
+def faults_app(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[Any]:
+    from ray import serve
+
+    from cluster.serving.serve_app import bind_app
+
+    args = {
+        "served_model_name": MODEL,
+        "engine": engine_section(tiny_model_dir),
+        "directory": {"replica_timeout_s": 2.0, "publish_period_s": 0.05},
+    }
+    app = bind_app(
+        args,
+        engine_options={
+            "num_replicas": 2,
+            "ray_actor_options": {"num_cpus": 0},
+            "max_ongoing_requests": 16,
+        },
+        ingress_options={"ray_actor_options": {"num_cpus": 0}},
+    )
+    handle = serve.run(app, name=APP, route_prefix="/faults")
+    yield handle
+    serve.delete(APP)
+
+
+def directory() -> Any:
+    import ray
+
+    from cluster.serving.kv_directory import DIRECTORY_NAMESPACE, directory_name
+
+    return ray.get_actor(directory_name(APP), namespace=DIRECTORY_NAMESPACE)
+
+
+def chain_of(ids: list[int]) -> list[bytes]:
+    from ray import serve
+
+    from cluster.serving.serve_app import DEPLOYMENT_NAME
+
+    engine = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP)
+    description = engine.describe.remote().result()
+    return prompt_block_hashes(ids, description.keys.factory.key(), description.block_size)
+
+
+def serve_all(handle: Any, prompts: list[list[int]]) -> list[RoutedOutput]:
+    async def run() -> list[RoutedOutput]:
+        client = RoutedClient(handle)
+        results = []
+        for ids in prompts:
+            last = None
+            async for item in client.generate({"prompt_token_ids": ids}, GREEDY):
+                last = item
+            assert last is not None and last.output.finished
+            results.append(last)
+        return results
+
+    return asyncio.run(run())
+
+
+def wait_for(condition: Any, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def test_a_dead_directory_fails_no_request_and_is_rebuilt(faults_app: Any) -> None:
+    import ray
+
+    rng = random.Random(11)
+    prefix = [rng.randrange(3, 250) for _ in range(PREFIX_TOKENS)]
+    (first,) = serve_all(faults_app, [[*prefix, 5]])
+    chain = chain_of([*prefix, 0])
+    held = wait_for(lambda: ray.get(directory().query.remote(chain)).get(first.replica_id), 10)
+    assert held is not None and held.blocks == len(chain)
+
+    ray.kill(directory(), no_restart=False)  # Ray restarts it, empty
+    started = time.monotonic()
+    others = [[rng.randrange(3, 250) for _ in range(8)] for _ in range(6)]
+    results = serve_all(faults_app, others)  # while it is down or rebuilding: none may fail
+    assert len(results) == len(others)
+    assert all(len(r.output.outputs[0].token_ids) == 2 for r in results)
+
+    rebuilt = wait_for(lambda: ray.get(directory().query.remote(chain)).get(first.replica_id), 15)
+    assert rebuilt is not None and rebuilt.blocks == len(chain), "not rebuilt from snapshots"
+    assert time.monotonic() - started < 20
+    assert ray.get(directory().report.remote()).stats.snapshots >= 2  # both replicas resent
+
+
+def test_a_dead_replica_loses_its_entries(faults_app: Any) -> None:
+    import ray
+
+    from cluster.serving.serve_app import DEPLOYMENT_NAME
+
+    rng = random.Random(12)
+    prefix = [rng.randrange(3, 250) for _ in range(PREFIX_TOKENS)]
+    (served_by,) = serve_all(faults_app, [[*prefix, 7]])
+    victim = served_by.replica_id
+    chain = chain_of([*prefix, 0])
+    assert wait_for(lambda: victim in ray.get(directory().query.remote(chain)), 10)
+
+    replica = ray.get_actor(f"SERVE_REPLICA::{APP}#{DEPLOYMENT_NAME}#{victim}", namespace="serve")
+    ray.kill(replica, no_restart=True)
+
+    def gone() -> bool:
+        report = ray.get(directory().report.remote())
+        return victim not in report.stats.entries_by_replica
+
+    assert wait_for(gone, 15), "the dead replica's entries are still indexed"
+    assert victim not in ray.get(directory().query.remote(chain))
+    # The application keeps serving on the other replica (and Serve's replacement).
+    results = serve_all(faults_app, [[*prefix, 9]])
+    assert results[0].replica_id != victim
