@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -355,22 +355,38 @@ class OpenAIServing:
         return self.events(streams, ChatChunks(self, rid), request.include_usage)
 
 
-class CompletionChunks:
-    """`text_completion` chunks, one choice each, as OpenAI streams them."""
+class _StreamChunks:
+    """What both chunk encoders share: the stream's id and creation time, the finish tracker,
+    and the chunk model (`response_model`) every chunk and the final usage chunk are built as."""
 
-    def __init__(self, serving: OpenAIServing, rid: str, n: int) -> None:
-        self.serving, self.rid, self.n = serving, rid, n
+    response_model: type[CompletionResponse] | type[ChatCompletionChunk]
+
+    def __init__(self, serving: OpenAIServing, rid: str) -> None:
+        self.serving, self.rid = serving, rid
         self.created = int(time.time())
         self.changes = FinishTracker()
 
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> BaseModel:
-        return CompletionResponse(
+    def _chunk(self, choices: list[Any], usage: Usage | None = None) -> BaseModel:
+        return self.response_model(
             id=self.rid,
             created=self.created,
             model=self.serving.model,
             choices=choices,
             usage=usage,
         )
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._chunk([], usage)
+
+
+class CompletionChunks(_StreamChunks):
+    """`text_completion` chunks, one choice each, as OpenAI streams them."""
+
+    response_model = CompletionResponse
+
+    def __init__(self, serving: OpenAIServing, rid: str, n: int) -> None:
+        super().__init__(serving, rid)
+        self.n = n
 
     def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]:
         return [
@@ -378,27 +394,15 @@ class CompletionChunks:
             for branch in self.changes.changed(output, index)
         ]
 
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._chunk([], usage)
 
-
-class ChatChunks:
+class ChatChunks(_StreamChunks):
     """`chat.completion.chunk`s: a choice's first chunk carries the assistant role."""
 
-    def __init__(self, serving: OpenAIServing, rid: str) -> None:
-        self.serving, self.rid = serving, rid
-        self.created = int(time.time())
-        self.changes = FinishTracker()
-        self.started: set[int] = set()
+    response_model = ChatCompletionChunk
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> BaseModel:
-        return ChatCompletionChunk(
-            id=self.rid,
-            created=self.created,
-            model=self.serving.model,
-            choices=choices,
-            usage=usage,
-        )
+    def __init__(self, serving: OpenAIServing, rid: str) -> None:
+        super().__init__(serving, rid)
+        self.started: set[int] = set()
 
     def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]:
         chunks = []
@@ -416,6 +420,3 @@ class ChatChunks:
             )
             chunks.append(self._chunk([choice]))
         return chunks
-
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._chunk([], usage)
