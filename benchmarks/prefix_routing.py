@@ -63,6 +63,7 @@ async def drive(
         queue.put_nowait(item)
     ttfts: list[float] = []
     cached = total = failures = 0
+    errors: list[str] = []
     spread: dict[int, set[str]] = {}
     bar = tqdm(total=len(prompts), desc="routing", file=sys.stderr, leave=False)
     headers = {"Authorization": f"Bearer {key}"}
@@ -73,10 +74,12 @@ async def drive(
             prefix, ids = queue.get_nowait()
             result = await one_request(client, model, Job(ids, 2))
             bar.update()
-            if not result.ok:
+            if not result.prompt_tokens:  # no usage came back: the request failed
                 failures += 1
+                errors.append(result.error or "no usage in the stream")
                 continue
-            ttfts.append(result.ttft)
+            if result.ok:  # some random prompts' 2 tokens decode to no text: no TTFT then
+                ttfts.append(result.ttft)
             cached += result.cached_tokens
             total += result.prompt_tokens
             spread.setdefault(prefix, set()).add(result.served_by)
@@ -90,6 +93,7 @@ async def drive(
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
         "mean_replicas_per_prefix": statistics.mean(len(s) for s in spread.values()),
         "failures": failures,
+        "errors": errors[:3],
         "directory_round_trip_us_p50": directory_round_trip_us(metrics),
     }
 
