@@ -11,11 +11,14 @@ Invariants:
   ends the stream with EngineDead / EngineOverloaded, which the front ends turn into an error
   the client can read (an SSE error event, a 503, UNAVAILABLE);
 - closing the stream before it finished cancels the call on the replica, which aborts the
-  request there and frees its blocks.
+  request there and frees its blocks;
+- a request with no output `queue_timeout_s` after it was sent (queued at the handle or in an
+  engine's admission queue) is cancelled and ends with EngineOverloaded (503 + Retry-After).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,9 +55,12 @@ def client_error(error: BaseException) -> Exception | None:
 class RoutedEngineClient:
     """Streams `GenerateRequest`s through the engine deployment's handle (see the module doc)."""
 
-    def __init__(self, handle: Any, keys: RequestKeys) -> None:
+    def __init__(
+        self, handle: Any, keys: RequestKeys, queue_timeout_s: float | None = None
+    ) -> None:
         self.handle = handle
         self.keys = keys
+        self.queue_timeout_s = queue_timeout_s
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         hashes = self.keys.block_hashes(request)  # RequestRejected for a bad shared prefix
@@ -63,6 +69,19 @@ class RoutedEngineClient:
         )
         finished = False
         try:
+            try:
+                async with asyncio.timeout(self.queue_timeout_s):
+                    first = await anext(stream)
+            except TimeoutError:
+                raise EngineOverloaded(
+                    f"the request waited {self.queue_timeout_s:g} s without being started "
+                    "(queue timeout)",
+                    retry_after_s=max(1.0, self.queue_timeout_s / 10),
+                ) from None
+            except StopAsyncIteration:
+                return
+            finished = first.finished
+            yield first
             async for output in stream:
                 finished = output.finished
                 yield output
