@@ -64,11 +64,13 @@ class RoutedEngineClient:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         hashes = self.keys.block_hashes(request)  # RequestRejected for a bad shared prefix
-        stream = self.handle.options(stream=True).generate.remote(
-            request, **{BLOCK_HASHES_KWARG: hashes}
-        )
         finished = False
+        stream = None
         try:
+            # Inside the try: the router may refuse here already (BackPressureError).
+            stream = self.handle.options(stream=True).generate.remote(
+                request, **{BLOCK_HASHES_KWARG: hashes}
+            )
             try:
                 async with asyncio.timeout(self.queue_timeout_s):
                     first = await anext(stream)
@@ -91,7 +93,7 @@ class RoutedEngineClient:
                 raise
             raise mapped from None
         finally:
-            if not finished:
+            if not finished and stream is not None:
                 stream.cancel()
 
     async def abort(self, request_id: str) -> None:
