@@ -71,7 +71,7 @@ def test_limits_defaults_and_metrics_port_validation() -> None:
     args = ServeAppArgs.model_validate({})
     assert args.limits.max_body_bytes == 4 * 1024 * 1024
     assert args.limits.metrics.access == "open"
-    with pytest.raises(ValidationError, match="metrics.port"):
+    with pytest.raises(ValidationError, match=r"metrics\.port"):
         ServeAppArgs.model_validate({"limits": {"metrics": {"access": "port"}}})
     with_port = {"limits": {"metrics": {"access": "port", "port": 9100}}}
     assert ServeAppArgs.model_validate(with_port).limits.metrics.port == 9100
