@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.engine.config import EngineConfig
+from cluster.serving.limits import LimitsArgs
 
 
 class DirectoryArgs(BaseModel):
@@ -57,6 +58,7 @@ class ServeAppArgs(BaseModel):
 
     directory: DirectoryArgs = Field(default_factory=DirectoryArgs)
     health: HealthArgs = Field(default_factory=HealthArgs)
+    limits: LimitsArgs = Field(default_factory=LimitsArgs)
     shared_prefixes: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
         description=(

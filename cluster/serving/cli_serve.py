@@ -1,19 +1,18 @@
 """`pagedserve serve` and `pagedserve bench`: the service and the benchmarks from the command line.
 
 `serve` runs the Ray Serve application of `cluster/serving/serve_config.yaml` (the file
-`serve run` takes,
-shipped inside the package) exactly as `serve run` would, after applying the few overrides given as
-flags, and prints where each API listens. `bench NAME` runs `python -m benchmarks.NAME` with the
+`serve run` takes, shipped inside the package) as `serve run` would, after applying the few
+overrides given as flags, and prints where each API listens. SIGINT and SIGTERM stop it
+gracefully: in-flight requests get `--grace-period` seconds, then Ray shuts down and it exits 0
+(cluster/serving/serve_runner.py). `bench NAME` runs `python -m benchmarks.NAME` with the
 remaining arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import runpy
 import sys
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import yaml
 
 from cluster.engine.errors import ConfigError
+from cluster.serving.serve_runner import apply_grace_period, run_config
 
 BENCHMARKS: tuple[str, ...] = (
     "block_manager",
@@ -33,6 +33,8 @@ BENCHMARKS: tuple[str, ...] = (
 )
 """Modules under `benchmarks/` that `pagedserve bench NAME` runs."""
 
+
+DEFAULT_GRACE_PERIOD_S = 20.0
 
 ENGINE_DEPLOYMENT = "GenerationServer"
 """The engine deployment's name in a Serve config (`cluster.serving.engine_server`)."""
@@ -61,6 +63,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="pin the engine deployment to N replicas (autoscaling off); default: from config",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=DEFAULT_GRACE_PERIOD_S,
+        help="seconds in-flight requests may run after SIGINT/SIGTERM before they end with an "
+        f"error (default {DEFAULT_GRACE_PERIOD_S:g})",
+    )
+    parser.add_argument(
+        "--ready-file",
+        default=None,
+        help="write this file once every application is running (for scripts and tests)",
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
@@ -94,6 +108,9 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
             engine.setdefault("model", {})["model"] = args.model
     if args.replicas is not None:
         pin_replicas(config, args.replicas)
+    if args.grace_period < 0:
+        raise ConfigError(f"--grace-period must be >= 0, got {args.grace_period}")
+    apply_grace_period(config, args.grace_period, ENGINE_DEPLOYMENT)
     try:
         ServeDeploySchema.model_validate(config)
     except Exception as error:  # pydantic's ValidationError, named by Ray's schema
@@ -137,19 +154,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config, sort_keys=False))
         return 0
-    with tempfile.NamedTemporaryFile(
-        "w", prefix="pagedserve-serve-", suffix=".yaml", delete=False
-    ) as handle:
-        yaml.safe_dump(config, handle, sort_keys=False)
     print("pagedserve serve: starting a local Ray cluster and the Serve application; once ready:")
     for line in describe_endpoints(config):
         print(f"  {line}")
     sys.stdout.flush()
-    serve_cli = Path(sys.executable).with_name("serve")
-    command = [str(serve_cli), "run", handle.name]
-    # `serve run` owns the process from here: Ctrl-C shuts the application down.
-    os.execv(command[0], command)
-    return 0  # pragma: no cover - execv does not return
+    return run_config(config, ready_file=args.ready_file)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

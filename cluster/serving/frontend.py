@@ -8,13 +8,20 @@ Invariants:
 - `prepare` raises `ContextOverflow` (a RequestRejected) before anything is queued when the
   prompt plus `max_tokens` cannot fit in the model's context; the engine itself would silently
   shorten `max_tokens`;
+- CPU-heavy request work (parsing a body, rendering and tokenizing a prompt) runs through
+  `off_loop` on the front end's own thread pool, never on the caller's event loop, so health
+  checks and other requests stay responsive while a large prompt is handled;
 - `FinishTracker` yields a branch of a snapshot only when it has new tokens or text or has just
   finished, and each finish once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
 
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, PromptInput, RequestBuilder
@@ -24,6 +31,13 @@ from cluster.engine.tokenization import PromptRenderer
 
 ENGINE_ERRORS = (RequestRejected, EngineOverloaded, EngineDead, ValueError)
 """Errors an engine raises that are the client's business (each front end maps them)."""
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+PREPARE_THREADS = 4
+"""Threads a front end renders and parses on; tokenizers release the GIL while encoding."""
 
 
 class ContextOverflow(RequestRejected):
@@ -52,6 +66,31 @@ class FrontEnd:
     def __init__(self, builder: RequestBuilder, max_model_len: int) -> None:
         self.builder = builder
         self.max_model_len = max_model_len
+        self._executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="frontend")
+
+    async def off_loop(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Runs CPU-heavy `work` on the front end's threads; the event loop stays free."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(work, *args, **kwargs))
+
+    async def prepare_off_loop(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        *,
+        request_id: str,
+        tenant_salt: bytes | None,
+        what: str = "prompt",
+    ) -> GenerateRequest:
+        """`prepare`, on the front end's threads (same errors)."""
+        return await self.off_loop(
+            self.prepare,
+            prompt,
+            params,
+            request_id=request_id,
+            tenant_salt=tenant_salt,
+            what=what,
+        )
 
     @property
     def renderer(self) -> PromptRenderer:

@@ -5,6 +5,10 @@ shared `FrontEnd`), engine outputs become `GenerateResponse` messages. The Serve
 (cluster/serving/serve_app.py) delegates its gRPC methods here and turns a raised `GrpcAbort`
 into the call's status.
 
+Validation is HTTP's (cluster/serving/grpc_validation.py builds the same pydantic request
+models); bytes that do not parse as the request message are INVALID_ARGUMENT (see
+cluster/serving/grpc_wire.py, the servicer functions the proxy registers).
+
 Status mapping: bad input (unset prompt, invalid sampling values, unknown model, a prompt plus
 `max_tokens` beyond the context) -> INVALID_ARGUMENT; admission queue full -> RESOURCE_EXHAUSTED;
 a stopped engine -> UNAVAILABLE; a missing or unknown API key -> UNAUTHENTICATED. A cancelled
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -23,11 +28,16 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from cluster.engine.client import EngineClient, ModelInfo
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
-from cluster.engine.generate_request import PromptInput
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.frontend import ENGINE_ERRORS, FinishTracker, FrontEnd, new_logprobs
+from cluster.serving.grpc_validation import (
+    CorruptRequest,
+    GrpcAbort,
+    chat_request,
+    parse_or_abort,
+    validated_generate,
+)
 from protos import generation_pb2 as pb
 
 GRPC_SERVICE_NAME = "pagedserve.v1.Generation"
@@ -38,19 +48,7 @@ FINISH_REASONS = {
 }
 
 Decode = Callable[[Sequence[int]], str]
-
-
-class GrpcAbort(Exception):
-    """Ends the call with `code` and `details` (the replica sets them on the gRPC context)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-    def __reduce__(self) -> tuple[type[GrpcAbort], tuple[grpc.StatusCode, str]]:
-        # Serve pickles the exception from the replica to its proxy.
-        return (GrpcAbort, (self.code, self.details))
+MessageT = TypeVar("MessageT")
 
 
 def abort_for_engine_error(error: Exception) -> GrpcAbort | None:
@@ -65,49 +63,6 @@ def abort_for_engine_error(error: Exception) -> GrpcAbort | None:
     if isinstance(error, EngineDead):
         return GrpcAbort(grpc.StatusCode.UNAVAILABLE, str(error))
     return None
-
-
-def sampling_params_from_proto(proto: pb.SamplingParameters) -> SamplingParams:
-    """Unset optional fields take the engine's defaults; invalid values are INVALID_ARGUMENT."""
-    defaults = SamplingParams()
-    try:
-        return SamplingParams(
-            n=proto.n if proto.HasField("n") else defaults.n,
-            max_tokens=proto.max_tokens if proto.HasField("max_tokens") else defaults.max_tokens,
-            temperature=(
-                proto.temperature if proto.HasField("temperature") else defaults.temperature
-            ),
-            top_p=proto.top_p if proto.HasField("top_p") else defaults.top_p,
-            top_k=proto.top_k if proto.HasField("top_k") else defaults.top_k,
-            seed=proto.seed if proto.HasField("seed") else None,
-            stop=list(proto.stop),
-            stop_token_ids=list(proto.stop_token_ids),
-            logprobs=proto.logprobs if proto.HasField("logprobs") else None,
-            ignore_eos=proto.ignore_eos,
-            include_stop_str_in_output=proto.include_stop_str_in_output,
-        )
-    except ValueError as error:
-        raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {error}") from None
-
-
-def chat_messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
-    if not chat.messages:
-        raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages must not be empty")
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
-
-
-def prompt_from_request(request: pb.GenerateRequest) -> PromptInput:
-    """Text, token ids or chat messages; an unset prompt is INVALID_ARGUMENT."""
-    kind = request.WhichOneof("prompt")
-    if kind == "text":
-        return request.text
-    if kind == "token_ids":
-        return {"prompt_token_ids": list(request.token_ids.ids)}
-    if kind == "chat":
-        return chat_messages(request.chat)
-    raise GrpcAbort(
-        grpc.StatusCode.INVALID_ARGUMENT, "set one of prompt.text, prompt.token_ids, prompt.chat"
-    )
 
 
 def _token_logprob(token_id: int, logprob: float | None, decode: Decode) -> pb.TokenLogprob:
@@ -230,10 +185,10 @@ class GenerationRpc:
         self, request: pb.GenerateRequest, *, request_id: str, tenant_salt: bytes | None
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.check_model(request.model)
-        params = sampling_params_from_proto(request.sampling)
+        prompt, params = validated_generate(request)  # the HTTP checks, INVALID_ARGUMENT
         try:
-            generate = self.frontend.prepare(
-                prompt_from_request(request), params, request_id=request_id, tenant_salt=tenant_salt
+            generate = await self.frontend.prepare_off_loop(
+                prompt, params, request_id=request_id, tenant_salt=tenant_salt
             )
         except RequestRejected as error:
             raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
@@ -261,8 +216,9 @@ class GenerationRpc:
                 request.text, add_special_tokens=request.add_special_tokens
             )
         elif kind == "chat":
+            messages = chat_request(request.chat, {}).chat_messages()  # the HTTP checks
             try:
-                ids = renderer.render_chat(chat_messages(request.chat)).token_ids
+                ids = renderer.render_chat(messages).token_ids
             except RequestRejected as error:
                 raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         else:
@@ -324,10 +280,19 @@ class GrpcMethods:
         except GrpcAbort as error:
             raise fail(context, error) from None
 
+    def _message(
+        self, request: MessageT | CorruptRequest, context: RayServegRPCContext
+    ) -> MessageT:
+        try:
+            return parse_or_abort(request)
+        except GrpcAbort as error:
+            raise fail(context, error) from None
+
     async def Generate(
-        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+        self, request: pb.GenerateRequest | CorruptRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         salt = self._salt(grpc_context)
+        request = self._message(request, grpc_context)
         request_id = f"grpc-{uuid.uuid4().hex}"  # never the client's: ids must not collide
         responses = self.rpc.generate(request, request_id=request_id, tenant_salt=salt)
         try:
@@ -338,36 +303,44 @@ class GrpcMethods:
             raise fail(grpc_context, error) from None
 
     async def Tokenize(
-        self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
+        self, request: pb.TokenizeRequest | CorruptRequest, grpc_context: RayServegRPCContext
     ) -> pb.TokenizeResponse:
         self._salt(grpc_context)
+        message = self._message(request, grpc_context)
         try:
-            return self.rpc.tokenize(request)
+            return await self.rpc.frontend.off_loop(self.rpc.tokenize, message)
         except GrpcAbort as error:
             raise fail(grpc_context, error) from None
 
     async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, grpc_context: RayServegRPCContext
+        self, request: pb.GetModelInfoRequest | CorruptRequest, grpc_context: RayServegRPCContext
     ) -> pb.ModelInfo:
         self._salt(grpc_context)
+        self._message(request, grpc_context)
         return await self.grpc_model_info()
 
     async def GetCacheStats(
-        self, request: pb.GetCacheStatsRequest, grpc_context: RayServegRPCContext
+        self, request: pb.GetCacheStatsRequest | CorruptRequest, grpc_context: RayServegRPCContext
     ) -> pb.CacheStats:
         self._salt(grpc_context)
+        self._message(request, grpc_context)
         return await self.grpc_cache_stats()
 
     async def Check(
-        self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
+        self,
+        request: health_pb2.HealthCheckRequest | CorruptRequest,
+        grpc_context: RayServegRPCContext,
     ) -> health_pb2.HealthCheckResponse:
+        request = self._message(request, grpc_context)
         if request.service not in ("", GRPC_SERVICE_NAME):
             error = GrpcAbort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
             raise fail(grpc_context, error)
         return health_response(serving=await self.grpc_serving())
 
     async def Watch(
-        self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
+        self,
+        request: health_pb2.HealthCheckRequest | CorruptRequest,
+        grpc_context: RayServegRPCContext,
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         """Reports the current status once (a replica that stops serving goes away)."""
         yield await self.Check(request, grpc_context)

@@ -12,7 +12,12 @@ Invariants:
 - the tenant salt that keys the prefix cache is derived here from the API key's tenant; no
   request field can choose it;
 - bad input is a 400 with OpenAI's error body (gRPC: INVALID_ARGUMENT); admission refusal a 503
-  with Retry-After (gRPC: RESOURCE_EXHAUSTED);
+  with Retry-After (gRPC: RESOURCE_EXHAUSTED); a body over `limits.max_body_bytes` a 413 before
+  any of it is parsed;
+- parsing, rendering and tokenizing run on the front end's threads, never on the event loop
+  (which keeps /health and other requests responsive while a large prompt is handled);
+- `/metrics` is open, needs an API key, or is served on its own port only (`limits.metrics`);
+  `/health` is always open; the OpenAPI schema is at `/openapi.json`;
 - a request that is cancelled (client disconnect, gRPC cancel) closes its engine stream, which
   cancels the call on the engine replica, aborts the request and frees its blocks;
 - an engine replica that dies mid-request ends the request with an error the client can read.
@@ -38,6 +43,8 @@ from cluster.serving.engine_server import EngineDescription
 from cluster.serving.frontend import FrontEnd
 from cluster.serving.grpc_service import GenerationRpc, GrpcAbort, GrpcMethods, cache_stats
 from cluster.serving.kv_directory import DirectoryClient, directory_handle
+from cluster.serving.limits import read_body
+from cluster.serving.metrics_listener import MetricsListener
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,6 +56,7 @@ from cluster.serving.openai_protocol import (
     parse_request,
 )
 from cluster.serving.openai_serving import OpenAIServing, ResponseMeta
+from cluster.serving.openapi_schema import install_openapi, request_body
 from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
 from cluster.serving.routed_engine import RoutedEngineClient, client_error
 from cluster.serving.routing import RoutedOutput, RoutedRequest
@@ -61,7 +69,8 @@ REPLICA_HEADER = "x-pagedserve-replica"
 
 def build_http_api(ingress: OpenAIIngress) -> FastAPI:
     """The OpenAI-compatible routes (plus /health and /metrics)."""
-    api = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
+    api = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    install_openapi(api, [CompletionRequest, ChatCompletionRequest])
 
     @api.exception_handler(OpenAIError)
     async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
@@ -81,10 +90,13 @@ def build_http_api(ingress: OpenAIIngress) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     @api.get("/metrics")
-    async def metrics() -> Response:
-        replica_id, engine_metrics = await ingress.engine.metrics.remote()
-        text = render_prometheus({replica_id: engine_metrics})
-        text += render_directory(await ingress.directory.report(), ingress.directory)
+    async def metrics(request: Request) -> Response:
+        access = ingress.args.limits.metrics.access
+        if access == "port":
+            raise OpenAIError(404, "GET /metrics: served on the metrics port only")
+        if access == "api_key":
+            ingress.http_tenant_salt(request)
+        replica_id, text = await ingress.prometheus_text()
         headers = {REPLICA_HEADER: replica_id}
         return Response(text, media_type=PROMETHEUS_CONTENT_TYPE, headers=headers)
 
@@ -98,10 +110,11 @@ def build_http_api(ingress: OpenAIIngress) -> FastAPI:
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         salt = ingress.http_tenant_salt(request)
-        parsed = parse_request(await request.body(), CompletionRequest)
+        body = await read_body(request, ingress.args.limits.max_body_bytes)
+        parsed = await ingress.frontend.off_loop(parse_request, body, CompletionRequest)
         ingress.check_model(parsed.model)
         meta = ResponseMeta()
         if parsed.stream:
@@ -110,10 +123,11 @@ def build_http_api(ingress: OpenAIIngress) -> FastAPI:
         response = await ingress.openai.completion(parsed, salt, meta)
         return JSONResponse(response.model_dump(exclude_none=True), headers=meta_of(meta))
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         salt = ingress.http_tenant_salt(request)
-        parsed = parse_request(await request.body(), ChatCompletionRequest)
+        body = await read_body(request, ingress.args.limits.max_body_bytes)
+        parsed = await ingress.frontend.off_loop(parse_request, body, ChatCompletionRequest)
         ingress.check_model(parsed.model)
         meta = ResponseMeta()
         if parsed.stream:
@@ -155,11 +169,36 @@ class OpenAIIngress(GrpcMethods):
             directory_handle(app_name, settings.max_entries, settings.replica_timeout_s),
             settings.query_timeout_s,
         )
-        self.client = RoutedEngineClient(engine, description.keys, self.directory.holdings)
+        self.client = RoutedEngineClient(
+            engine, description.keys, self.directory.holdings, self.args.limits.queue_timeout_s
+        )
         name = self.args.served_model_name
         self.openai = OpenAIServing(self.client, self.frontend, name)
         self.rpc = GenerationRpc(self.client, self.frontend, name)
         self.created = int(time.time())
+        self.metrics_listener: MetricsListener | None = None
+        metrics_args = self.args.limits.metrics
+        if metrics_args.port is not None:
+            self.metrics_listener = MetricsListener(
+                self._prometheus_body, "0.0.0.0", metrics_args.port
+            )
+            await self.metrics_listener.start()
+
+    async def __del__(self) -> None:
+        """Serve calls this when it stops the replica: close the metrics port."""
+        listener = getattr(self, "metrics_listener", None)  # absent when __init__ failed
+        if listener is not None:
+            await listener.close()
+
+    async def prometheus_text(self) -> tuple[str, bytes]:
+        """The id of the engine replica that answered, and its metrics and the KV directory's
+        in Prometheus' format."""
+        replica_id, engine_metrics = await self.engine.metrics.remote()
+        text = render_prometheus({replica_id: engine_metrics})
+        return replica_id, text + render_directory(await self.directory.report(), self.directory)
+
+    async def _prometheus_body(self) -> bytes:
+        return (await self.prometheus_text())[1]
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_api(self)
@@ -178,7 +217,7 @@ class OpenAIIngress(GrpcMethods):
         RequestRejected, EngineOverloaded like the engine."""
         salt = self.tenancy.salt_for(request.authorization)
         request_id = request.request_id or f"handle-{time.time_ns()}"
-        prepared = self.frontend.prepare(
+        prepared = await self.frontend.prepare_off_loop(
             request.prompt, request.params, request_id=request_id, tenant_salt=salt
         )
         stream = self.client.generate(prepared)

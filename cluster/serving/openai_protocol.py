@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MAX_STOP_SEQUENCES = 16
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_STOP_CHARS = 1024
+"""Longest stop string: stop strings are matched against the text after every step."""
 
 
 class OpenAIError(Exception):
@@ -131,7 +133,14 @@ class _SamplingRequest(_Edge):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop: (
+        Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
+            Field(max_length=MAX_STOP_SEQUENCES),
+        ]
+        | None
+    ) = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     user: str | None = None
@@ -318,11 +327,14 @@ RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
 
 
 def parse_request(body: bytes, model: type[RequestT]) -> RequestT:
-    """Parse a raw JSON body into `model` and check it is supported; every failure is a 400."""
+    """Parse a raw JSON body into `model` and check it is supported; every failure is a 400,
+    a body nested too deep to decode included (the decoder's RecursionError, never a 500)."""
     try:
         decoded = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise invalid_request(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid_request("Request body is not valid JSON: it nests too deep") from None
     if not isinstance(decoded, dict):
         raise invalid_request("Request body must be a JSON object")
     try:

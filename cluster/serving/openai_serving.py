@@ -189,7 +189,7 @@ class OpenAIServing:
         param = "prompt" if isinstance(prompts[0], str | Mapping) else "messages"
         try:
             requests = [
-                self.frontend.prepare(
+                await self.frontend.prepare_off_loop(
                     prompt,
                     params,
                     request_id=rid if len(prompts) == 1 else f"{rid}-{i}",

@@ -12,11 +12,14 @@ Invariants:
   ends the stream with EngineDead / EngineOverloaded, which the front ends turn into an error
   the client can read (an SSE error event, a 503, UNAVAILABLE);
 - closing the stream before it finished cancels the call on the replica, which aborts the
-  request there and frees its blocks.
+  request there and frees its blocks;
+- a request with no output `queue_timeout_s` after it was sent (queued at the handle or in an
+  engine's admission queue) is cancelled and ends with EngineOverloaded (503 + Retry-After).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -59,19 +62,42 @@ def client_error(error: BaseException) -> Exception | None:
 class RoutedEngineClient:
     """Streams `GenerateRequest`s through the engine deployment's handle (see the module doc)."""
 
-    def __init__(self, handle: Any, keys: RequestKeys, holdings: Holdings = no_holdings):
+    def __init__(
+        self,
+        handle: Any,
+        keys: RequestKeys,
+        holdings: Holdings = no_holdings,
+        queue_timeout_s: float | None = None,
+    ) -> None:
+        """`queue_timeout_s`: a request not started by then is refused as overloaded."""
         self.handle = handle
         self.keys = keys
         self.holdings = holdings
+        self.queue_timeout_s = queue_timeout_s
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         hashes = self.keys.block_hashes(request)  # RequestRejected for a bad shared prefix
         held = await self.holdings(hashes)
-        stream = self.handle.options(stream=True).generate.remote(
-            request, **{BLOCK_HASHES_KWARG: hashes, PREFIX_BLOCKS_KWARG: held}
-        )
         finished = False
+        stream = None
         try:
+            # Inside the try: the router may refuse here already (BackPressureError).
+            stream = self.handle.options(stream=True).generate.remote(
+                request, **{BLOCK_HASHES_KWARG: hashes, PREFIX_BLOCKS_KWARG: held}
+            )
+            try:
+                async with asyncio.timeout(self.queue_timeout_s):
+                    first = await anext(stream)
+            except TimeoutError:
+                raise EngineOverloaded(
+                    f"the request waited {self.queue_timeout_s:g} s without being started "
+                    "(queue timeout)",
+                    retry_after_s=max(1.0, self.queue_timeout_s / 10),
+                ) from None
+            except StopAsyncIteration:
+                return
+            finished = first.finished
+            yield first
             async for output in stream:
                 finished = output.finished
                 yield output
@@ -81,7 +107,7 @@ class RoutedEngineClient:
                 raise
             raise mapped from None
         finally:
-            if not finished:
+            if not finished and stream is not None:
                 stream.cancel()
 
     async def abort(self, request_id: str) -> None:

@@ -22,8 +22,8 @@ MAX_MODEL_LEN = 512
 SHARED_SYSTEM_PROMPT = "Operator system prompt: you are a careful assistant for paged memory. "
 """Declared in the session app's `shared_prefixes`: tenants share its whole KV blocks."""
 SERVICER_FUNCTIONS = [
-    "protos.generation_pb2_grpc.add_GenerationServicer_to_server",
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "cluster.serving.grpc_wire.add_GenerationServicer_to_server",
+    "cluster.serving.grpc_wire.add_HealthServicer_to_server",
 ]
 
 

@@ -27,9 +27,9 @@ def test_serve_config_parses_with_rays_schema_on_the_default_ports() -> None:
     callables = gRPCOptions(
         grpc_servicer_functions=config.grpc_options.grpc_servicer_functions
     ).grpc_servicer_func_callable
-    assert [f.__module__ for f in callables] == [
-        "protos.generation_pb2_grpc",
-        "grpc_health.v1.health_pb2_grpc",
+    assert [f"{f.__module__}.{f.__name__}" for f in callables] == [
+        "cluster.serving.grpc_wire.add_GenerationServicer_to_server",
+        "cluster.serving.grpc_wire.add_HealthServicer_to_server",
     ]
 
 

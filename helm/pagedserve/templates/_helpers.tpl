@@ -48,6 +48,7 @@ tensor-parallel rank, packed onto one node.
 {{- $deployment := dict
       "name" "GenerationServer"
       "max_ongoing_requests" (int .Values.serve.maxOngoingRequests)
+      "max_queued_requests" (int .Values.serve.maxQueuedRequests)
       "autoscaling_config" (dict
         "min_replicas" (int $auto.minReplicas)
         "max_replicas" (int $auto.maxReplicas)
@@ -86,8 +87,8 @@ tensor-parallel rank, packed onto one node.
       "grpc_options" (dict
         "port" (int .Values.serve.grpcPort)
         "grpc_servicer_functions" (list
-          "protos.generation_pb2_grpc.add_GenerationServicer_to_server"
-          "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"))
+          "cluster.serving.grpc_wire.add_GenerationServicer_to_server"
+          "cluster.serving.grpc_wire.add_HealthServicer_to_server"))
       "applications" (list $app) -}}
 {{- toYaml $config -}}
 {{- end -}}

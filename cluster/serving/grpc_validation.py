@@ -1,0 +1,141 @@
+"""gRPC requests validated exactly as HTTP ones: a protobuf request becomes the same pydantic
+request model the OpenAI routes parse (`CompletionRequest` for text and token ids,
+`ChatCompletionRequest` for chat), so both front ends share one set of checks (roles, ranges,
+finite numbers, stop-string count and lengths, n, logprobs, ...).
+
+Invariants:
+- every value HTTP refuses, gRPC refuses too, as INVALID_ARGUMENT carrying the same message;
+- unset optional proto fields are left out, so they take the same defaults as an HTTP field
+  left out, except `max_tokens`, which is 16 for every prompt kind (the documented gRPC default);
+- bytes that are not a valid message never reach a method as a message: the proxy's
+  deserializer turns them into `CorruptRequest`, which `parse_or_abort` refuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from pydantic import ValidationError
+
+from cluster.engine.generate_request import PromptInput
+from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    error_from_validation,
+)
+from protos import generation_pb2 as pb
+
+GRPC_DEFAULT_MAX_TOKENS = 16
+ANY_MODEL = "(served model)"
+"""The `model` put into the request model: gRPC checks the model name on its own."""
+
+MessageT = TypeVar("MessageT")
+
+
+class GrpcAbort(Exception):
+    """Ends the call with `code` and `details` (the replica sets them on the gRPC context)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+    def __reduce__(self) -> tuple[type[GrpcAbort], tuple[grpc.StatusCode, str]]:
+        # Serve pickles the exception from the replica to its proxy.
+        return (GrpcAbort, (self.code, self.details))
+
+
+@dataclass(frozen=True)
+class CorruptRequest:
+    """What the proxy hands a method for bytes that do not parse as its request message."""
+
+    message_type: str
+    error: str
+
+
+def parse_or_abort(request: MessageT | CorruptRequest) -> MessageT:
+    """The request message, or `GrpcAbort` INVALID_ARGUMENT for corrupt bytes."""
+    if isinstance(request, CorruptRequest):
+        raise GrpcAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid {request.message_type} message: {request.error}",
+        )
+    return request
+
+
+def invalid_argument(error: OpenAIError) -> Exception:
+    return GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+
+
+def sampling_fields(proto: pb.SamplingParameters, *, chat: bool) -> dict[str, Any]:
+    """The OpenAI request fields a `SamplingParameters` message sets."""
+    fields: dict[str, Any] = {}
+    for name in ("n", "max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if proto.HasField(name):
+            fields[name] = getattr(proto, name)
+    fields.setdefault("max_tokens", GRPC_DEFAULT_MAX_TOKENS)
+    if proto.stop:
+        fields["stop"] = list(proto.stop)
+    if proto.stop_token_ids:
+        fields["stop_token_ids"] = list(proto.stop_token_ids)
+    if proto.HasField("logprobs"):
+        if chat:
+            fields["logprobs"] = True
+            fields["top_logprobs"] = proto.logprobs
+        else:
+            fields["logprobs"] = proto.logprobs
+    fields["ignore_eos"] = proto.ignore_eos
+    fields["include_stop_str_in_output"] = proto.include_stop_str_in_output
+    return fields
+
+
+def chat_request(chat: pb.ChatMessages, fields: dict[str, Any]) -> ChatCompletionRequest:
+    """Chat messages (and sampling `fields`) as a validated `ChatCompletionRequest`."""
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    return _validated(ChatCompletionRequest, {**fields, "messages": messages})
+
+
+RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
+
+
+def _validated(model: type[RequestT], fields: dict[str, Any]) -> RequestT:
+    try:
+        request = model.model_validate({"model": ANY_MODEL, **fields})
+        request.check_supported()
+    except ValidationError as error:
+        raise invalid_argument(error_from_validation(error)) from None
+    except OpenAIError as error:
+        raise invalid_argument(error) from None
+    return request
+
+
+def validated_generate(request: pb.GenerateRequest) -> tuple[PromptInput, SamplingParams]:
+    """The prompt and sampling parameters of a `GenerateRequest`, after the HTTP checks; raises
+    GrpcAbort INVALID_ARGUMENT for anything HTTP would refuse with 400."""
+    kind = request.WhichOneof("prompt")
+    fields = sampling_fields(request.sampling, chat=kind == "chat")
+    prompt: PromptInput
+    parsed: CompletionRequest | ChatCompletionRequest
+    if kind == "text":
+        parsed = _validated(CompletionRequest, {**fields, "prompt": request.text})
+        prompt = request.text
+    elif kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        parsed = _validated(CompletionRequest, {**fields, "prompt": ids})
+        prompt = {"prompt_token_ids": ids}
+    elif kind == "chat":
+        parsed = chat_request(request.chat, fields)
+        prompt = parsed.chat_messages()
+    else:
+        raise GrpcAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "set one of prompt.text, prompt.token_ids, prompt.chat",
+        )
+    try:
+        return prompt, SamplingParams(**parsed.sampling_kwargs())
+    except ValueError as error:
+        raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {error}") from None

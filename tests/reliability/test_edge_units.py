@@ -1,0 +1,77 @@
+"""Fast, in-process checks of the edge's refusals: deep JSON, gRPC sharing HTTP's validation,
+lenient protobuf deserialization, and the limits section of the app's args."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from cluster.serving.app_args import ServeAppArgs
+from cluster.serving.grpc_validation import CorruptRequest, GrpcAbort, validated_generate
+from cluster.serving.grpc_wire import LenientDeserializer
+from cluster.serving.openai_protocol import CompletionRequest, OpenAIError, parse_request
+from protos import generation_pb2 as pb
+
+
+def sampled(**fields: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text="x", sampling=pb.SamplingParameters(**fields))
+
+
+@pytest.mark.parametrize("opening", [b"[", b'{"a":'])
+def test_json_nested_100000_levels_is_a_400_not_a_recursion_error(opening: bytes) -> None:
+    closing = b"]" if opening == b"[" else b"}"
+    with pytest.raises(OpenAIError) as caught:
+        parse_request(opening * 100_000 + b"1" + closing * 100_000, CompletionRequest)
+    assert caught.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("request_", "param"),
+    [
+        (
+            pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard")])),
+            "role",
+        ),
+        (sampled(temperature=math.inf), "temperature"),
+        (sampled(temperature=math.nan), "temperature"),
+        (sampled(stop=["s"] * 1000), "stop"),
+        (sampled(stop=["x" * 2000]), "stop"),
+        (sampled(n=1000), "'n'"),
+        (sampled(logprobs=21), "logprobs"),
+        (pb.GenerateRequest(chat=pb.ChatMessages()), "messages"),
+    ],
+)
+def test_grpc_refuses_what_http_refuses_with_the_same_message(
+    request_: pb.GenerateRequest, param: str
+) -> None:
+    with pytest.raises(GrpcAbort) as caught:
+        validated_generate(request_)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert param in caught.value.details
+
+
+def test_grpc_defaults_match_the_documented_ones() -> None:
+    prompt, params = validated_generate(pb.GenerateRequest(text="hi"))
+    assert prompt == "hi"
+    assert (params.n, params.max_tokens, params.temperature, params.logprobs) == (1, 16, 1.0, None)
+
+
+def test_corrupt_bytes_become_a_corrupt_request_and_valid_bytes_parse_as_generated() -> None:
+    parse = LenientDeserializer(pb.GenerateRequest.FromString)
+    corrupt = parse(b"\x0f\xff")
+    assert isinstance(corrupt, CorruptRequest)
+    assert corrupt.message_type == "pagedserve.v1.GenerateRequest"
+    assert parse(pb.GenerateRequest(text="hi").SerializeToString()) == pb.GenerateRequest(text="hi")
+
+
+def test_limits_defaults_and_metrics_port_validation() -> None:
+    args = ServeAppArgs.model_validate({})
+    assert args.limits.max_body_bytes == 4 * 1024 * 1024
+    assert args.limits.metrics.access == "open"
+    with pytest.raises(ValidationError, match=r"metrics\.port"):
+        ServeAppArgs.model_validate({"limits": {"metrics": {"access": "port"}}})
+    with_port = {"limits": {"metrics": {"access": "port", "port": 9100}}}
+    assert ServeAppArgs.model_validate(with_port).limits.metrics.port == 9100
