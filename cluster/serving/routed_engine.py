@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -108,7 +109,10 @@ class RoutedEngineClient:
             raise mapped from None
         finally:
             if not finished and stream is not None:
-                stream.cancel()
+                # `cancel` re-raises a call's routing failure (e.g. BackPressureError), which
+                # would replace the client error raised above: the call is over either way.
+                with contextlib.suppress(Exception):
+                    stream.cancel()
 
     async def abort(self, request_id: str) -> None:
         """Requests are aborted by closing their `generate` stream (which cancels the call on
