@@ -39,6 +39,7 @@ def build_kv_manager(
             num_cpu_blocks=num_cpu_blocks,
             block_size=cache.block_size,
             enable_prefix_caching=cache.enable_prefix_caching,
+            cpu_cache=cache.cpu_cache,
             watermark_blocks=watermark,
         )
     if cache.kv_layout == "contiguous":
