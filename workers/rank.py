@@ -270,6 +270,7 @@ class WorkerRank:
             swap_blocks(self.cpu_pool, self.device_pool, _pairs_tensor(inward))
         if plan.copy_pairs:
             copy_blocks(self.device_pool, _pairs_tensor(plan.copy_pairs).to(self.device))
+        return corrupt
 
     def execute(self, plan: StepPlan) -> StepOutput | None:
         """Swaps, copies, forward, and (rank 0) sampling. Ranks other than 0 return None.
