@@ -21,6 +21,7 @@ from block_manager.manager import KVCacheManager
 from block_manager.pressure import PressureSnapshot, TierPressure
 from block_manager.prompt_blocks import cacheable_blocks, prompt_block_hashes
 from block_manager.protocol import KVManager, TableDelta
+from block_manager.tiers import TierCounters, TierTransfers
 from block_manager.types import BlockCopy, SeqId
 from block_manager.usage import LayoutUsage
 from block_manager.virtual import VirtualKVManager
@@ -43,7 +44,9 @@ __all__ = [
     "PressureSnapshot",
     "SeqId",
     "TableDelta",
+    "TierCounters",
     "TierPressure",
+    "TierTransfers",
     "VirtualKVManager",
     "block_hash",
     "cacheable_blocks",

@@ -5,7 +5,8 @@ Verified, for the device tier and the CPU tier alike:
 2. a block is in the free queue iff its count is 0 (nothing is both free and referenced), the
    queue's links are consistent both ways, and its length matches the pool's counters;
 3. unsealed free blocks precede cached ones (they are reused first); the index and the per-block
-   keys agree and each cached key digests to its block's hash; the CPU tier caches nothing;
+   keys agree and each cached key digests to its block's hash; the CPU tier caches nothing
+   unless it is a cache tier (`block_manager.tiers`), whose in-flight pins count as references;
 4. every table has ceil(tokens / block_size) blocks, no block twice, counts in range, and its
    sealed hashes equal the recomputed hash chain (``verify_hashes``; its first
    ``unsalted_blocks`` blocks, which lie within its tokens, without extra keys); a device
@@ -32,7 +33,13 @@ def _fail(message: str) -> None:
     raise IntegrityError(message)
 
 
-def check_pool(pool: BlockPool, expected_refs: list[int], *, verify_hashes: bool = True) -> None:
+def check_pool(
+    pool: BlockPool,
+    expected_refs: list[int],
+    *,
+    verify_hashes: bool = True,
+    cpu_caches: bool = False,
+) -> None:
     """Invariants 1-3 for one tier, given the references counted from the tables."""
     tier = pool.tier
     if pool.ref_counts != expected_refs:
@@ -83,7 +90,7 @@ def check_pool(pool: BlockPool, expected_refs: list[int], *, verify_hashes: bool
     for block, (key, block_hash) in enumerate(zip(pool.keys, pool.hashes, strict=True)):
         if (key is None) != (block_hash is None):
             _fail(f"{tier} block {block}: hash and key must be set together")
-    if tier == "cpu" and pool.cached:
+    if tier == "cpu" and pool.cached and not cpu_caches:
         _fail("cpu tier must not cache blocks by hash")
 
 
@@ -106,9 +113,14 @@ def check_manager_integrity(
     block_size: int,
     caching: bool,
     verify_hashes: bool,
+    pinned: tuple[dict[int, int], dict[int, int]] | None = None,
 ) -> None:
-    """Invariants 1-5 over both tiers and every table; raises `IntegrityError`."""
+    """Invariants 1-5 over both tiers and every table; raises `IntegrityError`. `pinned`: the
+    CPU cache tier's in-flight references (device, cpu), when the tier is on."""
     refs = {"device": [0] * device.num_blocks, "cpu": [0] * cpu.num_blocks}
+    for tier, extra in zip(("device", "cpu"), pinned or ({}, {}), strict=True):
+        for block, count in extra.items():
+            refs[tier][block] += count
     exclusive: list[tuple[SeqId, BlockPool, int]] = []
     for seq_id, table in tables.items():
         num_tokens, blocks = len(table.tokens), table.block_ids
@@ -149,7 +161,7 @@ def check_manager_integrity(
         if verify_hashes:
             _check_chain(seq_id, table, block_size)
     check_pool(device, refs["device"], verify_hashes=verify_hashes)
-    check_pool(cpu, refs["cpu"], verify_hashes=verify_hashes)
+    check_pool(cpu, refs["cpu"], verify_hashes=verify_hashes, cpu_caches=pinned is not None)
     for seq_id, pool, block in exclusive:
         if pool.ref_counts[block] != 1:
             _fail(

@@ -36,6 +36,7 @@ from block_manager.prompt_blocks import cacheable_blocks
 from block_manager.protocol import NoReservationHooks, TableDelta
 from block_manager.swap import SwapCounters, plan_swap_in, plan_swap_out
 from block_manager.table import BlockTable
+from block_manager.tiers import CpuHits, CpuTier, TierCounters, TierTransfers
 from block_manager.types import BlockCopy, SeqId
 from block_manager.usage import LayoutUsage
 from block_manager.validation import (
@@ -53,6 +54,7 @@ class _Prompt(NamedTuple):
     seed: bytes
     suffix: bytes
     unsalted_blocks: int
+    cpu_hits: CpuHits | None = None
 
 
 class KVCacheManager(NoReservationHooks):
@@ -79,6 +81,7 @@ class KVCacheManager(NoReservationHooks):
         "_shift",
         "_swaps",
         "_tables",
+        "_tier",
         "_watermark",
     )
 
@@ -91,9 +94,12 @@ class KVCacheManager(NoReservationHooks):
         enable_prefix_caching: bool = True,
         watermark_blocks: int = 0,
         record_events: bool = False,
+        cpu_cache: bool = False,
     ) -> None:
         """`record_events`: keep a `BlockEvent` for every seal and eviction in either tier, for
-        `take_events` (a cluster-wide index follows the cache from them)."""
+        `take_events` (a cluster-wide index follows the cache from them). `cpu_cache`: the CPU
+        pool is also a cache tier (`block_manager.tiers`; needs prefix caching and CPU blocks);
+        off, the CPU pool only holds swapped-out sequences, as it always did."""
         check_manager_sizes(num_device_blocks, num_cpu_blocks, block_size, watermark_blocks)
         self._block_size = block_size
         self._shift = block_size.bit_length() - 1
@@ -111,6 +117,11 @@ class KVCacheManager(NoReservationHooks):
         self._prefix_hit_tokens = 0
         self._cow_copies = 0
         self._swaps = SwapCounters()
+        self._tier = (
+            CpuTier(self._device, self._cpu)
+            if cpu_cache and self._caching and num_cpu_blocks > 0
+            else None
+        )
 
     # ------------------------------------------------------------------ attributes
     @property
@@ -259,7 +270,21 @@ class KVCacheManager(NoReservationHooks):
         refs = self._device.ref_counts
         reclaimed = sum(1 for block in hit_blocks if refs[block] == 0)
         needed = total - len(hit_blocks) + reclaimed
-        return _Prompt(tokens, seed, suffix, unsalted), hit_blocks, hit_hashes, needed
+        cpu_hits = None
+        if self._tier is not None:  # CPU hits continue the chain; each needs a fresh block
+            cpu_hits = self._tier.match(
+                hit_hashes[-1] if hit_hashes else seed,
+                tokens_to_bytes(tokens),
+                len(hit_hashes),
+                cacheable_blocks(len(tokens), self._block_size),
+                self._block_size,
+                suffix,
+                unsalted,
+            )
+            if cpu_hits.blocks:
+                hit_hashes = hit_hashes + cpu_hits.hashes
+        prompt = _Prompt(tokens, seed, suffix, unsalted, cpu_hits)
+        return prompt, hit_blocks, hit_hashes, needed
 
     def blocks_needed_to_allocate(self, token_ids: Sequence[int], key: CacheKey) -> int:
         """Blocks `allocate` would take out of the free queue (new ones plus reused cached ones)."""
@@ -383,6 +408,7 @@ class KVCacheManager(NoReservationHooks):
 
     def check_integrity(self, *, verify_hashes: bool = True) -> None:
         """Raise `IntegrityError` if any invariant is broken (see `block_manager.integrity`)."""
+        tier = self._tier
         check_manager_integrity(
             device=self._device,
             cpu=self._cpu,
@@ -390,6 +416,7 @@ class KVCacheManager(NoReservationHooks):
             block_size=self._block_size,
             caching=self._caching,
             verify_hashes=verify_hashes,
+            pinned=tier.pinned_refs() if tier is not None else None,
         )
 
     # ------------------------------------------------------------------ mutations
@@ -421,9 +448,16 @@ class KVCacheManager(NoReservationHooks):
                 tier="device",
             )
         pool.acquire_run(hit_blocks)
+        cpu_hits = prompt.cpu_hits
+        if cpu_hits is not None:
+            self._tier_commit(cpu_hits, len(hit_blocks))
         blocks = hit_blocks
         blocks += pool.pop_many(total - len(hit_blocks))
         cached_tokens = len(hit_hashes) << self._shift
+        if cpu_hits is not None and cpu_hits.blocks:
+            first = len(hit_hashes) - len(cpu_hits.blocks)
+            assert self._tier is not None
+            self._tier.promote_into(cpu_hits, blocks[first : len(hit_hashes)])
         self._tables[seq_id] = BlockTable(
             tokens,
             blocks,
@@ -474,6 +508,14 @@ class KVCacheManager(NoReservationHooks):
         table.synced = min(table.synced, len(table.block_ids) - 1)
         self._cow_copies += 1
         return BlockCopy(src=tail, dst=block, num_tokens=offset)
+
+    def _tier_commit(self, cpu_hits: CpuHits, device_hits: int) -> None:
+        """Pin the CPU hits (before device pops can demote into the CPU tier) and count hits."""
+        assert self._tier is not None
+        self._tier.pin_hits(cpu_hits)
+        counters = self._tier.counters
+        counters.device_hit_tokens += device_hits << self._shift
+        counters.cpu_hit_tokens += len(cpu_hits.blocks) << self._shift
 
     @staticmethod
     def _bad_token(token_id: object) -> InvalidOperation:
@@ -572,4 +614,50 @@ class KVCacheManager(NoReservationHooks):
             self._watermark,
             self._block_size,
         )
-        return plan.commit(self._swaps)
+        tier = self._tier
+        if tier is None:
+            return plan.commit(self._swaps)
+        pairs = plan.commit(self._swaps, tier.defer_release)
+        tier.incoming.update(device for _, device in pairs)
+        return pairs
+
+    # ------------------------------------------------------------------ the CPU cache tier
+    @property
+    def cpu_cache(self) -> bool:
+        """Whether the CPU pool is a cache tier (`block_manager.tiers`)."""
+        return self._tier is not None
+
+    def set_promotion(self, enabled: bool) -> None:
+        """Whether CPU-tier hits are promoted (the caller's cost model decides) or missed."""
+        if self._tier is not None:
+            self._tier.promote = enabled
+
+    def take_transfers(self) -> TierTransfers:
+        """The tier copies planned since the last call: demotions, which the workers run before
+        anything else in the step, and promotions, run with the swap-ins."""
+        return self._tier.take() if self._tier is not None else TierTransfers()
+
+    def complete_transfers(self) -> None:
+        """The workers ran the step's copies: unpin the blocks they read or wrote."""
+        if self._tier is not None:
+            self._tier.complete()
+
+    def tier_counters(self) -> TierCounters:
+        """Hits by tier, demotions, promotions, refusals (zeros while the tier is off)."""
+        if self._tier is None:
+            return TierCounters(device_hit_tokens=self._prefix_hit_tokens)
+        return TierCounters(**vars(self._tier.counters))
+
+    def discard(self, device_blocks: Sequence[int], cpu_blocks: Sequence[int]) -> None:
+        """Make blocks whose bytes failed verification unfindable (the caller then frees every
+        sequence holding them); unsealed blocks are left as they are."""
+        device, cpu = self._device, self._cpu
+        if self._tier is not None:
+            self._tier.discard(list(device_blocks), list(cpu_blocks))
+            return
+        for block in device_blocks:
+            if device.keys[block] is not None:
+                device.unseal(block)
+        for block in cpu_blocks:
+            if cpu.keys[block] is not None:
+                cpu.unseal(block)

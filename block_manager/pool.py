@@ -11,10 +11,17 @@ Invariants (checked by `block_manager.integrity`):
   ``cached[keys[b]] == b``: it stays findable while free ("evictable cached") until it is popped
   for reuse. The index is keyed by the exact preimage (parent hash, token bytes, extra keys), so a
   prefix lookup compares bytes exactly and computes no sha256 for a hit; which blocks match never
-  depends on Python's per-process ``hash()`` (a dict only uses it to place keys).
+  depends on Python's per-process ``hash()`` (a dict only uses it to place keys);
+- ``generations[b]`` grows by one every time ``b`` is taken from the free queue (the only way a
+  block gets new contents: a sealed block is never written, an unsealed one only by its holder),
+  so a copy that recorded ``generations[b]`` can tell later whether ``b`` changed since;
+- when ``on_evict`` is set, it is called with (block, preimage, hash) just before a cached block
+  is reused, while its contents are still intact (the CPU tier demotes it there).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from block_manager.errors import Tier
 from block_manager.events import BlockEvent
@@ -30,11 +37,13 @@ class BlockPool:
         "_prev",
         "cached",
         "events",
+        "generations",
         "hashes",
         "keys",
         "num_blocks",
         "num_free",
         "num_free_cached",
+        "on_evict",
         "ref_counts",
         "sentinel",
         "tier",
@@ -47,6 +56,8 @@ class BlockPool:
         self.hashes: list[bytes | None] = [None] * num_blocks
         self.keys: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
+        self.generations: list[int] = [0] * num_blocks
+        self.on_evict: Callable[[int, bytes, bytes], None] | None = None
         self.sentinel = num_blocks
         # Initially every block is free, in id order; the sentinel closes the ring.
         if num_blocks:
@@ -98,14 +109,17 @@ class BlockPool:
         if old is not None:
             self._evict(block, old)
         self.ref_counts[block] = 1
+        self.generations[block] += 1
         return block
 
     def _evict(self, block: int, key: bytes) -> None:
-        """Forget the hash of a cached block that is being reused."""
+        """Forget the hash of a cached block that is being reused (after `on_evict`, if set)."""
+        digest = self.hashes[block]
+        assert digest is not None
         if self.events is not None:
-            digest = self.hashes[block]
-            assert digest is not None
             self.events.append(BlockEvent(False, digest, self.tier))
+        if self.on_evict is not None:
+            self.on_evict(block, key, digest)
         del self.cached[key]
         self.keys[block] = self.hashes[block] = None
         self.num_free_cached -= 1
@@ -116,6 +130,7 @@ class BlockPool:
         The caller must have checked ``num_free >= count``.
         """
         prev, nxt, refs, keys = self._prev, self._next, self.ref_counts, self.keys
+        gens = self.generations
         taken: list[int] = []
         block = nxt[self.sentinel]
         for _ in range(count):
@@ -124,6 +139,7 @@ class BlockPool:
             if old is not None:
                 self._evict(block, old)
             refs[block] = 1
+            gens[block] += 1
             following = nxt[block]
             prev[block] = nxt[block] = _NOT_QUEUED
             block = following
@@ -182,6 +198,27 @@ class BlockPool:
         self.hashes[block] = block_hash
         if self.events is not None:
             self.events.append(BlockEvent(True, block_hash, self.tier))
+
+    def unseal(self, block: int) -> None:
+        """Make a sealed block unfindable without reusing it (its KV must not be served)."""
+        key = self.keys[block]
+        assert key is not None
+        digest = self.hashes[block]
+        assert digest is not None
+        if self.events is not None:
+            self.events.append(BlockEvent(False, digest, self.tier))
+        del self.cached[key]
+        self.keys[block] = self.hashes[block] = None
+        if self.ref_counts[block] == 0:  # an unsealed free block belongs at the front
+            self._unlink(block)
+            self.num_free_cached -= 1
+            self._push_front(block)
+
+    def touch(self, block: int) -> None:
+        """Move a free cached block to the back of the queue (most recently used)."""
+        if self.ref_counts[block] == 0:
+            self._unlink(block)
+            self._push_back(block)
 
     # --- read-only views (tests, integrity, pressure)
     def free_queue(self) -> list[int]:

@@ -11,7 +11,10 @@ asks which layout it holds. Layout differences are answered by hooks, not by typ
   virtual layout has any);
 - `usage` is the layout's memory accounting (`LayoutUsage`);
 - `take_table_delta` reports what changed in a sequence's block table since the workers were
-  last told, so the scheduler never copies or diffs whole tables.
+  last told, so the scheduler never copies or diffs whole tables;
+- `take_transfers` / `complete_transfers` hand the step's CPU cache tier copies to the workers
+  and unpin them once run; `tier_counters`, `set_promotion` and `discard` complete the tier
+  (only the paged layout has one: `NoCacheTier` gives the others empty answers).
 
 `NoDecommits` and `NoReservationHooks` give a manager the do-nothing hooks it has no use for.
 """
@@ -25,6 +28,7 @@ from block_manager.cache_key import CacheKey
 from block_manager.errors import Tier
 from block_manager.events import BlockEvent
 from block_manager.pressure import PressureSnapshot
+from block_manager.tiers import TierCounters, TierTransfers
 from block_manager.types import BlockCopy, SeqId
 from block_manager.usage import LayoutUsage
 
@@ -93,6 +97,15 @@ class KVManager(Protocol):
     def take_events(self) -> list[BlockEvent]: ...
     def cached_hashes_by_tier(self) -> dict[Tier, list[bytes]]: ...
 
+    # the CPU cache tier
+    @property
+    def cpu_cache(self) -> bool: ...
+    def set_promotion(self, enabled: bool) -> None: ...
+    def take_transfers(self) -> TierTransfers: ...
+    def complete_transfers(self) -> None: ...
+    def tier_counters(self) -> TierCounters: ...
+    def discard(self, device_blocks: Sequence[int], cpu_blocks: Sequence[int]) -> None: ...
+
     # layout hooks
     def reserve(self, seq_id: SeqId, max_total_tokens: int) -> None: ...
     def forget(self, seq_id: SeqId) -> None: ...
@@ -123,3 +136,28 @@ class NoReservationHooks(NoDecommits):
 
     def forget(self, seq_id: SeqId) -> None:
         """Nothing was reserved, so nothing to drop."""
+
+
+class NoCacheTier:
+    """The CPU cache tier hooks of a layout without one: nothing demoted, promoted or pinned."""
+
+    __slots__ = ()
+
+    @property
+    def cpu_cache(self) -> bool:
+        return False
+
+    def set_promotion(self, enabled: bool) -> None:
+        """No tier: nothing to promote."""
+
+    def take_transfers(self) -> TierTransfers:
+        return TierTransfers()
+
+    def complete_transfers(self) -> None:
+        """Nothing is ever in flight."""
+
+    def tier_counters(self) -> TierCounters:
+        return TierCounters()
+
+    def discard(self, device_blocks: Sequence[int], cpu_blocks: Sequence[int]) -> None:
+        """Nothing is sealed by hash in a layout without prefix caching."""

@@ -26,7 +26,7 @@ from block_manager.cache_key import CacheKey
 from block_manager.errors import IntegrityError, InvalidOperation, Tier
 from block_manager.events import BlockEvent
 from block_manager.pressure import PressureSnapshot, TierPressure
-from block_manager.protocol import NoDecommits, TableDelta
+from block_manager.protocol import NoCacheTier, NoDecommits, TableDelta
 from block_manager.types import BlockCopy, SeqId
 from block_manager.usage import LayoutUsage
 from block_manager.validation import check_count
@@ -47,7 +47,7 @@ class SequenceRange:
     synced: int = 0
 
 
-class RangeKVManager(NoDecommits, ABC):
+class RangeKVManager(NoDecommits, NoCacheTier, ABC):
     """Base of the contiguous and virtual layouts (see the module docstring)."""
 
     layout = "range"

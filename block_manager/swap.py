@@ -8,6 +8,7 @@ checks capacity first; `commit` then mutates, so a swap fails whole or succeeds 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from block_manager.errors import NoFreeBlocks
@@ -91,7 +92,11 @@ class SwapInPlan:
     def fits(self) -> bool:
         return self.needed <= self.device.num_free - self.watermark
 
-    def commit(self, counters: SwapCounters) -> list[tuple[int, int]]:
+    def commit(
+        self, counters: SwapCounters, defer_release: Callable[[int, int], None] | None = None
+    ) -> list[tuple[int, int]]:
+        """`defer_release(cpu_block, refs)`: hand the group's CPU references over instead of
+        dropping them now (the CPU cache tier pins a swap-in's sources until the copy ran)."""
         device = self.device
         if not self.fits:
             raise NoFreeBlocks(
@@ -130,7 +135,10 @@ class SwapInPlan:
             ]
             table.on_cpu = None
         for cpu_block in reversed(self.group_refs):
-            self.cpu.release(cpu_block, self.group_refs[cpu_block])
+            if defer_release is None:
+                self.cpu.release(cpu_block, self.group_refs[cpu_block])
+            else:
+                defer_release(cpu_block, self.group_refs[cpu_block])
         counters.in_blocks += len(pairs)
         return pairs
 

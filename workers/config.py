@@ -42,6 +42,8 @@ class WorkerConfig:
     """paged | contiguous | virtual: how the engine addresses the pool (see `virtual_pool`)."""
     kv_virtual_slots: int = 0
     """`virtual` layout: sequence slots of the virtual pool (the engine's max running seqs)."""
+    verify_swaps: bool = False
+    """Checksum every block copied to the CPU pool and check it when copied back."""
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:

@@ -12,7 +12,9 @@ Invariants the engine guarantees (the workers rely on them, they do not re-deriv
 - `start_pos` of a sequence equals the number of its tokens whose KV is already in the cache,
   so positions of the new tokens are `start_pos, start_pos + 1, ...`.
 
-Order of execution on a worker: swap-outs, then swap-ins, then copies, then the forward pass
+Order of execution on a worker: demotions (the CPU cache tier's device -> CPU copies of blocks the
+plan reuses, before anything can overwrite them), swap-outs, then swap-ins and promotions, then
+copies, then the forward pass
 (which writes the new tokens' KV into their slots layer by layer before attending), then rank 0
 samples. Swap-out sources may be handed to other sequences in the same plan, which is safe because
 they are copied out before the forward pass writes anything.
@@ -75,6 +77,10 @@ class StepPlan:
     """(device block, CPU block) pairs, all layers."""
     swap_in: list[BlockPair] = field(default_factory=list)
     """(CPU block, device block) pairs, all layers."""
+    demote: list[BlockPair] = field(default_factory=list)
+    """(device block, CPU block) pairs of the CPU cache tier, all layers, run first of all."""
+    promote: list[BlockPair] = field(default_factory=list)
+    """(CPU block, device block) pairs of CPU cache tier hits, all layers, run with swap_in."""
     copy_pairs: list[BlockPair] = field(default_factory=list)
     """(source device block, destination device block) pairs for copy-on-write, all layers."""
     forks: list[BlockPair] = field(default_factory=list)
@@ -105,6 +111,9 @@ class StepOutput:
     forward_seconds: float = 0.0
     page_faults: int = 0
     """Minor page faults rank 0's process took during the step's forward pass (getrusage)."""
+    corrupt_swap_ins: list[BlockPair] = field(default_factory=list)
+    """(CPU block, device block) pairs of `swap_in` / `promote` whose CPU bytes failed their
+    checksum (`verify_swaps`): the engine fails every sequence holding the device block."""
     kv_backed_bytes: int | None = None
     """Bytes of rank 0's KV pool physically resident after the step (the `virtual` layout's
     mapping, measured with mincore); None for a pool that is committed whole."""

@@ -9,6 +9,7 @@ same way before any collective, so a bad plan fails on all ranks instead of hang
 from __future__ import annotations
 
 import datetime
+import hashlib
 import pathlib
 import resource
 import socket
@@ -80,6 +81,8 @@ class WorkerRank:
         self.device_pool: torch.Tensor | None = None
         self.cpu_pool: torch.Tensor | None = None
         self.virtual_pool: VirtualKVPool | None = None
+        self.cpu_checksums: dict[int, bytes] = {}
+        """`verify_swaps`: digest of each CPU block's bytes as its last copy left them."""
 
     def rendezvous_address(self) -> tuple[str, int]:
         return free_tcp_address()
@@ -220,8 +223,10 @@ class WorkerRank:
                     f"[0, {device_blocks})"
                 )
         checks = [
+            ("demote", plan.demote, device_blocks, cpu_blocks),
             ("swap_out", plan.swap_out, device_blocks, cpu_blocks),
             ("swap_in", plan.swap_in, cpu_blocks, device_blocks),
+            ("promote", plan.promote, cpu_blocks, device_blocks),
             ("copy_pairs", plan.copy_pairs, device_blocks, device_blocks),
         ]
         for name, pairs, source_limit, target_limit in checks:
@@ -232,18 +237,40 @@ class WorkerRank:
                         f"(source pool {source_limit} blocks, target pool {target_limit})"
                     )
 
-    def _swap(self, plan: StepPlan) -> None:
+    def _cpu_digest(self, block: int) -> bytes:
+        assert self.cpu_pool is not None
+        data = self.cpu_pool[:, :, block].contiguous().view(torch.uint8).numpy()
+        return hashlib.blake2b(data.tobytes(), digest_size=16).digest()
+
+    def _swap(self, plan: StepPlan) -> list[BlockPair]:
+        """Demotions, swap-outs, swap-ins with promotions, copies, in that order (one batched
+        copy each). Returns the (cpu, device) pairs whose CPU bytes failed their checksum."""
         assert self.device_pool is not None
-        if (plan.swap_out or plan.swap_in) and self.cpu_pool is None:
+        outward = plan.demote + plan.swap_out
+        inward = plan.swap_in + plan.promote
+        if (outward or inward) and self.cpu_pool is None:
             raise ValueError(f"step {plan.step_id}: swaps requested but the CPU tier has 0 blocks")
-        if plan.swap_out:
+        verify = self.config.verify_swaps
+        corrupt: list[BlockPair] = []
+        if outward:
             assert self.cpu_pool is not None
-            swap_blocks(self.device_pool, self.cpu_pool, _pairs_tensor(plan.swap_out))
-        if plan.swap_in:
+            swap_blocks(self.device_pool, self.cpu_pool, _pairs_tensor(outward))
+            for _, cpu_block in outward:
+                if verify:
+                    self.cpu_checksums[cpu_block] = self._cpu_digest(cpu_block)
+                else:
+                    self.cpu_checksums.pop(cpu_block, None)
+        if inward:
             assert self.cpu_pool is not None
-            swap_blocks(self.cpu_pool, self.device_pool, _pairs_tensor(plan.swap_in))
+            if verify:
+                for cpu_block, device_block in inward:
+                    expected = self.cpu_checksums.get(cpu_block)
+                    if expected is not None and expected != self._cpu_digest(cpu_block):
+                        corrupt.append((cpu_block, device_block))
+            swap_blocks(self.cpu_pool, self.device_pool, _pairs_tensor(inward))
         if plan.copy_pairs:
             copy_blocks(self.device_pool, _pairs_tensor(plan.copy_pairs).to(self.device))
+        return corrupt
 
     def execute(self, plan: StepPlan) -> StepOutput | None:
         """Swaps, copies, forward, and (rank 0) sampling. Ranks other than 0 return None.
@@ -281,8 +308,8 @@ class WorkerRank:
         except ValueError:
             self.registry.restore(snapshot)
             raise
-        self._swap(plan)
-        output = StepOutput(step_id=plan.step_id)
+        corrupt = self._swap(plan)
+        output = StepOutput(step_id=plan.step_id, corrupt_swap_ins=corrupt)
         logits = None
         if plan.sequences:
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

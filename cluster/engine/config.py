@@ -44,6 +44,15 @@ class CacheSettings(_Section):
         0.01, ge=0.0, lt=1.0, description="device fraction kept free at admission"
     )
     enable_prefix_caching: bool = True
+    cpu_cache: bool = Field(
+        True,
+        description="the CPU pool is a second cache tier: evicted prefix blocks are demoted to it "
+        "and promoted back on a hit (on|off; needs the paged layout, prefix caching and CPU "
+        "blocks, else it stays off)",
+    )
+    verify_swaps: bool = Field(
+        False, description="checksum blocks copied to the CPU and check them on the way back"
+    )
     kv_layout: Literal["paged", "contiguous", "virtual"] = Field(
         "paged",
         description="KV memory layout: paged blocks, contiguous max-length reservations, or "
@@ -180,6 +189,7 @@ class EngineConfig(_Section):
             seed=self.model.seed,
             kv_layout=self.cache.kv_layout,
             kv_virtual_slots=self.scheduler.max_num_seqs,
+            verify_swaps=self.cache.verify_swaps,
         )
 
     # --- command line -------------------------------------------------------------------------

@@ -187,6 +187,8 @@ class EngineCore:
         now = time.time()
         outputs = [self._reject_during_admission(request) for request in step.rejected]
         touched: dict[str, Request] = {}
+        if output is not None and output.corrupt_swap_ins:
+            outputs += self._fail_corrupt_swap_ins(step, output.corrupt_swap_ins)
         if output is not None:
             self.recorder.num_steps += 1
             self.layout_recorder.observe_output(output, len(step.plan.decommit))
@@ -245,9 +247,43 @@ class EngineCore:
         )
         return [self._reject_during_admission(request)]
 
+    def _fail_corrupt_swap_ins(
+        self, step: SchedulerStep, pairs: list[tuple[int, int]]
+    ) -> list[RequestOutput]:
+        """Blocks copied back from the CPU failed their checksum: they become unfindable in
+        both tiers and every request holding one fails now, its step's tokens dropped, so the
+        wrong KV is never served (nor sealed under a hash later lookups could hit)."""
+        bm = self.block_manager
+        bad = {device for _, device in pairs}
+        bm.discard(sorted(bad), [cpu for cpu, _ in pairs])
+        self.recorder.swap_checksum_failures += len(pairs)
+        victims = [
+            request
+            for request in self.scheduler.running
+            if any(
+                bm.has_sequence(b.seq_id)
+                and not bm.is_swapped(b.seq_id)
+                and not bad.isdisjoint(bm.block_table(b.seq_id))
+                for b in request.active_branches
+            )
+        ]
+        step.works = [work for work in step.works if work.request not in victims]
+        failed: list[RequestOutput] = []
+        for request in victims:
+            request.error = (
+                f"KV integrity: {len(pairs)} block(s) copied back from the CPU tier failed their "
+                "checksum; the request is failed rather than served from wrong KV"
+            )
+            output = self.abort(request.request_id)
+            if output is not None:
+                failed.append(output)
+        return failed
+
     def metrics(self) -> EngineMetrics:
         pressure = self.block_manager.pressure()
         rec = self.recorder
+        tier = self.block_manager.tier_counters()
+        kv_bytes = self.model_info.kv_bytes_per_block
         return EngineMetrics(
             pressure=pressure,
             num_running=len(self.scheduler.running),
@@ -264,6 +300,10 @@ class EngineCore:
             num_rejected_requests=rec.num_rejected_requests,
             ttft_seconds=rec.ttft.copy(),
             tpot_seconds=rec.tpot.copy(),
+            cache_tier=tier,
+            kv_bytes_to_cpu=(pressure.swap_out_blocks + tier.demoted_blocks) * kv_bytes,
+            kv_bytes_to_device=(pressure.swap_in_blocks + tier.promoted_blocks) * kv_bytes,
+            swap_checksum_failures=rec.swap_checksum_failures,
         )
 
     def shutdown(self) -> None:

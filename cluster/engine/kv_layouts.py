@@ -46,6 +46,7 @@ def build_kv_manager(
             num_cpu_blocks=num_cpu_blocks,
             block_size=cache.block_size,
             enable_prefix_caching=cache.enable_prefix_caching,
+            cpu_cache=cache.cpu_cache,
             watermark_blocks=watermark,
             record_events=record_events,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from block_manager import PressureSnapshot
+from block_manager import PressureSnapshot, TierCounters
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -58,6 +58,14 @@ class EngineMetrics:
     num_rejected_requests: int
     ttft_seconds: Histogram
     tpot_seconds: Histogram
+    cache_tier: TierCounters = field(default_factory=TierCounters)
+    """The CPU cache tier: hit tokens by tier, demoted / promoted blocks, refused swap-ins."""
+    kv_bytes_to_cpu: int = 0
+    """KV bytes copied device -> CPU (swap-outs and demotions)."""
+    kv_bytes_to_device: int = 0
+    """KV bytes copied CPU -> device (swap-ins and promotions)."""
+    swap_checksum_failures: int = 0
+    """Blocks whose bytes failed their checksum on the way back (`cache.verify_swaps`)."""
 
     @property
     def preemptions(self) -> int:
@@ -76,6 +84,7 @@ class MetricsRecorder:
     num_generated_tokens: int = 0
     num_finished_requests: int = 0
     num_rejected_requests: int = 0
+    swap_checksum_failures: int = 0
 
     def observe_pressure(self, pressure: PressureSnapshot) -> None:
         if pressure.token_slots_allocated == 0:

@@ -36,3 +36,13 @@ class PreemptionCostModel:
 
     def prefer_swap(self, *, tokens_to_recompute: int, num_blocks: int) -> bool:
         return self.swap_seconds(num_blocks) < self.recompute_seconds(tokens_to_recompute)
+
+    def promotion_crossover_seconds_per_token(self, block_size: int) -> float:
+        """The compute cost per token above which copying a CPU-tier hit back (one crossing:
+        it was demoted already) beats recomputing it; both costs grow with the block count, so
+        the choice is the same for any number of blocks."""
+        return self.kv_bytes_per_block / self.swap_bytes_per_second / block_size
+
+    def prefer_promote(self, block_size: int) -> bool:
+        """Whether a CPU-tier hit is promoted rather than recomputed, at the learned cost."""
+        return self.seconds_per_token > self.promotion_crossover_seconds_per_token(block_size)

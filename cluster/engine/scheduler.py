@@ -59,7 +59,14 @@ class SchedulerStep:
     @property
     def is_empty(self) -> bool:
         plan = self.plan
-        return not (plan.sequences or plan.swap_out or plan.swap_in or plan.copy_pairs)
+        return not (
+            plan.sequences
+            or plan.swap_out
+            or plan.swap_in
+            or plan.copy_pairs
+            or plan.demote
+            or plan.promote
+        )
 
 
 @dataclass
@@ -134,6 +141,8 @@ class Scheduler:
         self._step_id += 1
         step = SchedulerStep(plan=StepPlan(step_id=self._step_id), works=[])
         budget = _Budget(self.settings.max_num_batched_tokens)
+        if self.bm.cpu_cache:
+            self.bm.set_promotion(self.cost_model.prefer_promote(self.bm.block_size))
         step.preempted = self._schedule_running(step, budget)
         if not step.preempted:
             swapped_left = self._schedule_swapped(step, budget)
@@ -141,6 +150,8 @@ class Scheduler:
                 self._schedule_waiting(step, budget)
         step.plan.released = self._releases
         self._releases = []
+        transfers = self.bm.take_transfers()  # the CPU cache tier's copies of this step
+        step.plan.demote, step.plan.promote = transfers.demote, transfers.promote
         return step
 
     def on_step_done(
@@ -148,6 +159,7 @@ class Scheduler:
     ) -> list[tuple[Request, Branch, SampledToken]]:
         """Marks the step's KV computed, forks parallel requests after their prompt, and returns
         every sampled token with its branch (the engine appends them as text and stops)."""
+        self.bm.complete_transfers()  # the step's copies ran: in-flight blocks are unpinned
         self.cost_model.observe_step(output.forward_seconds, step.num_tokens)
         sampled: list[tuple[Request, Branch, SampledToken]] = []
         for work in step.works:

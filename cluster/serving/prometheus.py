@@ -58,6 +58,7 @@ class EngineMetricsCollector(Collector):
         yield from self._queues(snapshots)
         yield from self._prefix_cache(snapshots)
         yield from self._preemption_and_swaps(snapshots)
+        yield from self._cache_tiers(snapshots)
         yield from self._throughput(snapshots)
         yield from self._latency(snapshots)
 
@@ -155,6 +156,40 @@ class EngineMetricsCollector(Collector):
             swapped.add_metric([replica, "in"], m.pressure.swap_in_blocks)
             cow.add_metric([replica], m.pressure.cow_copies)
         yield from (preemptions, swapped, cow)
+
+    def _cache_tiers(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
+        hits = CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_tier_hit_tokens",
+            "Prompt tokens found in the prefix cache, by the tier that held them",
+            labels=["replica", "tier"],
+        )
+        moved = CounterMetricFamily(
+            f"{PREFIX}_cache_tier_blocks",
+            "Cached blocks moved between tiers: demoted (device -> CPU before reuse) or "
+            "promoted (CPU -> device on a hit)",
+            labels=["replica", "move"],
+        )
+        copied = CounterMetricFamily(
+            f"{PREFIX}_kv_copied_bytes",
+            "KV bytes copied between the device and the CPU (swaps and tier moves)",
+            labels=["replica", "direction"],
+        )
+        refused = CounterMetricFamily(
+            f"{PREFIX}_refused_swap_ins",
+            "Copies back from the CPU refused: stale generation, or checksum mismatch",
+            labels=["replica", "reason"],
+        )
+        for replica, m in snapshots.items():
+            tier = m.cache_tier
+            hits.add_metric([replica, "device"], tier.device_hit_tokens)
+            hits.add_metric([replica, "cpu"], tier.cpu_hit_tokens)
+            moved.add_metric([replica, "demoted"], tier.demoted_blocks)
+            moved.add_metric([replica, "promoted"], tier.promoted_blocks)
+            copied.add_metric([replica, "to_cpu"], m.kv_bytes_to_cpu)
+            copied.add_metric([replica, "to_device"], m.kv_bytes_to_device)
+            refused.add_metric([replica, "stale"], tier.refused_swap_ins)
+            refused.add_metric([replica, "checksum"], m.swap_checksum_failures)
+        yield from (hits, moved, copied, refused)
 
     def _throughput(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
         steps = CounterMetricFamily(f"{PREFIX}_steps", "Engine steps run", labels=["replica"])

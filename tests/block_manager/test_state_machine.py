@@ -61,6 +61,8 @@ class ModelSeq:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    CPU_CACHE = False
+
     def __init__(self) -> None:
         super().__init__()
         self.manager = KVCacheManager(
@@ -69,6 +71,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             block_size=BLOCK,
             watermark_blocks=1,
             record_events=True,
+            cpu_cache=self.CPU_CACHE,
         )
         self.findable: dict[str, set[bytes]] = {"device": set(), "cpu": set()}
         """What a cluster-wide index holds after applying every `take_events()` in order."""
@@ -178,6 +181,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return
         assert expected_ok
+        self._run_tier_copies()
+        self.manager.complete_transfers()
         event(f"allocate: hit {cached // BLOCK} blocks")
         if salt_index and unsalted and cached:
             event("allocate: a salted sequence hit through an unsalted prefix")
@@ -229,6 +234,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return
         assert expected_ok
+        self._run_tier_copies()
         table = self.manager.block_table(seq_id)
         if copy is not None:
             event("append: copy-on-write")
@@ -240,6 +246,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.device_kv[copy.dst * BLOCK + offset] = source
         else:
             assert table[: len(old_table)] == old_table
+        self.manager.complete_transfers()
         model.tokens.append(token)
 
     @precondition(lambda self: bool(self.resident()))
@@ -316,11 +323,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return
         assert expected_ok
+        self._run_tier_copies()
         for cpu, device in pairs:
             for offset in range(BLOCK):
                 self._copy(
                     self.cpu_kv, cpu * BLOCK + offset, self.device_kv, device * BLOCK + offset
                 )
+        self.manager.complete_transfers()
         for seq_id in group:
             self.seqs[seq_id].swapped = False
 
@@ -340,6 +349,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
             mirror.extend(blocks)
             assert mirror == self.manager.block_table(seq_id)
             assert self.manager.take_table_delta(seq_id) == (len(mirror), [])
+
+    def _run_tier_copies(self) -> None:
+        """Play the workers' first moves of a step: demotions (device -> CPU) before anything
+        else, then promotions (CPU -> device); the rule then applies its own pairs and calls
+        `complete_transfers` (a step's copies are done). Nothing to do with the tier off."""
+        transfers = self.manager.take_transfers()
+        for device, cpu in transfers.demote:
+            event("tier: demoted a block")
+            for offset in range(BLOCK):
+                self._copy(
+                    self.device_kv, device * BLOCK + offset, self.cpu_kv, cpu * BLOCK + offset
+                )
+        for cpu, device in transfers.promote:
+            event("tier: promoted a block")
+            for offset in range(BLOCK):
+                self._copy(
+                    self.cpu_kv, cpu * BLOCK + offset, self.device_kv, device * BLOCK + offset
+                )
 
     @staticmethod
     def _copy(source: dict[int, KV], src: int, target: dict[int, KV], dst: int) -> None:

@@ -102,9 +102,9 @@ class SlotWorkers:
         for seq_id in plan.released:
             self.tables.pop(seq_id, None)
             self.settings.pop(seq_id, None)
-        for device_block, cpu_block in plan.swap_out:
+        for device_block, cpu_block in plan.demote + plan.swap_out:
             self.cpu[cpu_block] = list(self.device[device_block])
-        for cpu_block, device_block in plan.swap_in:
+        for cpu_block, device_block in plan.swap_in + plan.promote:
             self.device[device_block] = list(self.cpu[cpu_block])
         for src, dst in plan.copy_pairs:
             self.device[dst] = list(self.device[src])

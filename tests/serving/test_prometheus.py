@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from block_manager import PressureSnapshot, TierPressure
+from block_manager import PressureSnapshot, TierCounters, TierPressure
 from cluster.engine.metrics import LATENCY_BUCKETS_S, EngineMetrics, Histogram
 from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
 
@@ -141,3 +142,30 @@ def test_histograms_match_a_direct_count_of_the_observations(
             assert bucket.value == sum(1 for v in observed if v <= bound)
         assert value(samples, f"{name}_count") == len(observed)
         assert math.isclose(value(samples, f"{name}_sum"), sum(observed), abs_tol=1e-9)
+
+
+def test_cache_tier_hits_moves_bytes_and_refusals_are_exposed() -> None:
+    metrics = dataclasses.replace(
+        snapshot(),
+        cache_tier=TierCounters(
+            device_hit_tokens=40,
+            cpu_hit_tokens=24,
+            demoted_blocks=9,
+            promoted_blocks=6,
+            refused_swap_ins=1,
+        ),
+        kv_bytes_to_cpu=9 * 1024,
+        kv_bytes_to_device=6 * 1024,
+        swap_checksum_failures=2,
+    )
+    samples = parse(render_prometheus({"r0": metrics}))
+    hits = "pagedserve_prefix_cache_tier_hit_tokens_total"
+    assert value(samples, hits, tier="device") == 40
+    assert value(samples, hits, tier="cpu") == 24
+    assert value(samples, "pagedserve_cache_tier_blocks_total", move="demoted") == 9
+    assert value(samples, "pagedserve_cache_tier_blocks_total", move="promoted") == 6
+    copied = "pagedserve_kv_copied_bytes_total"
+    assert value(samples, copied, direction="to_cpu") == 9 * 1024
+    assert value(samples, copied, direction="to_device") == 6 * 1024
+    assert value(samples, "pagedserve_refused_swap_ins_total", reason="stale") == 1
+    assert value(samples, "pagedserve_refused_swap_ins_total", reason="checksum") == 2
