@@ -58,6 +58,10 @@ class EngineMetrics:
     num_rejected_requests: int
     ttft_seconds: Histogram
     tpot_seconds: Histogram
+    num_aborted_requests: int = 0
+    """Requests ended by their caller (a closed stream, a cancel, an abort) before finishing."""
+    num_failed_requests: int = 0
+    """Requests ended by a failed step attributed to them while the engine went on serving."""
 
     @property
     def preemptions(self) -> int:
@@ -76,6 +80,8 @@ class MetricsRecorder:
     num_generated_tokens: int = 0
     num_finished_requests: int = 0
     num_rejected_requests: int = 0
+    num_aborted_requests: int = 0
+    num_failed_requests: int = 0
 
     def observe_pressure(self, pressure: PressureSnapshot) -> None:
         if pressure.token_slots_allocated == 0:
