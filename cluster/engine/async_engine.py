@@ -8,8 +8,10 @@ while the workers execute a step is applied right after it); every stream ends w
 whose `finished` is True, or with the exception that stopped the request.
 
 Failure isolation: a step whose plan the workers refuse (a ValueError: every rank validates the
-plan before any collective and applies none of it) ends only that step's requests, with
-RequestFailed, and the loop goes on; so does a token that cannot be applied to its request. Any
+plan before any collective and applies none of it) does not stop the loop. When the refusal
+names its sequences (`PlanRejected`), their requests end with RequestFailed and the step's other
+requests are recomputed; otherwise every request of the step ends with RequestFailed. A token
+that cannot be applied to its request ends that request alone. Any
 other failure of the workers or their transport (a dead rank actor, a collective error) or of
 the scheduler marks the engine dead and ends every stream with EngineDead.
 
@@ -41,10 +43,20 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import Request
 from cluster.engine.scheduler import SchedulerStep
 from workers import ModelInfo, WorkerGroup
+from workers.plan import PlanRejected
 
 log = logging.getLogger(__name__)
 
 IDLE_STEP_PAUSE_S = 0.001
+
+
+def blamed_sequences(error: BaseException) -> frozenset[int]:
+    """The sequence ids a refused plan was blamed on (empty: the whole plan)."""
+    cause = getattr(error, "cause", None)  # a Ray task error wraps what the rank raised
+    for candidate in (error, cause):
+        if isinstance(candidate, PlanRejected):
+            return frozenset(candidate.seq_ids)
+    return frozenset()
 
 
 def step_failure_is_attributable(error: BaseException) -> bool:
@@ -256,13 +268,21 @@ class AsyncEngine:
             await asyncio.sleep(IDLE_STEP_PAUSE_S)  # nothing could run: do not spin
 
     def _fail_step(self, step: SchedulerStep, error: BaseException) -> None:
-        """The workers refused the step's plan and applied none of it: end the requests whose
-        state depended on it, send its releases again, and go on with everything else."""
+        """The workers refused the step's plan and applied none of it: end the requests it was
+        blamed on (all of the step's when it names none), recompute the others whose state
+        depended on it, send its releases again, and go on with everything else."""
         log.warning("step %d refused by the workers: %r", step.plan.step_id, error)
         self.core.scheduler.requeue_releases(step.plan.released)
+        blamed = blamed_sequences(error)
+        involved = step.requests()
+        guilty = [r for r in involved if not blamed or any(b.seq_id in blamed for b in r.branches)]
+        if not guilty:  # the blamed sequence is not this step's: trust nothing of it
+            guilty = involved
         reason = f"the step running this request failed: {type(error).__name__}: {error}"
-        for request in self.core.fail_requests(step.requests(), reason):
+        for request in self.core.fail_requests(guilty, reason):
             self._publish(request)
+        guilty_ids = {r.request_id for r in guilty}
+        self.core.recompute_requests([r for r in involved if r.request_id not in guilty_ids])
         self._last_step_finished_s = time.monotonic()
         self._apply_pending_aborts()
 

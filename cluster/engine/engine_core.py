@@ -182,6 +182,13 @@ class EngineCore:
             ended.append(request)
         return ended
 
+    def recompute_requests(self, requests: list[Request]) -> None:
+        """Sends unfinished `requests` back to wait for a recompute of their KV (their tokens
+        and text so far are kept), e.g. the innocent requests of a plan the workers refused."""
+        for request in requests:
+            if request.request_id in self.requests and not request.finished:
+                self.scheduler.recompute(request)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished() > 0
 

@@ -286,11 +286,21 @@ class Scheduler:
             _insert_by_arrival(self.swapped, request)
             self.preemptions.swap += 1
         else:
-            for branch in request.active_branches:
-                self._drop_sequence(branch)
-            request.status = RequestStatus.WAITING
-            _insert_by_arrival(self.waiting, request)
+            self._requeue(request)
             self.preemptions.recompute += 1
+
+    def recompute(self, request: Request) -> None:
+        """Sends a running or swapped request back to wait, its KV dropped on both tiers (it is
+        recomputed from its tokens when admitted again): what a refused plan leaves of the
+        requests it did not blame."""
+        self._remove(request)
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        for branch in request.active_branches:
+            self._drop_sequence(branch)
+        request.status = RequestStatus.WAITING
+        _insert_by_arrival(self.waiting, request)
 
     def _choose_swap(self, request: Request, seq_ids: list[int]) -> bool:
         """Swap only fully computed sequences (a half-done prompt has little KV worth keeping)
