@@ -25,6 +25,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.engine.cache_keys import RequestKeys
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest
+from cluster.engine.output_stream import OutputAccumulator
 from cluster.engine.outputs import RequestOutput
 from cluster.serving.routing import BLOCK_HASHES_KWARG
 
@@ -62,10 +63,11 @@ class RoutedEngineClient:
             request, **{BLOCK_HASHES_KWARG: hashes}
         )
         finished = False
+        accumulator = OutputAccumulator()  # the replica streams deltas: O(new tokens) each
         try:
-            async for output in stream:
-                finished = output.finished
-                yield output
+            async for delta in stream:
+                finished = delta.finished
+                yield accumulator.apply(delta)
         except Exception as error:
             mapped = client_error(error)
             if mapped is None or mapped is error:
