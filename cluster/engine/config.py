@@ -159,6 +159,27 @@ class EngineConfig(_Section):
             data.setdefault(section, {}).update(values)
         return EngineConfig.build(data)
 
+    def check_model(self) -> None:
+        """Checks what only the model can tell, from its metadata (no weights are read):
+        `parallel.tensor_parallel_size` must split its attention and KV heads. Raises
+        ConfigError naming the field, the value and the model's head counts; call it when the
+        config is loaded (a replica would otherwise fail in its constructor, again and again)."""
+        from workers.loader import read_spec
+        from workers.model_source import resolve_model_path
+        from workers.parallel import check_tensor_parallel
+
+        try:
+            spec = read_spec(resolve_model_path(self.model.model))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"model.model {self.model.model!r}: {error}") from None
+        try:
+            check_tensor_parallel(spec, self.parallel.tensor_parallel_size)
+        except ValueError as error:
+            raise ConfigError(
+                f"parallel.tensor_parallel_size cannot split model.model {self.model.model!r}: "
+                f"{error}"
+            ) from None
+
     def to_worker_config(self) -> WorkerConfig:
         from workers import WorkerConfig
 
