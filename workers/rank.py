@@ -81,6 +81,12 @@ class WorkerRank:
         self.cpu_pool: torch.Tensor | None = None
         self.virtual_pool: VirtualKVPool | None = None
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (as a Ray actor)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def rendezvous_address(self) -> tuple[str, int]:
         return free_tcp_address()
 

@@ -65,6 +65,11 @@ class CacheSettings(_Section):
 class ParallelSettings(_Section):
     tensor_parallel_size: int = Field(1, gt=0)
     backend: Literal["ray", "local"] = "ray"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="where ranks compute: 'auto' is CUDA when a rank's bundle holds a GPU; "
+        "'cpu' keeps them on the CPU whatever the bundles declare (tests, simulated clusters)",
+    )
 
     @model_validator(mode="after")
     def _local_is_single_rank(self) -> ParallelSettings:
@@ -201,6 +206,7 @@ class EngineConfig(_Section):
             seed=self.model.seed,
             kv_layout=self.cache.kv_layout,
             kv_virtual_slots=self.scheduler.max_num_seqs,
+            device=self.parallel.device,
         )
 
     # --- command line -------------------------------------------------------------------------
