@@ -14,7 +14,7 @@ import torch
 
 from kernels.range_attention import contiguous_runs
 from workers.model import AttentionMetadata
-from workers.plan import SamplingSettings, SequenceWork, StepPlan
+from workers.plan import PlanRejected, SamplingSettings, SequenceWork, StepPlan
 from workers.sampling import SampleRequest
 
 
@@ -72,7 +72,9 @@ class SequenceRegistry:
     def _apply(self, plan: StepPlan) -> None:
         for parent, child in plan.forks:
             if parent not in self.states:
-                raise ValueError(f"step {plan.step_id}: fork of unknown sequence {parent}")
+                raise PlanRejected(
+                    f"step {plan.step_id}: fork of unknown sequence {parent}", (child,)
+                )
             source = self.states[parent]
             self.states[child] = SequenceState(list(source.block_table), source.sampling)
         for seq_id in plan.released:
@@ -80,9 +82,10 @@ class SequenceRegistry:
         for work in plan.sequences:
             state = self.states.setdefault(work.seq_id, SequenceState())
             if work.table_start > len(state.block_table):
-                raise ValueError(
+                raise PlanRejected(
                     f"step {plan.step_id}: sequence {work.seq_id} splices its block table at "
-                    f"{work.table_start} but only {len(state.block_table)} entries are cached"
+                    f"{work.table_start} but only {len(state.block_table)} entries are cached",
+                    (work.seq_id,),
                 )
             del state.block_table[work.table_start :]
             state.block_table.extend(work.table_blocks)
@@ -92,20 +95,26 @@ class SequenceRegistry:
 
 def _check_work(plan: StepPlan, work: SequenceWork, state: SequenceState, block_size: int) -> None:
     if not work.token_ids:
-        raise ValueError(f"step {plan.step_id}: sequence {work.seq_id} has no tokens")
+        raise PlanRejected(
+            f"step {plan.step_id}: sequence {work.seq_id} has no tokens", (work.seq_id,)
+        )
     if work.start_pos < 0:
-        raise ValueError(f"step {plan.step_id}: sequence {work.seq_id} has start_pos < 0")
+        raise PlanRejected(
+            f"step {plan.step_id}: sequence {work.seq_id} has start_pos < 0", (work.seq_id,)
+        )
     needed = -(-(work.start_pos + len(work.token_ids)) // block_size)
     if len(state.block_table) < needed:
-        raise ValueError(
+        raise PlanRejected(
             f"step {plan.step_id}: sequence {work.seq_id} needs {needed} blocks for "
             f"{work.start_pos + len(work.token_ids)} tokens but its block table has "
-            f"{len(state.block_table)}"
+            f"{len(state.block_table)}",
+            (work.seq_id,),
         )
     if work.num_samples > 0 and state.sampling is None:
-        raise ValueError(
+        raise PlanRejected(
             f"step {plan.step_id}: sequence {work.seq_id} asks for samples but no sampling "
-            "settings were ever sent for it"
+            "settings were ever sent for it",
+            (work.seq_id,),
         )
 
 

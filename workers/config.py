@@ -41,6 +41,8 @@ class WorkerConfig:
     kv_layout: str = "paged"
     """paged | contiguous | virtual: how the engine addresses the pool (see `virtual_pool`)."""
     kv_virtual_slots: int = 0
+    device: str = "auto"
+    """Where ranks compute: "auto" (CUDA when their bundle holds a GPU), "cpu" or "cuda"."""
     """`virtual` layout: sequence slots of the virtual pool (the engine's max running seqs)."""
     verify_swaps: bool = False
     """Checksum every block copied to the CPU pool and check it when copied back."""
@@ -58,6 +60,8 @@ class WorkerConfig:
             raise ValueError(
                 f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}"
             )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device {self.device!r} is not 'auto', 'cpu' or 'cuda'")
         if self.backend not in ("ray", "local"):
             raise ValueError(f"backend {self.backend!r} is not 'ray' or 'local'")
         if self.backend == "local" and self.tensor_parallel_size != 1:

@@ -1,7 +1,8 @@
 """`WorkerGroup`: all tensor-parallel ranks of one model, driven as one.
 
-Backend "ray": one Ray actor per rank, placed together by a placement group (one bundle per rank:
-1 CPU, plus 1 GPU when the cluster has enough GPUs), joined in a torch.distributed group.
+Backend "ray": one Ray actor per rank, joined in a torch.distributed group, each in a bundle of
+its own: the caller's placement group's when it runs in one (a Serve replica), else a group the
+WorkerGroup creates and removes (see `workers.placement`).
 Backend "local": one in-process rank (TP = 1), for tests and offline use.
 
 Every step sends the same plan to every rank (one `ray.put` when there are several, so it is
@@ -24,12 +25,11 @@ from workers.kv_memory import KVShape
 from workers.loader import ModelDescription, describe_model
 from workers.model_source import resolve_model_path
 from workers.parallel import check_tensor_parallel
+from workers.placement import RankPlacement, place_ranks
 from workers.plan import StepOutput, StepPlan
 from workers.rank import WorkerRank
 from workers.weights_digest import default_cache_root
 
-PLACEMENT_TIMEOUT_S = 120.0
-"""How long to wait for the Ray cluster to fit one bundle per rank before failing."""
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long ranks get to leave the process group cleanly before they are killed."""
 
@@ -103,10 +103,11 @@ class WorkerGroup:
         self.overhead = CallOverhead()
         self._local: WorkerRank | None = None
         self._actors: list[Any] = []
-        self._placement_group: Any = None
+        self.placement: RankPlacement | None = None
         args = (config, description, str(cache_root))
         if config.backend == "local":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            cuda = torch.cuda.is_available() and config.device != "cpu"
+            device = "cuda" if cuda or config.device == "cuda" else "cpu"
             self._local = WorkerRank(*args, 0, 1, device, max_model_len)
             self._local.load()
             self.num_device_blocks = self._local.measure_device_blocks()
@@ -121,31 +122,23 @@ class WorkerGroup:
 
     def _start_actors(self, args: tuple[Any, ...], max_model_len: int) -> None:
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         world = self.config.tensor_parallel_size
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
-        use_gpu = ray.cluster_resources().get("GPU", 0) >= world
-        bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
-        self._placement_group = placement_group([dict(bundle) for _ in range(world)], "PACK")
-        try:
-            ray.get(self._placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError as error:
-            remove_placement_group(self._placement_group)
-            self._placement_group = None
-            raise ValueError(
-                f"could not place {world} worker ranks of {bundle} each within "
-                f"{PLACEMENT_TIMEOUT_S} s; the Ray cluster has {ray.available_resources()}"
-            ) from error
+        self.placement = placement = place_ranks(world, self.config.device)
         actor_class = ray.remote(WorkerRank)
         for rank in range(world):
-            strategy = PlacementGroupSchedulingStrategy(self._placement_group, rank)
-            options = actor_class.options(
-                num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=strategy
+            strategy = PlacementGroupSchedulingStrategy(
+                placement.placement_group, placement.bundle_indices[rank]
             )
-            device = "cuda" if use_gpu else "cpu"
+            options = actor_class.options(
+                num_cpus=placement.num_cpus[rank],
+                num_gpus=placement.num_gpus[rank],
+                scheduling_strategy=strategy,
+            )
+            device = placement.devices[rank]
             self._actors.append(options.remote(*args, rank, world, device, max_model_len))
         host, port = ray.get(self._actors[0].rendezvous_address.remote())
         ray.get([actor.init_distributed.remote(host, port) for actor in self._actors])
@@ -160,6 +153,14 @@ class WorkerGroup:
                 for actor in self._actors
             ]
         )
+
+    def rank_nodes(self) -> list[str]:
+        """The Ray node id of every rank actor, in rank order (empty for the local backend)."""
+        if not self._actors:
+            return []
+        import ray
+
+        return ray.get([actor.node_id.remote() for actor in self._actors])
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run one step on every rank (blocking); returns rank 0's output."""
@@ -214,8 +215,9 @@ class WorkerGroup:
                 for actor in self._actors:
                     ray.kill(actor)
                 self._actors = []
-        if self._placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
+        if self.placement is not None:
+            if self.placement.owned:  # a replica's own group is Serve's to remove
+                from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self._placement_group)
-            self._placement_group = None
+                remove_placement_group(self.placement.placement_group)
+            self.placement = None

@@ -45,6 +45,14 @@ def _check_hf_quantization(directory: pathlib.Path) -> None:
         )
 
 
+def read_spec(path: pathlib.Path) -> ModelSpec:
+    """The architecture of the model at `path` from its metadata only (no weights read, no
+    digest): what config checks need before any replica starts."""
+    if is_gguf(path):
+        return spec_from_gguf(open_gguf(path))
+    return spec_from_hf_directory(path)
+
+
 def describe_model(path: pathlib.Path, cache_root: pathlib.Path) -> ModelDescription:
     """Spec, quantization and weights digest of the model at `path` (a .gguf or HF directory)."""
     if is_gguf(path):

@@ -54,27 +54,41 @@ class HeadLayout:
 
 
 def check_tensor_parallel(spec: ModelSpec, world_size: int) -> None:
-    """Raise a ValueError naming the problem when `world_size` cannot split this model."""
+    """Raise a ValueError naming the problem when `world_size` cannot split this model; the
+    message gives the model's query and KV head counts (and the sizes that would work)."""
+    heads = f"(the model has {spec.num_heads} attention heads and {spec.num_kv_heads} KV heads"
+    fitting = [n for n in range(1, spec.num_heads + 1) if _splits(spec, n)]
+    hint = f"; tensor_parallel_size may be one of {fitting})"
     if spec.num_heads % world_size:
         raise ValueError(
             f"tensor_parallel_size {world_size} does not divide the model's "
-            f"{spec.num_heads} attention heads"
+            f"{spec.num_heads} attention heads {heads}{hint}"
         )
     kv = spec.num_kv_heads
     if kv >= world_size and kv % world_size:
         raise ValueError(
-            f"tensor_parallel_size {world_size} does not divide the model's {kv} KV heads"
+            f"tensor_parallel_size {world_size} does not divide the model's {kv} KV heads "
+            f"{heads}{hint}"
         )
     if kv < world_size and world_size % kv:
         raise ValueError(
             f"tensor_parallel_size {world_size} is not a multiple of the model's {kv} KV heads "
-            "(needed to replicate them)"
+            f"(needed to replicate them) {heads}{hint}"
         )
     if spec.intermediate_size % world_size:
         raise ValueError(
             f"tensor_parallel_size {world_size} does not divide the model's intermediate size "
-            f"{spec.intermediate_size}"
+            f"{spec.intermediate_size} {heads}{hint}"
         )
+
+
+def _splits(spec: ModelSpec, world_size: int) -> bool:
+    kv = spec.num_kv_heads
+    return (
+        spec.num_heads % world_size == 0
+        and (kv % world_size == 0 if kv >= world_size else world_size % kv == 0)
+        and spec.intermediate_size % world_size == 0
+    )
 
 
 def head_layout(spec: ModelSpec, tp: TensorParallel) -> HeadLayout:

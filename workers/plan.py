@@ -93,6 +93,19 @@ class StepPlan:
     before the forward pass (the `virtual` KV layout: ranges of ended sequences); else empty."""
 
 
+class PlanRejected(ValueError):
+    """A rank refused a plan because of one of its sequences (`seq_ids`); it applied none of
+    the plan. The engine fails the requests of those sequences and recomputes the step's
+    others. Crosses Ray (a task error's cause) with `seq_ids` intact."""
+
+    def __init__(self, message: str, seq_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.seq_ids = tuple(seq_ids)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (PlanRejected, (str(self), self.seq_ids))
+
+
 @dataclass(frozen=True)
 class SampledToken:
     """One drawn token, with log-probabilities when they were asked for."""

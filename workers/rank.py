@@ -25,7 +25,7 @@ from workers.kv_memory import KVShape, cpu_device_blocks, cpu_swap_blocks, cuda_
 from workers.loader import ModelDescription, load_model_shard
 from workers.model import AttentionMetadata, CausalLM
 from workers.parallel import TensorParallel, head_layout
-from workers.plan import BlockPair, StepOutput, StepPlan
+from workers.plan import BlockPair, PlanRejected, StepOutput, StepPlan
 from workers.sampling import check_settings, sample_rows
 from workers.virtual_pool import VirtualKVPool, virtual_geometry
 
@@ -83,6 +83,12 @@ class WorkerRank:
         self.virtual_pool: VirtualKVPool | None = None
         self.cpu_checksums: dict[int, bytes] = {}
         """`verify_swaps`: digest of each CPU block's bytes as its last copy left them."""
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (as a Ray actor)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def rendezvous_address(self) -> tuple[str, int]:
         return free_tcp_address()
@@ -207,20 +213,27 @@ class WorkerRank:
         vocab = self.description.spec.vocab_size
         for work in plan.sequences:
             if work.sampling is not None:
-                check_settings(work.sampling)
+                try:
+                    check_settings(work.sampling)
+                except ValueError as error:
+                    raise PlanRejected(
+                        f"step {plan.step_id}: sequence {work.seq_id}: {error}", (work.seq_id,)
+                    ) from None
             if any(not 0 <= token < vocab for token in work.token_ids):
-                raise ValueError(
+                raise PlanRejected(
                     f"step {plan.step_id}: sequence {work.seq_id} has a token id outside "
-                    f"[0, {vocab})"
+                    f"[0, {vocab})",
+                    (work.seq_id,),
                 )
         assert self.device_pool is not None
         device_blocks = self.device_pool.shape[2]
         cpu_blocks = 0 if self.cpu_pool is None else self.cpu_pool.shape[2]
         for work in plan.sequences:
             if any(not 0 <= block < device_blocks for block in work.table_blocks):
-                raise ValueError(
+                raise PlanRejected(
                     f"step {plan.step_id}: sequence {work.seq_id} has a block id outside "
-                    f"[0, {device_blocks})"
+                    f"[0, {device_blocks})",
+                    (work.seq_id,),
                 )
         checks = [
             ("demote", plan.demote, device_blocks, cpu_blocks),
@@ -289,10 +302,11 @@ class WorkerRank:
         assert self.model is not None and self.device_pool is not None, "rank not allocated"
         for work in plan.sequences:
             if work.start_pos + len(work.token_ids) > self.max_model_len:
-                raise ValueError(
+                raise PlanRejected(
                     f"step {plan.step_id}: sequence {work.seq_id} would reach "
                     f"{work.start_pos + len(work.token_ids)} tokens > max_model_len "
-                    f"{self.max_model_len}"
+                    f"{self.max_model_len}",
+                    (work.seq_id,),
                 )
         snapshot = self.registry.apply(plan)
         try:

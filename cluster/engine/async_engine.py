@@ -6,6 +6,21 @@ its front ends call it; a routed client over deployment handles implements the s
 Invariants: the block manager and scheduler are touched only between steps (an abort that arrives
 while the workers execute a step is applied right after it); every stream ends with an output
 whose `finished` is True, or with the exception that stopped the request.
+
+Failure isolation: a step whose plan the workers refuse (a ValueError: every rank validates the
+plan before any collective and applies none of it) does not stop the loop. When the refusal
+names its sequences (`PlanRejected`), their requests end with RequestFailed and the step's other
+requests are recomputed; otherwise every request of the step ends with RequestFailed. A token
+that cannot be applied to its request ends that request alone. Any
+other failure of the workers or their transport (a dead rank actor, a collective error) or of
+the scheduler marks the engine dead and ends every stream with EngineDead.
+
+Streams cost O(new tokens) per step: the loop hands each stream a `RequestDelta`, which its
+`OutputMailbox` coalesces while the reader is behind (one pending item, never a queue of
+snapshots); `generate` folds them into cumulative `RequestOutput`s (see `output_stream`).
+
+Nothing here blocks the event loop on Ray: the engine is built (`AsyncEngine.create`) and shut
+down in a worker thread.
 """
 
 from __future__ import annotations
@@ -21,16 +36,44 @@ from block_manager import BlockEvent
 from cluster.engine.client import EngineHealth
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
-from cluster.engine.errors import EngineDead, RequestRejected
+from cluster.engine.errors import EngineDead, RequestFailed, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.metrics import EngineMetrics
+from cluster.engine.output_stream import OutputAccumulator, OutputMailbox, RequestDelta
 from cluster.engine.outputs import RequestOutput
+from cluster.engine.request import Request
+from cluster.engine.scheduler import SchedulerStep
 from workers import ModelInfo, WorkerGroup
+from workers.plan import PlanRejected
 
 log = logging.getLogger(__name__)
 
-StreamItem = RequestOutput | BaseException
 IDLE_STEP_PAUSE_S = 0.001
+
+
+def blamed_sequences(error: BaseException) -> frozenset[int]:
+    """The sequence ids a refused plan was blamed on (empty: the whole plan)."""
+    cause = getattr(error, "cause", None)  # a Ray task error wraps what the rank raised
+    for candidate in (error, cause):
+        if isinstance(candidate, PlanRejected):
+            return frozenset(candidate.seq_ids)
+    return frozenset()
+
+
+def step_failure_is_attributable(error: BaseException) -> bool:
+    """Whether a failed worker call can be blamed on the plan (and so on its requests) rather
+    than on the workers: a ValueError is the ranks' validation refusing the plan (a Ray task
+    error whose cause is a ValueError is one too); a dead actor, a lost connection, a timeout
+    or any other error is the workers' own failure."""
+    try:
+        from ray import exceptions as ray_errors
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return isinstance(error, ValueError)
+    if isinstance(error, ray_errors.RayActorError | ray_errors.ActorUnavailableError):
+        return False
+    if isinstance(error, ray_errors.RayTaskError):
+        return isinstance(error.cause, ValueError)
+    return isinstance(error, ValueError)
 
 
 class AsyncEngine:
@@ -44,10 +87,12 @@ class AsyncEngine:
         *,
         record_block_events: bool = False,
     ) -> None:
-        """`record_block_events`: keep the block manager's events for `take_block_events` (a
+        """Builds the engine in the calling thread (it loads the model and, on the Ray backend,
+        waits for the worker actors); from a coroutine use `await AsyncEngine.create(...)`.
+        `record_block_events`: keep the block manager's events for `take_block_events` (a
         replica that publishes to the KV directory)."""
         self.core = EngineCore(config, workers, record_block_events=record_block_events)
-        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._streams: dict[str, OutputMailbox] = {}
         self._pending_aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -56,29 +101,56 @@ class AsyncEngine:
         self._shut_down = False
         self._last_step_finished_s: float | None = None
 
+    @classmethod
+    async def create(
+        cls,
+        config: EngineConfig,
+        workers: WorkerGroup | None = None,
+        *,
+        record_block_events: bool = False,
+    ) -> AsyncEngine:
+        """Builds the engine in a worker thread, so the event loop keeps serving meanwhile."""
+        return await asyncio.to_thread(
+            cls, config, workers, record_block_events=record_block_events
+        )
+
     # --- public API ---------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs (deltas since the previous one) until it finishes.
-        Raises RequestRejected / EngineOverloaded before the first output when it cannot queue;
-        leaving the iteration early aborts the request."""
+        """Streams the request's outputs until it finishes: cumulative `text` / `token_ids`
+        plus the deltas since the previous output (see `output_stream` for what a reader may
+        keep). Raises RequestRejected / EngineOverloaded before the first output when it cannot
+        queue, RequestFailed / EngineDead when a step fails; leaving the iteration early aborts
+        the request."""
+        accumulator = OutputAccumulator()
+        stream = self.generate_deltas(request)
+        try:
+            async for delta in stream:
+                yield accumulator.apply(delta)
+        finally:
+            await stream.aclose()
+
+    async def generate_deltas(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        """`generate` as the raw `RequestDelta`s (O(new tokens) each, what a replica sends
+        over a deployment handle); fold them with an `OutputAccumulator`."""
         if self._dead is not None:
             raise EngineDead(f"the engine stopped: {self._dead!r}")
         self._ensure_loop()
         rid = self.core.add_request(request).request_id
-        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
-        self._streams[rid] = queue
+        mailbox = OutputMailbox()
+        self._streams[rid] = mailbox
         self._wake()
         finished = False
         try:
             while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                if item.error is not None:
-                    raise RequestRejected(item.error)
-                yield item
+                delta = await mailbox.get()
+                finished = delta.finished
+                if delta.error is not None:
+                    raise RequestRejected(delta.error)
+                yield delta
+        except (RequestFailed, EngineDead):
+            finished = True  # the engine ended the request already
+            raise
         finally:
             self._streams.pop(rid, None)
             if not finished:
@@ -90,6 +162,7 @@ class AsyncEngine:
             self._pending_aborts.append(request_id)
             return
         self._apply_abort(request_id)
+        self._wake()  # an idle loop sends the workers the release
 
     def metrics(self) -> EngineMetrics:
         return self.core.metrics()
@@ -142,13 +215,14 @@ class AsyncEngine:
         return self.core.model_info
 
     async def shutdown(self) -> None:
+        """Stops the step loop and the workers (in a worker thread: it waits on Ray)."""
         self._shut_down = True
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
-        self.core.shutdown()
+        await asyncio.to_thread(self.core.shutdown)
 
     # --- the step loop --------------------------------------------------------------------
 
@@ -166,6 +240,9 @@ class AsyncEngine:
         try:
             while True:
                 if not self.core.has_unfinished():
+                    await self._flush_idle()
+                    if self.core.has_unfinished():
+                        continue
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -176,8 +253,22 @@ class AsyncEngine:
         except BaseException as error:
             log.exception("engine step loop failed")
             self._dead = error
-            for queue in self._streams.values():
-                queue.put_nowait(EngineDead(f"the engine stopped: {error!r}"))
+            for mailbox in self._streams.values():
+                mailbox.fail(EngineDead(f"the engine stopped: {error!r}"))
+
+    async def _flush_idle(self) -> None:
+        """Sends the releases (and decommits) of the last requests that ended to the workers,
+        so they hold nothing of them once the engine is idle."""
+        plan = self.core.idle_plan()
+        if plan is None:
+            return
+        self._stepping = True
+        try:
+            output = await self.core.workers.execute_async(plan)
+        finally:
+            self._stepping = False
+        self.core.observe_idle_output(plan, output)
+        self._apply_pending_aborts()
 
     async def _one_step(self) -> None:
         step = self.core.begin_step()
@@ -186,24 +277,60 @@ class AsyncEngine:
             output = None
             if not step.is_empty:
                 output = await self.core.workers.execute_async(step.plan)
+        except Exception as error:
+            if not step_failure_is_attributable(error):
+                raise
+            self._fail_step(step, error)
+            return
         finally:
             self._stepping = False
-        outputs = self.core.finish_step(step, output) + self.core.resolve_stall(step)
+        requests = self.core.finish_step_requests(step, output)
+        requests += self.core.resolve_stall_requests(step)
         self._last_step_finished_s = time.monotonic()
-        for item in outputs:
-            self._publish(item)
+        for request in requests:
+            self._publish(request)
+        self._apply_pending_aborts()
+        if not step.runs_anything and not requests:
+            await asyncio.sleep(IDLE_STEP_PAUSE_S)  # nothing could run: do not spin
+
+    def _fail_step(self, step: SchedulerStep, error: BaseException) -> None:
+        """The workers refused the step's plan and applied none of it: end the requests it was
+        blamed on (all of the step's when it names none), recompute the others whose state
+        depended on it, send its releases again, and go on with everything else."""
+        log.warning("step %d refused by the workers: %r", step.plan.step_id, error)
+        self.core.scheduler.requeue_releases(step.plan.released)
+        blamed = blamed_sequences(error)
+        involved = step.requests()
+        guilty = [r for r in involved if not blamed or any(b.seq_id in blamed for b in r.branches)]
+        if not guilty:  # the blamed sequence is not this step's: trust nothing of it
+            guilty = involved
+        reason = f"the step running this request failed: {type(error).__name__}: {error}"
+        for request in self.core.fail_requests(guilty, reason):
+            self._publish(request)
+        guilty_ids = {r.request_id for r in guilty}
+        self.core.recompute_requests([r for r in involved if r.request_id not in guilty_ids])
+        self._last_step_finished_s = time.monotonic()
+        self._apply_pending_aborts()
+
+    def _apply_pending_aborts(self) -> None:
         aborts, self._pending_aborts = self._pending_aborts, []
         for request_id in aborts:
             self._apply_abort(request_id)
-        if step.is_empty and not outputs:
-            await asyncio.sleep(IDLE_STEP_PAUSE_S)  # nothing could run: do not spin
 
     def _apply_abort(self, request_id: str) -> None:
-        final = self.core.abort(request_id)
-        if final is not None:
-            self._publish(final)
+        request = self.core.abort_request(request_id)
+        if request is not None:
+            self._publish(request)
 
-    def _publish(self, output: RequestOutput) -> None:
-        queue = self._streams.get(output.request_id)
-        if queue is not None:
-            queue.put_nowait(output)
+    def _publish(self, request: Request) -> None:
+        """Hands the request's change to its stream (a failed one ends it with RequestFailed).
+        The delta is made even without a reader, so streamed positions stay in step."""
+        if request.failed:
+            mailbox = self._streams.get(request.request_id)
+            if mailbox is not None:
+                mailbox.fail(RequestFailed(request.error or "the step running it failed"))
+            return
+        delta = request.make_delta()
+        mailbox = self._streams.get(request.request_id)
+        if mailbox is not None:
+            mailbox.put(delta)

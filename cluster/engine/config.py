@@ -74,6 +74,11 @@ class CacheSettings(_Section):
 class ParallelSettings(_Section):
     tensor_parallel_size: int = Field(1, gt=0)
     backend: Literal["ray", "local"] = "ray"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="where ranks compute: 'auto' is CUDA when a rank's bundle holds a GPU; "
+        "'cpu' keeps them on the CPU whatever the bundles declare (tests, simulated clusters)",
+    )
 
     @model_validator(mode="after")
     def _local_is_single_rank(self) -> ParallelSettings:
@@ -168,6 +173,27 @@ class EngineConfig(_Section):
             data.setdefault(section, {}).update(values)
         return EngineConfig.build(data)
 
+    def check_model(self) -> None:
+        """Checks what only the model can tell, from its metadata (no weights are read):
+        `parallel.tensor_parallel_size` must split its attention and KV heads. Raises
+        ConfigError naming the field, the value and the model's head counts; call it when the
+        config is loaded (a replica would otherwise fail in its constructor, again and again)."""
+        from workers.loader import read_spec
+        from workers.model_source import resolve_model_path
+        from workers.parallel import check_tensor_parallel
+
+        try:
+            spec = read_spec(resolve_model_path(self.model.model))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"model.model {self.model.model!r}: {error}") from None
+        try:
+            check_tensor_parallel(spec, self.parallel.tensor_parallel_size)
+        except ValueError as error:
+            raise ConfigError(
+                f"parallel.tensor_parallel_size cannot split model.model {self.model.model!r}: "
+                f"{error}"
+            ) from None
+
     def to_worker_config(self) -> WorkerConfig:
         from workers import WorkerConfig
 
@@ -190,6 +216,7 @@ class EngineConfig(_Section):
             kv_layout=self.cache.kv_layout,
             kv_virtual_slots=self.scheduler.max_num_seqs,
             verify_swaps=self.cache.verify_swaps,
+            device=self.parallel.device,
         )
 
     # --- command line -------------------------------------------------------------------------

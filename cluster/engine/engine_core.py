@@ -156,13 +156,43 @@ class EngineCore:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Frees everything the request holds; its final output (finish_reason "abort")."""
+        request = self.abort_request(request_id)
+        return None if request is None else request.make_output()
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """`abort`, returning the ended request (None when unknown) instead of its output."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         self.scheduler.abort(request)
         self._forget_limits(request)
         request.metrics.finished_time = time.time()
-        return request.make_output()
+        self.recorder.num_aborted_requests += 1
+        return request
+
+    def fail_requests(self, requests: list[Request], reason: str) -> list[Request]:
+        """Ends `requests` (those still unfinished) with `reason` as their error, freeing what
+        they hold, while every other request goes on; returns the ones it ended. Used when a
+        step failed in a way attributable to its own requests (see `AsyncEngine`)."""
+        ended = []
+        for request in requests:
+            if self.requests.pop(request.request_id, None) is None:
+                continue
+            self.scheduler.abort(request)
+            self._forget_limits(request)
+            request.error = reason
+            request.failed = True
+            request.metrics.finished_time = time.time()
+            self.recorder.num_failed_requests += 1
+            ended.append(request)
+        return ended
+
+    def recompute_requests(self, requests: list[Request]) -> None:
+        """Sends unfinished `requests` back to wait for a recompute of their KV (their tokens
+        and text so far are kept), e.g. the innocent requests of a plan the workers refused."""
+        for request in requests:
+            if request.request_id in self.requests and not request.finished:
+                self.scheduler.recompute(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished() > 0
@@ -184,11 +214,19 @@ class EngineCore:
 
     def finish_step(self, step: SchedulerStep, output: StepOutput | None) -> list[RequestOutput]:
         """Applies the workers' output (None for an empty plan); outputs of touched requests."""
+        return [request.make_output() for request in self.finish_step_requests(step, output)]
+
+    def finish_step_requests(self, step: SchedulerStep, output: StepOutput | None) -> list[Request]:
+        """`finish_step`, returning the touched requests (to make outputs or deltas of).
+
+        A token whose text or stop handling raises ends its request only (`fail_requests`,
+        `request.failed` set); the other requests of the step go on."""
         now = time.time()
-        outputs = [self._reject_during_admission(request) for request in step.rejected]
+        reported = [self._reject_during_admission(request) for request in step.rejected]
         touched: dict[str, Request] = {}
+        broken: dict[str, tuple[Request, str]] = {}
         if output is not None and output.corrupt_swap_ins:
-            outputs += self._fail_corrupt_swap_ins(step, output.corrupt_swap_ins)
+            reported += self._fail_corrupt_swap_ins(step, output.corrupt_swap_ins)
         if output is not None:
             self.recorder.num_steps += 1
             self.layout_recorder.observe_output(output, len(step.plan.decommit))
@@ -196,42 +234,72 @@ class EngineCore:
                 if work.request.metrics.first_scheduled_time is None:
                     work.request.metrics.first_scheduled_time = now
             for request, branch, sampled in self.scheduler.on_step_done(step, output):
+                if request.request_id in broken:
+                    continue
                 self.recorder.num_generated_tokens += 1
                 touched[request.request_id] = request
-                if apply_sampled_token(request, branch, sampled, self.limits):
-                    self.scheduler.finish_branch(request, branch)
+                try:
+                    if apply_sampled_token(request, branch, sampled, self.limits):
+                        self.scheduler.finish_branch(request, branch)
+                except Exception as error:  # this request's token only: fail it alone
+                    broken[request.request_id] = (request, f"{type(error).__name__}: {error}")
+        for request, reason in broken.values():
+            touched.pop(request.request_id, None)
+            reported += self.fail_requests(
+                [request], f"the engine could not apply a token of this request: {reason}"
+            )
         if self.config.scheduler.check_integrity:
             self.block_manager.check_integrity()
         for request in touched.values():
             self._record_token_times(request, now)
             if request.finished:
                 self._complete(request, now)
-            outputs.append(request.make_output())
-        return outputs
+            reported.append(request)
+        return reported
 
     def step(self) -> list[RequestOutput]:
         step = self.begin_step()
         output = None if step.is_empty else self.workers.execute(step.plan)
         outputs = self.finish_step(step, output) + self.resolve_stall(step)
         if not self.has_unfinished():
-            self.flush_decommits()
+            self.flush_idle()
         return outputs
 
-    def flush_decommits(self) -> None:
-        """`virtual` layout: return the memory of ended sequences now, in a plan of its own
-        (step id -1, nothing else in it), instead of with the next step's plan."""
+    def idle_plan(self) -> StepPlan | None:
+        """With nothing left to run: a plan of its own (step id -1, no work) carrying the
+        releases and `virtual`-layout decommits no plan has carried yet, or None when there are
+        none. Without it the workers would keep the state of the last requests that ended."""
+        released = self.scheduler.take_releases()
         bm = self.block_manager
-        if bm.has_pending_decommits():
-            ranges = bm.take_decommits()
-            output = self.workers.execute(StepPlan(step_id=-1, decommit=ranges))
-            self.layout_recorder.observe_output(output, len(ranges))
+        decommit = bm.take_decommits() if bm.has_pending_decommits() else []
+        if not released and not decommit:
+            return None
+        return StepPlan(step_id=-1, released=released, decommit=decommit)
+
+    def observe_idle_output(self, plan: StepPlan, output: StepOutput) -> None:
+        if plan.decommit:
+            self.layout_recorder.observe_output(output, len(plan.decommit))
+
+    def flush_idle(self) -> None:
+        """Sends `idle_plan()` to the workers now (blocking), when there is one."""
+        plan = self.idle_plan()
+        if plan is not None:
+            self.observe_idle_output(plan, self.workers.execute(plan))
+
+    def flush_decommits(self) -> None:
+        """`virtual` layout: return the memory of ended sequences now (see `flush_idle`)."""
+        self.flush_idle()
 
     def resolve_stall(self, step: SchedulerStep) -> list[RequestOutput]:
+        """`resolve_stall_requests`, as outputs."""
+        return [request.make_output() for request in self.resolve_stall_requests(step)]
+
+    def resolve_stall_requests(self, step: SchedulerStep) -> list[Request]:
         """After an empty step with nothing running (and nothing preempted), the head of the
         queues cannot fit even in an empty device pool: a swapped head is sent back to be
         recomputed, a waiting head is finished with an error instead of waiting forever."""
         if (
-            not step.is_empty
+            step.runs_anything
             or step.preempted
             or self.scheduler.running
             or not self.has_unfinished()
@@ -249,7 +317,7 @@ class EngineCore:
 
     def _fail_corrupt_swap_ins(
         self, step: SchedulerStep, pairs: list[tuple[int, int]]
-    ) -> list[RequestOutput]:
+    ) -> list[Request]:
         """Blocks copied back from the CPU failed their checksum: they become unfindable in
         both tiers and every request holding one fails now, its step's tokens dropped, so the
         wrong KV is never served (nor sealed under a hash later lookups could hit)."""
@@ -268,16 +336,11 @@ class EngineCore:
             )
         ]
         step.works = [work for work in step.works if work.request not in victims]
-        failed: list[RequestOutput] = []
-        for request in victims:
-            request.error = (
-                f"KV integrity: {len(pairs)} block(s) copied back from the CPU tier failed their "
-                "checksum; the request is failed rather than served from wrong KV"
-            )
-            output = self.abort(request.request_id)
-            if output is not None:
-                failed.append(output)
-        return failed
+        return self.fail_requests(
+            victims,
+            f"KV integrity: {len(pairs)} block(s) copied back from the CPU tier failed their "
+            "checksum; the request is failed rather than served from wrong KV",
+        )
 
     def metrics(self) -> EngineMetrics:
         pressure = self.block_manager.pressure()
@@ -298,6 +361,8 @@ class EngineCore:
             num_generated_tokens=rec.num_generated_tokens,
             num_finished_requests=rec.num_finished_requests,
             num_rejected_requests=rec.num_rejected_requests,
+            num_aborted_requests=rec.num_aborted_requests,
+            num_failed_requests=rec.num_failed_requests,
             ttft_seconds=rec.ttft.copy(),
             tpot_seconds=rec.tpot.copy(),
             cache_tier=tier,
@@ -372,7 +437,7 @@ class EngineCore:
         self.requests.pop(request.request_id, None)
         self.recorder.num_finished_requests += 1
 
-    def _reject_during_admission(self, request: Request) -> RequestOutput:
+    def _reject_during_admission(self, request: Request) -> Request:
         """A queued request that can no longer fit the device pool. One that has generated
         tokens (it outgrew the pool) ends with finish_reason "length", keeping its text, as if
         the pool were its context; one that has not is finished with its error."""
@@ -394,4 +459,4 @@ class EngineCore:
         request.metrics.finished_time = time.time()
         self.requests.pop(request.request_id, None)
         self._forget_limits(request)
-        return request.make_output()
+        return request

@@ -28,5 +28,12 @@ class EngineDead(RuntimeError):
     """The engine's step loop stopped after an internal error; no request can make progress."""
 
 
+class RequestFailed(EngineDead):
+    """The step running this request failed in a way attributable to that step's requests (the
+    workers refused its plan, or a token of this request could not be applied); the engine kept
+    serving every other request. A server-side failure, not the caller's input: it maps like
+    EngineDead (HTTP 503, gRPC UNAVAILABLE), and a retry can succeed."""
+
+
 class ConfigError(ValueError):
     """An invalid configuration; the message names the offending field (e.g. `cache.block_size`)."""

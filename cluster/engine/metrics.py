@@ -66,6 +66,10 @@ class EngineMetrics:
     """KV bytes copied CPU -> device (swap-ins and promotions)."""
     swap_checksum_failures: int = 0
     """Blocks whose bytes failed their checksum on the way back (`cache.verify_swaps`)."""
+    num_aborted_requests: int = 0
+    """Requests ended by their caller (a closed stream, a cancel, an abort) before finishing."""
+    num_failed_requests: int = 0
+    """Requests ended by a failed step attributed to them while the engine went on serving."""
 
     @property
     def preemptions(self) -> int:
@@ -85,6 +89,8 @@ class MetricsRecorder:
     num_finished_requests: int = 0
     num_rejected_requests: int = 0
     swap_checksum_failures: int = 0
+    num_aborted_requests: int = 0
+    num_failed_requests: int = 0
 
     def observe_pressure(self, pressure: PressureSnapshot) -> None:
         if pressure.token_slots_allocated == 0:

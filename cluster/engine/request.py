@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from block_manager import CacheKey
 from cluster.engine.detokenizer import TextTracker
+from cluster.engine.output_stream import BranchDelta, RequestDelta
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from workers.plan import SamplingSettings
@@ -71,6 +72,10 @@ class Request:
     num_cached_tokens: int | None = None
     swapped_blocks: int = 0
     error: str | None = None
+    failed: bool = False
+    """Ended by a failed step (see `EngineCore.fail_requests`); `error` says why."""
+    announced: bool = False
+    """A delta or output was made already (the prompt travels with the first one only)."""
 
     @property
     def n(self) -> int:
@@ -87,8 +92,42 @@ class Request:
     def finished(self) -> bool:
         return all(b.finished for b in self.branches)
 
+    def make_delta(self) -> RequestDelta:
+        """What is new since the previous delta or output; advances each branch's streamed
+        position. Costs O(new tokens): nothing cumulative is copied (see `output_stream`)."""
+        first = not self.announced
+        self.announced = True
+        branches = []
+        for branch in self.branches:
+            start = branch.emitted_tokens
+            branch.emitted_tokens = len(branch.output_token_ids)
+            branches.append(
+                BranchDelta(
+                    index=branch.index,
+                    text=branch.text.take_delta(finished=branch.finished),
+                    token_ids=branch.output_token_ids[start:],
+                    logprobs=branch.logprobs[start:] if branch.logprobs is not None else None,
+                    cumulative_logprob=branch.cumulative_logprob,
+                    finish_reason=branch.finish_reason,
+                    stop_reason=branch.stop_reason,
+                )
+            )
+        finished = self.finished
+        return RequestDelta(
+            request_id=self.request_id,
+            branches=branches,
+            finished=finished,
+            num_cached_tokens=self.num_cached_tokens or 0,
+            error=self.error,
+            prompt=self.prompt if first else None,
+            prompt_token_ids=self.prompt_token_ids if first else None,
+            metrics=self.metrics if first or finished else None,
+        )
+
     def make_output(self) -> RequestOutput:
-        """A snapshot; advances each branch's streamed position (deltas are since the last one)."""
+        """A snapshot with copies of everything so far (the offline path); advances each
+        branch's streamed position (deltas are since the last one). Streams use `make_delta`."""
+        self.announced = True
         outputs = []
         for branch in self.branches:
             delta_text = branch.text.take_delta(finished=branch.finished)

@@ -51,6 +51,15 @@ class SchedulerStep:
     rejected: list[Request] = field(default_factory=list)
     preempted: bool = False
     """Something was preempted, so swapped and waiting requests were not considered."""
+    swapped: list[Request] = field(default_factory=list)
+    """Requests whose blocks this plan swaps out or in (their KV moves only if the plan runs)."""
+
+    def requests(self) -> list[Request]:
+        """Every request whose state depends on this plan running: its work and its swaps."""
+        seen: dict[str, Request] = {}
+        for request in [w.request for w in self.works] + self.swapped:
+            seen.setdefault(request.request_id, request)
+        return list(seen.values())
 
     @property
     def num_tokens(self) -> int:
@@ -58,8 +67,16 @@ class SchedulerStep:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing for the workers to do: no work, no swaps or copies and no releases (a plan
+        that only releases sequences must still reach the workers, or their registries keep
+        the state of requests that ended)."""
+        return not (self.runs_anything or self.plan.released)
+
+    @property
+    def runs_anything(self) -> bool:
+        """The plan computes, swaps or copies something (releases alone do not count)."""
         plan = self.plan
-        return not (
+        return bool(
             plan.sequences
             or plan.swap_out
             or plan.swap_in
@@ -102,6 +119,15 @@ class Scheduler:
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def take_releases(self) -> list[int]:
+        """Sequence ids the workers must forget and no plan has carried yet (cleared)."""
+        released, self._releases = self._releases, []
+        return released
+
+    def requeue_releases(self, seq_ids: list[int]) -> None:
+        """Releases of a plan the workers refused (they applied none of it): send them again."""
+        self._releases[:0] = seq_ids
 
     def unstick_head(self) -> Request | None:
         """Called when nothing runs and nothing could be scheduled. A swapped head that cannot
@@ -266,16 +292,27 @@ class Scheduler:
             pairs = self.bm.swap_out(seq_ids)
             request.swapped_blocks = len(pairs)  # shared blocks stay on the device
             step.plan.swap_out.extend(pairs)
+            step.swapped.append(request)
             self._forget_on_workers(request.active_branches)
             request.status = RequestStatus.SWAPPED
             _insert_by_arrival(self.swapped, request)
             self.preemptions.swap += 1
         else:
-            for branch in request.active_branches:
-                self._drop_sequence(branch)
-            request.status = RequestStatus.WAITING
-            _insert_by_arrival(self.waiting, request)
+            self._requeue(request)
             self.preemptions.recompute += 1
+
+    def recompute(self, request: Request) -> None:
+        """Sends a running or swapped request back to wait, its KV dropped on both tiers (it is
+        recomputed from its tokens when admitted again): what a refused plan leaves of the
+        requests it did not blame."""
+        self._remove(request)
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        for branch in request.active_branches:
+            self._drop_sequence(branch)
+        request.status = RequestStatus.WAITING
+        _insert_by_arrival(self.waiting, request)
 
     def _choose_swap(self, request: Request, seq_ids: list[int]) -> bool:
         """Swap only fully computed sequences (a half-done prompt has little KV worth keeping)
@@ -311,6 +348,7 @@ class Scheduler:
             ):
                 return True
             step.plan.swap_in.extend(self.bm.swap_in(seq_ids))
+            step.swapped.append(request)
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             _insert_by_arrival(self.running, request)

@@ -10,14 +10,15 @@ its step loop died or stopped moving (`check_health`).
 
 Invariants:
 - a replica touches its engine only from its own event loop (every method here is async);
-- every output it streams carries `served_by` (this replica's id);
+- it streams `RequestDelta`s (O(new tokens) each over the handle; the client folds them into
+  `RequestOutput`s), each carrying `served_by` (this replica's id);
+- nothing blocks its event loop on Ray: the engine is built and shut down in a worker thread;
 - closing a `generate` stream (the ingress's client went away) aborts the request and frees its
   blocks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from cluster.engine.cache_keys import RequestKeys
 from cluster.engine.client import ModelInfo
 from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.metrics import EngineMetrics
-from cluster.engine.outputs import RequestOutput
+from cluster.engine.output_stream import RequestDelta
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.autoscaling import autoscaling_stats
 from cluster.serving.kv_directory import CacheSource, DirectoryPublisher, directory_handle
@@ -70,7 +71,7 @@ class GenerationServer:
     async def __init__(self, args: dict[str, Any]) -> None:
         self.args = ServeAppArgs.model_validate(args)
         self.config = self.args.engine_config()
-        self.engine = AsyncEngine(self.config, record_block_events=True)
+        self.engine = await AsyncEngine.create(self.config, record_block_events=True)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.progress = StepProgress(self.args.health.stuck_after_s)
@@ -110,14 +111,15 @@ class GenerationServer:
         request: GenerateRequest,
         block_hashes: list[bytes] | None = None,
         prefix_blocks: dict[str, int] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Streams the engine's outputs; `block_hashes` and `prefix_blocks` are read by the
-        router only. Raises RequestRejected, EngineOverloaded, EngineDead like the engine, before
-        the first output."""
-        stream = self.engine.generate(request)
+    ) -> AsyncIterator[RequestDelta]:
+        """Streams the engine's deltas (fold them with an `OutputAccumulator`); `block_hashes`
+        and `prefix_blocks` are read by the router only. Raises RequestRejected,
+        EngineOverloaded, EngineDead like the engine, before the first output."""
+        stream = self.engine.generate_deltas(request)
         try:
-            async for output in stream:
-                yield dataclasses.replace(output, served_by=self.replica_id)
+            async for delta in stream:
+                delta.served_by = self.replica_id
+                yield delta
         finally:
             await stream.aclose()
 

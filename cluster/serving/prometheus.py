@@ -206,6 +206,8 @@ class EngineMetricsCollector(Collector):
             tokens.add_metric([replica], m.num_generated_tokens)
             requests.add_metric([replica, "finished"], m.num_finished_requests)
             requests.add_metric([replica, "rejected"], m.num_rejected_requests)
+            requests.add_metric([replica, "aborted"], m.num_aborted_requests)
+            requests.add_metric([replica, "failed"], m.num_failed_requests)
         yield from (steps, tokens, requests)
 
     def _latency(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:

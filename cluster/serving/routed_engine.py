@@ -30,6 +30,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.engine.cache_keys import RequestKeys
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest
+from cluster.engine.output_stream import OutputAccumulator
 from cluster.engine.outputs import RequestOutput
 from cluster.serving.routing import BLOCK_HASHES_KWARG, PREFIX_BLOCKS_KWARG
 
@@ -81,6 +82,7 @@ class RoutedEngineClient:
         held = await self.holdings(hashes)
         finished = False
         stream = None
+        accumulator = OutputAccumulator()  # the replica streams deltas: O(new tokens) each
         try:
             # Inside the try: the router may refuse here already (BackPressureError).
             stream = self.handle.options(stream=True).generate.remote(
@@ -98,10 +100,10 @@ class RoutedEngineClient:
             except StopAsyncIteration:
                 return
             finished = first.finished
-            yield first
-            async for output in stream:
-                finished = output.finished
-                yield output
+            yield accumulator.apply(first)
+            async for delta in stream:
+                finished = delta.finished
+                yield accumulator.apply(delta)
         except Exception as error:
             mapped = client_error(error)
             if mapped is None or mapped is error:

@@ -37,7 +37,8 @@ def bind_app(
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The Serve application builder named by `import_path` in the Serve config; validates the
-    arguments (the engine config included) before any replica starts."""
+    arguments (the engine config included, and its parallelism against the model's heads)
+    before any replica starts."""
     validated = ServeAppArgs.model_validate(args)
-    validated.engine_config()
+    validated.engine_config().check_model()
     return bind_app(validated.model_dump())

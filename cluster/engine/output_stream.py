@@ -1,0 +1,215 @@
+"""Streaming a request's outputs in O(new tokens): deltas, a coalescing mailbox, an accumulator.
+
+The engine turns each step into one `RequestDelta` per touched request: only what is new since
+the previous delta (text, token ids, logprobs) plus O(1) state, never a copy of the prompt or of
+the output so far. A delta crosses process boundaries (a Serve handle) at that cost.
+
+`OutputMailbox` is a stream's queue with a bound: deltas the reader has not taken yet are merged
+into one pending delta, so a slow reader costs one merge per step (O(new tokens)) and holds at
+most one pending item, never a queue of snapshots.
+
+`OutputAccumulator` is the reader's side: it folds deltas into the public cumulative
+`RequestOutput`. It appends to its own running lists instead of copying them, so each output
+costs O(new tokens) (the cumulative `text` is a `str`, so it is the one thing re-built, a
+character copy). Invariant for readers: the `token_ids` and `logprobs` lists of an output are
+the stream's running lists: they are exact while the reader handles that output and keep
+growing once it asks for the next one (copy them to keep a snapshot); `text` and the `delta_*`
+fields never change after the fact. The final output (`finished`) is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from cluster.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+
+@dataclass
+class BranchDelta:
+    """What one branch gained since the previous delta of its request."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestDelta:
+    """One request's change since its previous delta (see the module doc).
+
+    `prompt_token_ids` is set on the first delta of a request only; `metrics` on the first and
+    on the final one (in process it is the live object, so readers see it fill in)."""
+
+    request_id: str
+    branches: list[BranchDelta]
+    finished: bool
+    num_cached_tokens: int
+    error: str | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    metrics: RequestMetrics | None = None
+    served_by: str | None = None
+
+
+class _Coalesced:
+    """Deltas of one request merged as they arrive: each merge costs O(what it carries) (text
+    is kept in parts and joined once, when the reader takes it)."""
+
+    def __init__(self, first: RequestDelta) -> None:
+        self.head = first
+        self.parts: dict[int, list[str]] = {b.index: [b.text] for b in first.branches}
+        self.branches = {b.index: b for b in first.branches}
+        self.count = 1
+
+    def merge(self, later: RequestDelta) -> None:
+        if later.request_id != self.head.request_id:
+            raise ValueError(f"cannot merge {later.request_id!r} into {self.head.request_id!r}")
+        for branch in later.branches:
+            into = self.branches.get(branch.index)
+            if into is None:
+                self.branches[branch.index] = branch
+                self.parts[branch.index] = [branch.text]
+                self.head.branches.append(branch)
+                continue
+            self.parts[branch.index].append(branch.text)
+            into.token_ids.extend(branch.token_ids)
+            if branch.logprobs is not None:
+                if into.logprobs is None:
+                    into.logprobs = []
+                into.logprobs.extend(branch.logprobs)
+            into.cumulative_logprob = branch.cumulative_logprob
+            into.finish_reason = branch.finish_reason
+            into.stop_reason = branch.stop_reason
+        head = self.head
+        head.finished = later.finished
+        head.num_cached_tokens = later.num_cached_tokens
+        head.error = later.error if later.error is not None else head.error
+        head.metrics = later.metrics if later.metrics is not None else head.metrics
+        head.served_by = later.served_by if later.served_by is not None else head.served_by
+        self.count += 1
+
+    def take(self) -> RequestDelta:
+        for index, branch in self.branches.items():
+            if len(self.parts[index]) > 1:
+                branch.text = "".join(self.parts[index])
+        return self.head
+
+
+class OutputMailbox:
+    """A single-reader stream of `RequestDelta`s that coalesces what the reader has not taken.
+
+    Invariants: at most one delta is pending (later ones merge into it); an error put with
+    `fail` is raised by `get` after the pending delta was taken; `get` returns deltas in order
+    and never loses one. Use from one event loop only."""
+
+    def __init__(self) -> None:
+        self._pending: _Coalesced | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+        self.merged = 0
+        """How many deltas were merged into a pending one (the reader was behind)."""
+
+    def put(self, delta: RequestDelta) -> None:
+        if self._pending is None:
+            self._pending = _Coalesced(delta)
+        else:
+            self._pending.merge(delta)
+            self.merged += 1
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """Ends the stream with `error` (after what is pending); the first error wins."""
+        if self._error is None:
+            self._error = error
+        self._ready.set()
+
+    @property
+    def num_pending(self) -> int:
+        """Deltas merged into the one waiting for the reader (0: nothing is waiting)."""
+        return 0 if self._pending is None else self._pending.count
+
+    async def get(self) -> RequestDelta:
+        while self._pending is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            return pending.take()
+        assert self._error is not None
+        raise self._error
+
+
+class _BranchState:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[Logprob] | None = None
+        self.cumulative_logprob: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    def apply(self, delta: BranchDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
+
+    def output(self, delta: BranchDelta | None) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=self.token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            delta_text=delta.text if delta is not None else "",
+            delta_token_ids=delta.token_ids if delta is not None else [],
+        )
+
+
+class OutputAccumulator:
+    """Folds one request's deltas into cumulative `RequestOutput`s (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._branches: dict[int, _BranchState] = {}
+        self._prompt: str | None = None
+        self._prompt_token_ids: list[int] = []
+        self._metrics: RequestMetrics | None = None
+
+    def apply(self, delta: RequestDelta) -> RequestOutput:
+        if delta.prompt_token_ids is not None:
+            self._prompt = delta.prompt
+            self._prompt_token_ids = delta.prompt_token_ids
+        if delta.metrics is not None:
+            self._metrics = delta.metrics
+        changes = {branch.index: branch for branch in delta.branches}
+        for index, branch in changes.items():
+            if index not in self._branches:
+                self._branches[index] = _BranchState(index)
+            self._branches[index].apply(branch)
+        outputs = [
+            self._branches[index].output(changes.get(index)) for index in sorted(self._branches)
+        ]
+        return RequestOutput(
+            request_id=delta.request_id,
+            prompt=self._prompt,
+            prompt_token_ids=self._prompt_token_ids,
+            outputs=outputs,
+            finished=delta.finished,
+            num_cached_tokens=delta.num_cached_tokens,
+            metrics=self._metrics if self._metrics is not None else RequestMetrics(0.0),
+            error=delta.error,
+            served_by=delta.served_by,
+        )

@@ -1,0 +1,114 @@
+"""Streams cost O(new tokens) per step and a slow reader holds one coalesced item (issue 13,
+item 8c): deltas carry no copy of the prompt or of the output so far, the mailbox merges what
+the reader has not taken, and the folded outputs stay exact (cumulative text and token ids)."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import pickle
+
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.output_stream import (
+    BranchDelta,
+    OutputAccumulator,
+    OutputMailbox,
+    RequestDelta,
+)
+from cluster.engine.sampling_params import SamplingParams
+from tests.cluster.tiny_engine import tiny_config
+
+LONG_PROMPT = list(range(100, 700))
+PARAMS = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+
+def delta(index: int, text: str, ids: list[int], finished: bool = False) -> RequestDelta:
+    branch = BranchDelta(
+        index=0, text=text, token_ids=ids, finish_reason="length" if finished else None
+    )
+    return RequestDelta(
+        request_id="r",
+        branches=[branch],
+        finished=finished,
+        num_cached_tokens=0,
+        prompt_token_ids=[1, 2] if index == 0 else None,
+    )
+
+
+def test_the_mailbox_coalesces_what_the_reader_has_not_taken() -> None:
+    async def scenario() -> None:
+        mailbox = OutputMailbox()
+        for i in range(1000):
+            mailbox.put(delta(i, f"t{i} ", [i], finished=i == 999))
+        assert mailbox.num_pending == 1000 and mailbox.merged == 999
+        merged = await mailbox.get()
+        assert mailbox.num_pending == 0
+        assert merged.finished and merged.prompt_token_ids == [1, 2]
+        assert merged.branches[0].token_ids == list(range(1000))
+        assert merged.branches[0].text == "".join(f"t{i} " for i in range(1000))
+        mailbox.fail(RuntimeError("gone"))
+        try:
+            await mailbox.get()
+        except RuntimeError as error:
+            assert str(error) == "gone"
+        else:
+            raise AssertionError("the error must end the stream")
+
+    asyncio.run(scenario())
+
+
+def test_the_accumulator_folds_deltas_into_exact_cumulative_outputs() -> None:
+    accumulator = OutputAccumulator()
+    first = accumulator.apply(delta(0, "a", [1]))
+    assert first.prompt_token_ids == [1, 2] and first.outputs[0].token_ids == [1]
+    second = accumulator.apply(delta(1, "bc", [2, 3], finished=True))
+    assert second.outputs[0].text == "abc" and second.outputs[0].token_ids == [1, 2, 3]
+    assert second.outputs[0].delta_text == "bc" and second.outputs[0].delta_token_ids == [2, 3]
+    assert second.finished and second.usage.prompt_tokens == 2
+    assert first.outputs[0].text == "a"  # text never changes after the fact
+
+
+def test_a_slow_reader_gets_one_coalesced_output_and_exact_results(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    async def scenario() -> None:
+        engine = await AsyncEngine.create(tiny_config(tiny_model_dir))
+        build = engine.request_builder.build
+        # the reference: a reader that takes every output
+        fast = [o async for o in engine.generate(build({"prompt_token_ids": LONG_PROMPT}, PARAMS))]
+        stream = engine.generate(
+            build({"prompt_token_ids": LONG_PROMPT}, PARAMS, request_id="slow")
+        )
+        first = await anext(stream)
+        mailbox = engine._streams["slow"]
+        while engine.metrics().num_finished_requests < 2:  # the reader sleeps meanwhile
+            await asyncio.sleep(0.01)
+        assert mailbox.num_pending >= 2  # several steps' deltas wait as one item
+        rest = [o async for o in stream]
+        assert len(rest) == 1 and rest[0].finished
+        final, reference = rest[0].outputs[0], fast[-1].outputs[0]
+        assert final.token_ids == reference.token_ids and final.text == reference.text
+        assert first.outputs[0].delta_token_ids + final.delta_token_ids == final.token_ids
+        assert rest[0].prompt_token_ids == LONG_PROMPT and rest[0].usage.completion_tokens == 64
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_deltas_do_not_grow_with_the_prompt_or_the_output(tiny_model_dir: pathlib.Path) -> None:
+    """What a replica sends per step over a handle: pickled, every delta after the first is
+    as small for a 600-token prompt 64 tokens in as for the first token of a short one."""
+
+    async def scenario() -> None:
+        engine = await AsyncEngine.create(tiny_config(tiny_model_dir))
+        build = engine.request_builder.build
+        sizes = []
+        async for d in engine.generate_deltas(build({"prompt_token_ids": LONG_PROMPT}, PARAMS)):
+            sizes.append(len(pickle.dumps(d)))
+        assert len(sizes) == PARAMS.max_tokens
+        assert sizes[0] > 4 * len(LONG_PROMPT) // 2  # the first carries the prompt once
+        middle = sizes[1:-1]
+        assert max(middle) < 600 and max(middle) - min(middle) < 64, sizes
+        await engine.shutdown()
+
+    asyncio.run(scenario())
