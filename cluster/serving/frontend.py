@@ -69,28 +69,10 @@ class FrontEnd:
         self._executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="frontend")
 
     async def off_loop(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """Runs CPU-heavy `work` on the front end's threads; the event loop stays free."""
+        """Runs CPU-heavy `work` on the front end's threads; the event loop stays free (e.g.
+        `await frontend.off_loop(frontend.prepare, prompt, params, ...)`, same errors)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(work, *args, **kwargs))
-
-    async def prepare_off_loop(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        *,
-        request_id: str,
-        tenant_salt: bytes | None,
-        what: str = "prompt",
-    ) -> GenerateRequest:
-        """`prepare`, on the front end's threads (same errors)."""
-        return await self.off_loop(
-            self.prepare,
-            prompt,
-            params,
-            request_id=request_id,
-            tenant_salt=tenant_salt,
-            what=what,
-        )
 
     @property
     def renderer(self) -> PromptRenderer:

@@ -187,8 +187,12 @@ class GenerationRpc:
         self.check_model(request.model)
         prompt, params = validated_generate(request)  # the HTTP checks, INVALID_ARGUMENT
         try:
-            generate = await self.frontend.prepare_off_loop(
-                prompt, params, request_id=request_id, tenant_salt=tenant_salt
+            generate = await self.frontend.off_loop(
+                self.frontend.prepare,
+                prompt,
+                params,
+                request_id=request_id,
+                tenant_salt=tenant_salt,
             )
         except RequestRejected as error:
             raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None

@@ -110,31 +110,29 @@ def build_http_api(ingress: OpenAIIngress) -> FastAPI:
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @api.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
-    async def completions(request: Request) -> Response:
+    async def run(request: Request, model: type[Any], unary: Any, stream: Any) -> Response:
+        """Authenticate, read and parse the body off the loop, check the model, then answer
+        with one JSON body (`unary`) or server-sent events (`stream`)."""
         salt = ingress.http_tenant_salt(request)
         body = await read_body(request, ingress.args.limits.max_body_bytes)
-        parsed = await ingress.frontend.off_loop(parse_request, body, CompletionRequest)
+        parsed = await ingress.frontend.off_loop(parse_request, body, model)
         ingress.check_model(parsed.model)
         meta = ResponseMeta()
         if parsed.stream:
-            events = await ingress.openai.stream_completion(parsed, salt, meta)
+            events = await stream(parsed, salt, meta)
             return StreamingResponse(events, media_type="text/event-stream", headers=meta_of(meta))
-        response = await ingress.openai.completion(parsed, salt, meta)
+        response = await unary(parsed, salt, meta)
         return JSONResponse(response.model_dump(exclude_none=True), headers=meta_of(meta))
+
+    @api.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        openai = ingress.openai
+        return await run(request, CompletionRequest, openai.completion, openai.stream_completion)
 
     @api.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        salt = ingress.http_tenant_salt(request)
-        body = await read_body(request, ingress.args.limits.max_body_bytes)
-        parsed = await ingress.frontend.off_loop(parse_request, body, ChatCompletionRequest)
-        ingress.check_model(parsed.model)
-        meta = ResponseMeta()
-        if parsed.stream:
-            events = await ingress.openai.stream_chat(parsed, salt, meta)
-            return StreamingResponse(events, media_type="text/event-stream", headers=meta_of(meta))
-        response = await ingress.openai.chat(parsed, salt, meta)
-        return JSONResponse(response.model_dump(exclude_none=True), headers=meta_of(meta))
+        openai = ingress.openai
+        return await run(request, ChatCompletionRequest, openai.chat, openai.stream_chat)
 
     return api
 
@@ -217,8 +215,12 @@ class OpenAIIngress(GrpcMethods):
         RequestRejected, EngineOverloaded like the engine."""
         salt = self.tenancy.salt_for(request.authorization)
         request_id = request.request_id or f"handle-{time.time_ns()}"
-        prepared = await self.frontend.prepare_off_loop(
-            request.prompt, request.params, request_id=request_id, tenant_salt=salt
+        prepared = await self.frontend.off_loop(
+            self.frontend.prepare,
+            request.prompt,
+            request.params,
+            request_id=request_id,
+            tenant_salt=salt,
         )
         stream = self.client.generate(prepared)
         try:

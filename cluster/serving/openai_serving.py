@@ -189,7 +189,8 @@ class OpenAIServing:
         param = "prompt" if isinstance(prompts[0], str | Mapping) else "messages"
         try:
             requests = [
-                await self.frontend.prepare_off_loop(
+                await self.frontend.off_loop(
+                    self.frontend.prepare,
                     prompt,
                     params,
                     request_id=rid if len(prompts) == 1 else f"{rid}-{i}",

@@ -1,0 +1,97 @@
+"""An engine replica killed mid-load (issue: a fault ends every affected request with an error
+the client can read, and the rest keep going). On a real local Ray cluster, two engine replicas
+behind the ingress: the replica serving a stream is killed while the stream is open; the stream
+ends with an error event in OpenAI's shape, a non-stream call on the same replica gets a JSON
+503, and new requests are served by the other replica at once."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serving.conftest import MODEL, Served, engine_section
+
+APP = "killed"
+ROUTE = "/killed"
+
+
+@pytest.fixture(scope="module")
+def killed_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
+    from ray import serve
+
+    from cluster.serving.serve_app import bind_app
+
+    args = {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
+    app = bind_app(
+        args,
+        engine_options={
+            "num_replicas": 2,
+            "ray_actor_options": {"num_cpus": 0},
+            "max_ongoing_requests": 16,
+        },
+        ingress_options={"ray_actor_options": {"num_cpus": 0}},
+    )
+    serve.run(app, name=APP, route_prefix=ROUTE)
+    yield served.http_base + ROUTE
+    serve.delete(APP)
+
+
+def kill_replica(replica_id: str) -> None:
+    import ray
+
+    from cluster.serving.serve_app import DEPLOYMENT_NAME
+
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{DEPLOYMENT_NAME}#{replica_id}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+
+
+def completion(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def test_a_killed_replica_ends_its_requests_with_readable_errors(killed_base: str) -> None:
+    url = f"{killed_base}/v1/completions"
+    body = completion("Tell me a long story", max_tokens=400, stream=True)
+    events: list[str] = []
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        assert response.status_code == 200
+        victim = response.headers["x-pagedserve-replica"]
+        lines = response.iter_lines()
+        while len(events) < 3:
+            line = next(lines)
+            if line.startswith("data: "):
+                events.append(line)
+        # A non-stream call with the same prompt: most likely routed to the same replica.
+        outcome: dict[str, httpx.Response] = {}
+
+        def unary() -> None:
+            outcome["response"] = httpx.post(
+                url, json=completion("Tell me a long story", max_tokens=300), timeout=60
+            )
+
+        caller = threading.Thread(target=unary)
+        caller.start()
+        time.sleep(0.5)
+        kill_replica(victim)
+        events.extend(line for line in lines if line.startswith("data: "))
+        caller.join(timeout=60)
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert set(last) == {"error"}, events[-3:]
+    assert {"message", "type", "code"} <= set(last["error"]) and last["error"]["message"]
+    unary_response = outcome["response"]
+    if unary_response.status_code != 200:  # it was on the killed replica: a JSON 503
+        assert unary_response.status_code == 503, unary_response.text
+        assert unary_response.json()["error"]["type"] == "server_error"
+    # The other replica takes new requests with no gap.
+    started = time.monotonic()
+    after = httpx.post(url, json=completion("Hello", max_tokens=4), timeout=60)
+    assert after.status_code == 200, after.text
+    assert after.headers["x-pagedserve-replica"] != victim
+    assert time.monotonic() - started < 10
