@@ -56,6 +56,19 @@ class RequestDelta:
     served_by: str | None = None
 
 
+def _extend(into: BranchDelta | _BranchState, later: BranchDelta) -> None:
+    """Appends `later`'s tokens and logprobs to `into` and takes its latest scalars (the text
+    is each caller's own business: joined lazily when coalescing, appended when folding)."""
+    into.token_ids.extend(later.token_ids)
+    if later.logprobs is not None:
+        if into.logprobs is None:
+            into.logprobs = []
+        into.logprobs.extend(later.logprobs)
+    into.cumulative_logprob = later.cumulative_logprob
+    into.finish_reason = later.finish_reason
+    into.stop_reason = later.stop_reason
+
+
 class _Coalesced:
     """Deltas of one request merged as they arrive: each merge costs O(what it carries) (text
     is kept in parts and joined once, when the reader takes it)."""
@@ -77,14 +90,7 @@ class _Coalesced:
                 self.head.branches.append(branch)
                 continue
             self.parts[branch.index].append(branch.text)
-            into.token_ids.extend(branch.token_ids)
-            if branch.logprobs is not None:
-                if into.logprobs is None:
-                    into.logprobs = []
-                into.logprobs.extend(branch.logprobs)
-            into.cumulative_logprob = branch.cumulative_logprob
-            into.finish_reason = branch.finish_reason
-            into.stop_reason = branch.stop_reason
+            _extend(into, branch)
         head = self.head
         head.finished = later.finished
         head.num_cached_tokens = later.num_cached_tokens
@@ -156,14 +162,7 @@ class _BranchState:
 
     def apply(self, delta: BranchDelta) -> None:
         self.text += delta.text
-        self.token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(delta.logprobs)
-        self.cumulative_logprob = delta.cumulative_logprob
-        self.finish_reason = delta.finish_reason
-        self.stop_reason = delta.stop_reason
+        _extend(self, delta)
 
     def output(self, delta: BranchDelta | None) -> CompletionOutput:
         return CompletionOutput(
