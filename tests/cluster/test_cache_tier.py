@@ -66,3 +66,30 @@ def test_a_corrupted_cpu_block_fails_the_request_and_is_counted(
         # The bad blocks were dropped from both tiers: the prompt is recomputed, right.
         assert greedy_ids(llm.generate([prompt], GREEDY)) == [expected]
         assert_all_free(llm)
+
+
+def test_smollm2_greedy_identical_with_the_tier_on_and_off() -> None:
+    """The shipped model under a device pool too small for its prompts' histories: the same
+    greedy tokens whether evicted prefixes are demoted to and promoted from the CPU tier or
+    recomputed, and the tier really served hits."""
+    from pagedserve import SamplingParams
+
+    topics = ["rivers", "mountains", "engines", "gardens", "music", "numbers"]
+    prompts = [
+        f"Notes on {topic}: "
+        + " ".join(f"{topic} fact {n} is worth keeping." for n in range(12))
+        + f" Question: what do you know about {topic}?"
+        for topic in topics
+    ]  # each about 9 blocks of 16: together more than the 40-block device pool
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for cpu_cache in (False, True):
+        settings = {"num_device_blocks": 40, "block_size": 16, "verify_swaps": True}
+        with LLM(max_model_len=256, cpu_cache=cpu_cache, **settings) as llm:
+            first = llm.generate(prompts, params)
+            again = llm.generate(prompts[::-1], params)[::-1]  # histories left the device pool
+            tier = llm.metrics().cache_tier
+            assert (tier.cpu_hit_tokens > 0) == cpu_cache
+            assert_all_free(llm)
+        results[cpu_cache] = [o.outputs[0].token_ids for o in first + again]
+    assert results[True] == results[False]
