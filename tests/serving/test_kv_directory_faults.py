@@ -57,6 +57,18 @@ def directory() -> Any:
     return ray.get_actor(directory_name(APP), namespace=DIRECTORY_NAMESPACE)
 
 
+def holdings(chain: list[bytes]) -> dict[str, Any]:
+    """The directory's answer, or {} while Ray is still restarting it."""
+    import ray
+
+    try:
+        return dict(ray.get(directory().query.remote(chain), timeout=5))
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+        return {}
+    except ray.exceptions.GetTimeoutError:
+        return {}
+
+
 def chain_of(ids: list[int]) -> list[bytes]:
     from ray import serve
 
@@ -98,7 +110,7 @@ def test_a_dead_directory_fails_no_request_and_is_rebuilt(faults_app: Any) -> No
     prefix = [rng.randrange(3, 250) for _ in range(PREFIX_TOKENS)]
     (first,) = serve_all(faults_app, [[*prefix, 5]])
     chain = chain_of([*prefix, 0])
-    held = wait_for(lambda: ray.get(directory().query.remote(chain)).get(first.replica_id), 10)
+    held = wait_for(lambda: holdings(chain).get(first.replica_id), 10)
     assert held is not None and held.blocks == len(chain)
 
     ray.kill(directory(), no_restart=False)  # Ray restarts it, empty
@@ -108,7 +120,7 @@ def test_a_dead_directory_fails_no_request_and_is_rebuilt(faults_app: Any) -> No
     assert len(results) == len(others)
     assert all(len(r.output.outputs[0].token_ids) == 2 for r in results)
 
-    rebuilt = wait_for(lambda: ray.get(directory().query.remote(chain)).get(first.replica_id), 15)
+    rebuilt = wait_for(lambda: holdings(chain).get(first.replica_id), 15)
     assert rebuilt is not None and rebuilt.blocks == len(chain), "not rebuilt from snapshots"
     assert time.monotonic() - started < 20
     assert ray.get(directory().report.remote()).stats.snapshots >= 2  # both replicas resent
@@ -124,7 +136,7 @@ def test_a_dead_replica_loses_its_entries(faults_app: Any) -> None:
     (served_by,) = serve_all(faults_app, [[*prefix, 7]])
     victim = served_by.replica_id
     chain = chain_of([*prefix, 0])
-    assert wait_for(lambda: victim in ray.get(directory().query.remote(chain)), 10)
+    assert wait_for(lambda: victim in holdings(chain), 10)
 
     replica = ray.get_actor(f"SERVE_REPLICA::{APP}#{DEPLOYMENT_NAME}#{victim}", namespace="serve")
     ray.kill(replica, no_restart=True)
@@ -134,7 +146,7 @@ def test_a_dead_replica_loses_its_entries(faults_app: Any) -> None:
         return victim not in report.stats.entries_by_replica
 
     assert wait_for(gone, 15), "the dead replica's entries are still indexed"
-    assert victim not in ray.get(directory().query.remote(chain))
+    assert victim not in holdings(chain)
     # The application keeps serving on the other replica (and Serve's replacement).
     results = serve_all(faults_app, [[*prefix, 9]])
     assert results[0].replica_id != victim
