@@ -148,3 +148,22 @@ def oracle(tiny_model_dir: pathlib.Path) -> GreedyOracle:
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     return GreedyOracle(model.eval(), tokenizer)
+
+
+def run_two_engine_app(name: str, route_prefix: str, args: dict[str, Any]) -> Any:
+    """Deploys the application (ingress + two engine replicas, no CPUs reserved, 16 ongoing
+    requests per engine) on the session's Serve instance; returns the ingress's handle."""
+    from ray import serve
+
+    from cluster.serving.serve_app import bind_app
+
+    app = bind_app(
+        args,
+        engine_options={
+            "num_replicas": 2,
+            "ray_actor_options": {"num_cpus": 0},
+            "max_ongoing_requests": 16,
+        },
+        ingress_options={"ray_actor_options": {"num_cpus": 0}},
+    )
+    return serve.run(app, name=name, route_prefix=route_prefix)

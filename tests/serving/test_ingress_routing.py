@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.serving.ingress import REPLICA_HEADER
-from tests.serving.conftest import API_KEYS, MODEL, Served, engine_section
+from tests.serving.conftest import API_KEYS, MODEL, Served, engine_section, run_two_engine_app
 
 PREFIX = "/ingress"
 ALICE = {"Authorization": "Bearer key-alice"}
@@ -39,23 +39,12 @@ def ingress_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
     """A third application on the session's Serve instance: the ingress and two replicas."""
     from ray import serve
 
-    from cluster.serving.serve_app import bind_app
-
     args = {
         "served_model_name": MODEL,
         "engine": engine_section(tiny_model_dir),
         "api_keys": API_KEYS,
     }
-    app = bind_app(
-        args,
-        engine_options={
-            "num_replicas": 2,
-            "ray_actor_options": {"num_cpus": 0},
-            "max_ongoing_requests": 16,
-        },
-        ingress_options={"ray_actor_options": {"num_cpus": 0}},
-    )
-    serve.run(app, name="ingressed", route_prefix=PREFIX)
+    run_two_engine_app("ingressed", PREFIX, args)
     yield served.http_base + PREFIX
     serve.delete("ingressed")
 

@@ -17,7 +17,7 @@ import pytest
 from block_manager import prompt_block_hashes
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.routing import RoutedClient, RoutedOutput
-from tests.serving.conftest import MODEL, Served, engine_section
+from tests.serving.conftest import MODEL, Served, engine_section, run_two_engine_app
 
 APP = "faults"
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -28,23 +28,12 @@ PREFIX_TOKENS = 24  # 6 blocks of 4
 def faults_app(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[Any]:
     from ray import serve
 
-    from cluster.serving.serve_app import bind_app
-
     args = {
         "served_model_name": MODEL,
         "engine": engine_section(tiny_model_dir),
         "directory": {"replica_timeout_s": 2.0, "publish_period_s": 0.05},
     }
-    app = bind_app(
-        args,
-        engine_options={
-            "num_replicas": 2,
-            "ray_actor_options": {"num_cpus": 0},
-            "max_ongoing_requests": 16,
-        },
-        ingress_options={"ray_actor_options": {"num_cpus": 0}},
-    )
-    handle = serve.run(app, name=APP, route_prefix="/faults")
+    handle = run_two_engine_app(APP, "/faults", args)
     yield handle
     serve.delete(APP)
 
@@ -123,7 +112,11 @@ def test_a_dead_directory_fails_no_request_and_is_rebuilt(faults_app: Any) -> No
     rebuilt = wait_for(lambda: holdings(chain).get(first.replica_id), 15)
     assert rebuilt is not None and rebuilt.blocks == len(chain), "not rebuilt from snapshots"
     assert time.monotonic() - started < 20
-    assert ray.get(directory().report.remote()).stats.snapshots >= 2  # both replicas resent
+
+    def both_resent() -> bool:
+        return ray.get(directory().report.remote()).stats.snapshots >= 2
+
+    assert wait_for(both_resent, 10), "not every replica resent its snapshot"
 
 
 def test_a_dead_replica_loses_its_entries(faults_app: Any) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.routing import RoutedClient, RoutedOutput
-from tests.serving.conftest import MODEL, Served, engine_section
+from tests.serving.conftest import MODEL, Served, engine_section, run_two_engine_app
 
 PREFIX_TOKENS = 24  # 6 blocks of 4
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -25,19 +25,8 @@ def routed_app(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[object]
     """A second application on the session's Serve instance, with two replicas."""
     from ray import serve
 
-    from cluster.serving.serve_app import bind_app
-
     args = {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
-    app = bind_app(
-        args,
-        engine_options={
-            "num_replicas": 2,
-            "ray_actor_options": {"num_cpus": 0},
-            "max_ongoing_requests": 16,
-        },
-        ingress_options={"ray_actor_options": {"num_cpus": 0}},
-    )
-    handle = serve.run(app, name="routed", route_prefix="/routed")
+    handle = run_two_engine_app("routed", "/routed", args)
     yield handle
     serve.delete("routed")
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serving.conftest import MODEL, Served, engine_section
+from tests.serving.conftest import MODEL, Served, engine_section, run_two_engine_app
 
 APP = "killed"
 ROUTE = "/killed"
@@ -26,19 +26,8 @@ ROUTE = "/killed"
 def killed_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
     from ray import serve
 
-    from cluster.serving.serve_app import bind_app
-
     args = {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
-    app = bind_app(
-        args,
-        engine_options={
-            "num_replicas": 2,
-            "ray_actor_options": {"num_cpus": 0},
-            "max_ongoing_requests": 16,
-        },
-        ingress_options={"ray_actor_options": {"num_cpus": 0}},
-    )
-    serve.run(app, name=APP, route_prefix=ROUTE)
+    run_two_engine_app(APP, ROUTE, args)
     yield served.http_base + ROUTE
     serve.delete(APP)
 
