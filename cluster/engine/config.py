@@ -79,6 +79,12 @@ class ParallelSettings(_Section):
         description="where ranks compute: 'auto' is CUDA when a rank's bundle holds a GPU; "
         "'cpu' keeps them on the CPU whatever the bundles declare (tests, simulated clusters)",
     )
+    num_threads: int | Literal["auto"] | None = Field(
+        None,
+        description="CPU ranks: torch intra-op threads set in the process running the rank; "
+        "'auto' = the cores the process may use, shared among the TP ranks; unset leaves "
+        "torch's (Ray's OMP_NUM_THREADS)",
+    )
 
     @model_validator(mode="after")
     def _local_is_single_rank(self) -> ParallelSettings:
@@ -87,6 +93,8 @@ class ParallelSettings(_Section):
                 "parallel.backend 'local' runs one in-process rank: "
                 "parallel.tensor_parallel_size must be 1"
             )
+        if isinstance(self.num_threads, int) and self.num_threads <= 0:
+            raise ValueError(f"parallel.num_threads must be positive, got {self.num_threads}")
         return self
 
 
@@ -217,6 +225,7 @@ class EngineConfig(_Section):
             kv_virtual_slots=self.scheduler.max_num_seqs,
             verify_swaps=self.cache.verify_swaps,
             device=self.parallel.device,
+            num_threads=self.parallel.num_threads,
         )
 
     # --- command line -------------------------------------------------------------------------
