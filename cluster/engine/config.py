@@ -101,6 +101,12 @@ class ParallelSettings(_Section):
 class SchedulerSettings(_Section):
     max_num_seqs: int = Field(64, gt=0, description="running sequences (branches) at once")
     max_num_batched_tokens: int = Field(512, gt=0, description="token budget per step")
+    max_prefill_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="prompt tokens per step while any sequence decodes (protects time per "
+        "output token); unset: prompts may take the whole step budget",
+    )
     enable_chunked_prefill: bool = True
     preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
     max_waiting_requests: int = Field(4096, gt=0, description="admission queue limit")
@@ -112,6 +118,11 @@ class SchedulerSettings(_Section):
             raise ValueError(
                 f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"scheduler.max_num_seqs ({self.max_num_seqs}) so every running decode fits a step"
+            )
+        if self.max_prefill_tokens is not None and not self.enable_chunked_prefill:
+            raise ValueError(
+                "scheduler.max_prefill_tokens needs scheduler.enable_chunked_prefill: a whole "
+                "prompt longer than the cap would wait for every decode to end"
             )
         return self
 
