@@ -8,6 +8,7 @@ Llama-family model, built from either an HF `config.json` or GGUF metadata (see 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -46,6 +47,10 @@ class WorkerConfig:
     """`virtual` layout: sequence slots of the virtual pool (the engine's max running seqs)."""
     verify_swaps: bool = False
     """Checksum every block copied to the CPU pool and check it when copied back."""
+    num_threads: int | str | None = None
+    """CPU ranks: torch's intra-op threads, set in the process that runs the rank. "auto" is
+    the cores this process may run on, shared among the TP ranks (`cpu_threads`); None leaves
+    torch's setting alone (Ray sets OMP_NUM_THREADS from an actor's num_cpus, often 1)."""
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -83,10 +88,33 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be positive when given, got {value}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.num_threads is not None and self.num_threads != "auto":
+            if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int):
+                raise ValueError(f"num_threads must be 'auto' or an int, got {self.num_threads!r}")
+            if self.num_threads <= 0:
+                raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return SUPPORTED_DTYPES[self.dtype]
+
+    def cpu_threads(self) -> int | None:
+        """The intra-op thread count a CPU rank sets (None: leave torch's). "auto": the cores
+        this process may run on (its affinity, not Ray's OMP_NUM_THREADS), divided among the
+        tensor-parallel ranks, at least one."""
+        if self.num_threads is None:
+            return None
+        if self.num_threads == "auto":
+            return max(1, available_cores() // self.tensor_parallel_size)
+        return int(self.num_threads)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

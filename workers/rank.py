@@ -68,6 +68,11 @@ class WorkerRank:
         self.tp = TensorParallel(rank, world_size)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.max_model_len = max_model_len
+        threads = config.cpu_threads() if self.device.type == "cpu" else None
+        if threads is not None and threads != torch.get_num_threads():
+            # set here, in the process that runs the forward pass (the replica for the local
+            # backend, each rank's actor for Ray): Ray's OMP_NUM_THREADS=num_cpus is not a choice
+            torch.set_num_threads(threads)
         layout = head_layout(description.spec, self.tp)
         self.kv_shape = KVShape(
             description.spec.num_layers,

@@ -79,6 +79,12 @@ class ParallelSettings(_Section):
         description="where ranks compute: 'auto' is CUDA when a rank's bundle holds a GPU; "
         "'cpu' keeps them on the CPU whatever the bundles declare (tests, simulated clusters)",
     )
+    num_threads: int | Literal["auto"] | None = Field(
+        None,
+        description="CPU ranks: torch intra-op threads set in the process running the rank; "
+        "'auto' = the cores the process may use, shared among the TP ranks; unset leaves "
+        "torch's (Ray's OMP_NUM_THREADS)",
+    )
 
     @model_validator(mode="after")
     def _local_is_single_rank(self) -> ParallelSettings:
@@ -87,12 +93,20 @@ class ParallelSettings(_Section):
                 "parallel.backend 'local' runs one in-process rank: "
                 "parallel.tensor_parallel_size must be 1"
             )
+        if isinstance(self.num_threads, int) and self.num_threads <= 0:
+            raise ValueError(f"parallel.num_threads must be positive, got {self.num_threads}")
         return self
 
 
 class SchedulerSettings(_Section):
     max_num_seqs: int = Field(64, gt=0, description="running sequences (branches) at once")
     max_num_batched_tokens: int = Field(512, gt=0, description="token budget per step")
+    max_prefill_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="prompt tokens per step while any sequence decodes (protects time per "
+        "output token); unset: prompts may take the whole step budget",
+    )
     enable_chunked_prefill: bool = True
     preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
     max_waiting_requests: int = Field(4096, gt=0, description="admission queue limit")
@@ -104,6 +118,11 @@ class SchedulerSettings(_Section):
             raise ValueError(
                 f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"scheduler.max_num_seqs ({self.max_num_seqs}) so every running decode fits a step"
+            )
+        if self.max_prefill_tokens is not None and not self.enable_chunked_prefill:
+            raise ValueError(
+                "scheduler.max_prefill_tokens needs scheduler.enable_chunked_prefill: a whole "
+                "prompt longer than the cap would wait for every decode to end"
             )
         return self
 
@@ -217,6 +236,7 @@ class EngineConfig(_Section):
             kv_virtual_slots=self.scheduler.max_num_seqs,
             verify_swaps=self.cache.verify_swaps,
             device=self.parallel.device,
+            num_threads=self.parallel.num_threads,
         )
 
     # --- command line -------------------------------------------------------------------------

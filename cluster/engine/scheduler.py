@@ -166,7 +166,7 @@ class Scheduler:
     def schedule(self) -> SchedulerStep:
         self._step_id += 1
         step = SchedulerStep(plan=StepPlan(step_id=self._step_id), works=[])
-        budget = _Budget(self.settings.max_num_batched_tokens)
+        budget = _Budget(self.settings.max_num_batched_tokens, self._prefill_cap())
         if self.bm.cpu_cache:
             self.bm.set_promotion(self.cost_model.prefer_promote(self.bm.block_size))
         step.preempted = self._schedule_running(step, budget)
@@ -252,7 +252,7 @@ class Scheduler:
             remaining = self.bm.num_tokens(branch.seq_id) - computed
             if remaining <= 0:
                 continue
-            if not self.settings.enable_chunked_prefill and remaining > budget.tokens:
+            if not self.settings.enable_chunked_prefill and remaining > budget.room(remaining):
                 continue
             chunk = budget.take(remaining)
             if chunk == 0:
@@ -357,13 +357,15 @@ class Scheduler:
         return False
 
     def _schedule_waiting(self, step: SchedulerStep, budget: _Budget) -> None:
-        while self.waiting and budget.tokens > 0:
+        while self.waiting and budget.room(2) > 0:
             request = self.waiting[0]
             branches = request.active_branches
             if self._running_seqs() + _seq_demand(request) > self.settings.max_num_seqs:
                 return
             if not self.settings.enable_chunked_prefill and any(
-                self._uncached_estimate(request, b) > budget.tokens for b in branches
+                self._uncached_estimate(request, b)
+                > budget.room(self._uncached_estimate(request, b))
+                for b in branches
             ):
                 return
             try:
@@ -407,6 +409,22 @@ class Scheduler:
 
     # --- helpers ------------------------------------------------------------------------------
 
+    def _prefill_cap(self) -> int | None:
+        """`max_prefill_tokens` while a running sequence is decoding (its prompt computed), so
+        prompt chunks cannot stretch the steps that decodes wait on; None (no cap) otherwise."""
+        cap = self.settings.max_prefill_tokens
+        if cap is None:
+            return None
+        for request in self.running:
+            prompt_len = len(request.prompt_token_ids)
+            for branch in request.active_branches:
+                if (
+                    self.bm.has_sequence(branch.seq_id)
+                    and self.bm.num_computed_tokens(branch.seq_id) >= prompt_len
+                ):
+                    return cap
+        return None
+
     def _running_seqs(self) -> int:
         return sum(_seq_demand(r) for r in self.running)
 
@@ -438,14 +456,24 @@ class Scheduler:
 
 
 class _Budget:
-    """The step's remaining token budget."""
+    """The step's remaining token budget; chunks of more than one token (prefill) also draw on
+    `prefill` when it is capped (decodes running), single tokens (decodes) only on `tokens`."""
 
-    def __init__(self, tokens: int) -> None:
+    def __init__(self, tokens: int, prefill: int | None = None) -> None:
         self.tokens = tokens
+        self.prefill = prefill
+
+    def room(self, wanted: int) -> int:
+        """How many tokens a chunk of `wanted` tokens could take now."""
+        if wanted > 1 and self.prefill is not None:
+            return min(self.tokens, self.prefill)
+        return self.tokens
 
     def take(self, wanted: int) -> int:
-        granted = min(wanted, self.tokens)
+        granted = min(wanted, self.room(wanted))
         self.tokens -= granted
+        if wanted > 1 and self.prefill is not None:
+            self.prefill -= granted
         return granted
 
 

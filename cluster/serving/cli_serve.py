@@ -21,6 +21,7 @@ import yaml
 
 from cluster.engine.errors import ConfigError
 from cluster.serving.serve_runner import apply_grace_period, run_config
+from workers.config import available_cores
 
 BENCHMARKS: tuple[str, ...] = (
     "block_manager",
@@ -108,6 +109,8 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
             engine.setdefault("model", {})["model"] = args.model
     if args.replicas is not None:
         pin_replicas(config, args.replicas)
+    else:
+        cap_replicas_to_cores(config, available_cores())
     if args.grace_period < 0:
         raise ConfigError(f"--grace-period must be >= 0, got {args.grace_period}")
     apply_grace_period(config, args.grace_period, ENGINE_DEPLOYMENT)
@@ -129,6 +132,41 @@ def pin_replicas(config: dict[str, Any], replicas: int) -> None:
             if deployment.get("name") == ENGINE_DEPLOYMENT:
                 deployment.pop("autoscaling_config", None)
                 deployment["num_replicas"] = replicas
+
+
+def engine_cores(deployment: dict[str, Any], engine: dict[str, Any]) -> int:
+    """The cores one engine replica keeps busy: its ranks' torch threads (`parallel.num_threads`;
+    "auto" takes every core), else the actor's `num_cpus` per rank."""
+    parallel = engine.get("parallel") or {}
+    ranks = int(parallel.get("tensor_parallel_size", 1) or 1)
+    threads = parallel.get("num_threads")
+    if threads == "auto":
+        return available_cores()
+    if threads is not None:
+        return int(threads) * ranks
+    num_cpus = (deployment.get("ray_actor_options") or {}).get("num_cpus", 1)
+    return max(1, int(float(num_cpus or 1))) * ranks
+
+
+def cap_replicas_to_cores(config: dict[str, Any], cores: int) -> None:
+    """`pagedserve serve` runs on one machine: an autoscaled engine deployment may not grow past
+    the replicas its cores can run (`cores // engine_cores`, at least `min_replicas`); two engines
+    on the cores of one only fight for them. Where that leaves min == max the count is pinned."""
+    for app in config.get("applications", []):
+        engine = (app.get("args") or {}).get("engine") or {}
+        for deployment in app.get("deployments", []):
+            autoscaling = deployment.get("autoscaling_config")
+            if deployment.get("name") != ENGINE_DEPLOYMENT or not autoscaling:
+                continue
+            fits = max(1, cores // engine_cores(deployment, engine))
+            low = int(autoscaling.get("min_replicas", 1))
+            if int(autoscaling.get("max_replicas", 1)) <= fits:
+                continue
+            if fits <= low:
+                deployment.pop("autoscaling_config")
+                deployment["num_replicas"] = max(low, 1)
+            else:
+                autoscaling["max_replicas"] = fits
 
 
 def describe_endpoints(config: dict[str, Any]) -> list[str]:

@@ -42,6 +42,7 @@ request_strategy = st.fixed_dictionaries(
     mode=st.sampled_from(["auto", "recompute", "swap"]),
     budget=st.integers(8, 64),
     prefix_caching=st.booleans(),
+    prefill_cap=st.one_of(st.none(), st.integers(1, 16)),
 )
 def test_random_workloads_match_reference(
     slot_engine: SlotEngineFactory,
@@ -52,6 +53,7 @@ def test_random_workloads_match_reference(
     mode: str,
     budget: int,
     prefix_caching: bool,
+    prefill_cap: int | None,
 ) -> None:
     if mode == "swap" and cpu_blocks == 0:
         mode = "recompute"
@@ -61,7 +63,12 @@ def test_random_workloads_match_reference(
         num_cpu_blocks=cpu_blocks,
         block_size=block_size,
         cache={"enable_prefix_caching": prefix_caching},
-        scheduler={"preemption_mode": mode, "max_num_batched_tokens": budget, "max_num_seqs": 8},
+        scheduler={
+            "preemption_mode": mode,
+            "max_num_batched_tokens": budget,
+            "max_num_seqs": 8,
+            "max_prefill_tokens": prefill_cap,
+        },
     )
     submitted: list[tuple[str, dict[str, Any], SamplingParams]] = []
     finals: dict[str, RequestOutput] = {}

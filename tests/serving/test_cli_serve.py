@@ -13,6 +13,7 @@ from cluster.engine.errors import ConfigError
 from cluster.serving.cli import SUBCOMMANDS, build_parser, main
 from cluster.serving.cli_serve import (
     BENCHMARKS,
+    cap_replicas_to_cores,
     describe_endpoints,
     resolve_serve_config,
     shipped_serve_config,
@@ -99,3 +100,49 @@ def test_replicas_flag_pins_the_engine_count_and_turns_autoscaling_off() -> None
     assert ingress == resolve_serve_config(_serve_args())["applications"][0]["deployments"][0]
     with pytest.raises(ConfigError, match="--replicas"):
         resolve_serve_config(_serve_args("--replicas", "0"))
+
+
+def _engine(config: dict) -> dict:
+    (engine,) = [
+        d
+        for app in config["applications"]
+        for d in app.get("deployments", [])
+        if d["name"] == DEPLOYMENT_NAME
+    ]
+    return engine
+
+
+def test_engine_replicas_are_capped_at_what_the_cores_can_run() -> None:
+    shipped = yaml.safe_load(shipped_serve_config().read_text())
+    engine_args = shipped["applications"][0]["args"]["engine"]
+    assert engine_args["parallel"]["num_threads"] == "auto"
+    # "auto" threads take every core: one machine runs one engine, pinned
+    on_two_cores = yaml.safe_load(shipped_serve_config().read_text())
+    cap_replicas_to_cores(on_two_cores, 2)
+    assert _engine(on_two_cores)["num_replicas"] == 1
+    assert "autoscaling_config" not in _engine(on_two_cores)
+    # with 2 threads per engine, 4 cores run 2 engines: the shipped max (2) stays
+    explicit = yaml.safe_load(shipped_serve_config().read_text())
+    explicit["applications"][0]["args"]["engine"]["parallel"]["num_threads"] = 2
+    expected = _engine(explicit)["autoscaling_config"]["max_replicas"]
+    cap_replicas_to_cores(explicit, 4)
+    assert _engine(explicit)["autoscaling_config"]["max_replicas"] == expected
+    # one thread per engine on 2 cores: the shipped autoscaling is kept as it is
+    one_thread = yaml.safe_load(shipped_serve_config().read_text())
+    one_thread["applications"][0]["args"]["engine"]["parallel"]["num_threads"] = 1
+    cap_replicas_to_cores(one_thread, 2)
+    assert _engine(one_thread)["autoscaling_config"]["max_replicas"] == 2
+    # many cores, few threads: the config's max is never raised
+    big = yaml.safe_load(shipped_serve_config().read_text())
+    big["applications"][0]["args"]["engine"]["parallel"]["num_threads"] = 1
+    cap_replicas_to_cores(big, 64)
+    assert _engine(big)["autoscaling_config"]["max_replicas"] == 2
+
+
+def test_serve_without_replicas_flag_caps_the_engine_by_this_machines_cores() -> None:
+    from workers.config import available_cores
+
+    engine = _engine(resolve_serve_config(_serve_args()))
+    if available_cores() < 2 * 2:  # "auto" threads: at most one engine below 4 cores
+        assert engine["num_replicas"] == 1
+        assert "autoscaling_config" not in engine
