@@ -13,7 +13,6 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
-import torch
 import transformers
 
 from tests.workers.paged_runner import GREEDY, hf_greedy, scattered_tables
@@ -23,7 +22,6 @@ from workers import (
     WorkerConfig,
     WorkerGroup,
     load_tokenizer,
-    resolve_model_path,
 )
 
 NEW_TOKENS = 24
@@ -55,15 +53,6 @@ def bf16_group() -> Iterator[WorkerGroup]:
     )
     yield group
     group.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hf_float32() -> transformers.PreTrainedModel:
-    path = resolve_model_path("default")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
 
 
 def teacher_forced_argmax(
@@ -103,7 +92,7 @@ def teacher_forced_argmax(
 
 def test_bfloat16_greedy_matches_hf_float32_except_near_ties(
     bf16_group: WorkerGroup,
-    hf_float32: transformers.PreTrainedModel,
+    smollm2_hf: transformers.PreTrainedModel,
     tiny_model_dir: pathlib.Path,
 ) -> None:
     tokenizer = load_tokenizer(str(tiny_model_dir))
@@ -116,7 +105,7 @@ def test_bfloat16_greedy_matches_hf_float32_except_near_ties(
         )["input_ids"]
         for chat in CHATS
     ]
-    references = [hf_greedy(hf_float32, prompt, NEW_TOKENS) for prompt in prompts]
+    references = [hf_greedy(smollm2_hf, prompt, NEW_TOKENS) for prompt in prompts]
     ours = teacher_forced_argmax(bf16_group, prompts, [tokens for tokens, _ in references])
     flips = []
     for i, ((tokens, logits), chosen) in enumerate(zip(references, ours, strict=True)):

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from tests.workers.paged_runner import greedy_generate, hf_greedy
-from workers import WorkerConfig, WorkerGroup, load_tokenizer, resolve_model_path
+from workers import WorkerConfig, WorkerGroup, load_tokenizer
 
 NEW_TOKENS = 32
 LOGITS_ATOL = 2e-3
@@ -36,15 +36,6 @@ def smollm2_group() -> Iterator[WorkerGroup]:
     )
     yield group
     group.shutdown()
-
-
-@pytest.fixture(scope="module")
-def smollm2_hf() -> transformers.PreTrainedModel:
-    path = resolve_model_path("default")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
 
 
 def test_chat_prompts_match_hf_generate(
