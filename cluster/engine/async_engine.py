@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from block_manager import BlockEvent
+from block_manager import BlockEvent, PressureSnapshot
 from cluster.engine.client import EngineHealth
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
@@ -206,6 +206,10 @@ class AsyncEngine:
         """The block manager's seals and evictions since the last call (see `BlockEvent`);
         [] unless built with `record_block_events`."""
         return self.core.block_manager.take_events()
+
+    def pressure(self) -> PressureSnapshot:
+        """Both tiers' block counts now (what `metrics()` reports, without its copies)."""
+        return self.core.block_manager.pressure()
 
     def cached_hashes_by_tier(self) -> dict[str, list[bytes]]:
         """Every hash a prefix lookup can hit now, per tier (a full scan: for resyncs)."""

@@ -211,9 +211,6 @@ class DirectoryIndex:
                 holdings[name] = PrefixHolding(blocks, dev)
         return holdings
 
-    def replicas(self) -> list[str]:
-        return list(self._replicas)
-
     def stats(self) -> DirectoryStats:
         return DirectoryStats(
             entries=len(self._entries),

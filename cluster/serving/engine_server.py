@@ -79,7 +79,7 @@ class GenerationServer:
         source = CacheSource(
             take_events=self.engine.take_block_events,
             hashes_by_tier=self.engine.cached_hashes_by_tier,
-            pressure=lambda: self.engine.metrics().pressure,
+            pressure=self.engine.pressure,
         )
         self.publisher = DirectoryPublisher(
             directory_handle(context.app_name, directory.max_entries, directory.replica_timeout_s),

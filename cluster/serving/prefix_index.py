@@ -63,9 +63,6 @@ class PrefixIndex:
         if not keep_replica:
             self._by_replica[replica].discard(digest)
 
-    def replicas(self) -> set[ReplicaKey]:
-        return {r for r, held in self._by_replica.items() if held}
-
     def longest_prefixes(self, hashes: Sequence[bytes]) -> dict[ReplicaKey, int]:
         """Replica -> leading blocks of `hashes` it holds (replicas holding none are absent)."""
         lengths: dict[ReplicaKey, int] = {}

@@ -7,7 +7,9 @@ then batched greedy decode steps, recording every step's logits.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -135,3 +137,17 @@ def hf_greedy(
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, torch.cat(out.logits, dim=0).to(torch.float32)
+
+
+def chat_prompt_ids(tokenizer: Any, chats: Sequence[str]) -> list[list[int]]:
+    """Each user message rendered with the model's chat template and tokenized as the engine
+    does for chat (the template writes the special tokens itself)."""
+    return [
+        tokenizer(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": chat}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        for chat in chats
+    ]

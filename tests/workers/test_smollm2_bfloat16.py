@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import transformers
 
-from tests.workers.paged_runner import GREEDY, hf_greedy, scattered_tables
+from tests.workers.paged_runner import GREEDY, chat_prompt_ids, hf_greedy, scattered_tables
 from workers import (
     SequenceWork,
     StepPlan,
@@ -96,15 +96,7 @@ def test_bfloat16_greedy_matches_hf_float32_except_near_ties(
     tiny_model_dir: pathlib.Path,
 ) -> None:
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    prompts = [
-        tokenizer(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": chat}], add_generation_prompt=True, tokenize=False
-            ),
-            add_special_tokens=False,
-        )["input_ids"]
-        for chat in CHATS
-    ]
+    prompts = chat_prompt_ids(tokenizer, CHATS)
     references = [hf_greedy(smollm2_hf, prompt, NEW_TOKENS) for prompt in prompts]
     ours = teacher_forced_argmax(bf16_group, prompts, [tokens for tokens, _ in references])
     flips = []

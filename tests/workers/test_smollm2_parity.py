@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from tests.workers.paged_runner import greedy_generate, hf_greedy
+from tests.workers.paged_runner import chat_prompt_ids, greedy_generate, hf_greedy
 from workers import WorkerConfig, WorkerGroup, load_tokenizer
 
 NEW_TOKENS = 32
@@ -45,15 +45,7 @@ def test_chat_prompts_match_hf_generate(
 ) -> None:
     # The tiny model directory holds SmolLM2's tokenizer as built by load_tokenizer("default").
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    prompts = [
-        tokenizer(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": chat}], add_generation_prompt=True, tokenize=False
-            ),
-            add_special_tokens=False,
-        )["input_ids"]
-        for chat in CHATS
-    ]
+    prompts = chat_prompt_ids(tokenizer, CHATS)
     run = greedy_generate(smollm2_group, prompts, NEW_TOKENS, seed=11)
     for prompt, tokens, logits in zip(prompts, run.tokens, run.logits, strict=True):
         reference_tokens, reference_logits = hf_greedy(smollm2_hf, prompt, NEW_TOKENS)
