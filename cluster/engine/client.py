@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cluster.engine.generate_request import GenerateRequest
+from cluster.engine.lora_request import LoRARequest
 from cluster.engine.outputs import RequestOutput
 from workers import ModelInfo
 
@@ -50,4 +51,19 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None:
         """Frees every block of the request (now, or right after the step in flight)."""
+        ...
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Loads the adapter (PEFT format) and serves it under `lora.lora_name`; loading the same
+        name again with the same path is a no-op. Raises InvalidAdapter (nothing already loaded
+        is affected) or RequestRejected when LoRA is not enabled."""
+        ...
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Stops serving the adapter; requests already running with it finish. Raises
+        AdapterNotFound for a name that is not loaded."""
+        ...
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters served now, in load order."""
         ...

@@ -127,6 +127,18 @@ class SchedulerSettings(_Section):
         return self
 
 
+class LoRASettings(_Section):
+    """Multi-LoRA serving (vLLM's flags): adapters live in a CPU-resident LRU of
+    `max_cpu_loras`, and at most `max_loras` distinct adapters run in one step (device slots)."""
+
+    enable_lora: bool = False
+    max_loras: int = Field(4, gt=0, description="distinct adapters in one step (device slots)")
+    max_lora_rank: int = Field(64, gt=0, le=512, description="largest adapter rank accepted")
+    max_cpu_loras: int | None = Field(
+        None, gt=0, description="adapters kept loaded in CPU memory (default: max_loras)"
+    )
+
+
 class EngineConfig(_Section):
     """The whole engine configuration. Construct directly, `from_yaml`, or `from_cli_args`."""
 
@@ -134,6 +146,7 @@ class EngineConfig(_Section):
     cache: CacheSettings = Field(default_factory=CacheSettings)
     parallel: ParallelSettings = Field(default_factory=ParallelSettings)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    lora: LoRASettings = Field(default_factory=LoRASettings)
 
     @model_validator(mode="after")
     def _cross_section(self) -> EngineConfig:
@@ -295,6 +308,7 @@ _SECTIONS: dict[str, type[_Section]] = {
     "cache": CacheSettings,
     "parallel": ParallelSettings,
     "scheduler": SchedulerSettings,
+    "lora": LoRASettings,
 }
 
 

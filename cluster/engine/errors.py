@@ -8,6 +8,18 @@ class RequestRejected(Exception):
     the whole KV pool, or invalid input. Maps to HTTP 400; retrying the same request cannot help."""
 
 
+class AdapterNotFound(RequestRejected):
+    """The request names a LoRA adapter the engine does not serve. Maps to HTTP 404
+    (`model_not_found`) / gRPC NOT_FOUND."""
+
+
+class InvalidAdapter(RequestRejected):
+    """A LoRA adapter cannot be loaded as given: missing or malformed files, a rank above
+    `lora.max_lora_rank`, target modules or shapes that do not fit the base model. The message
+    names the problem. Maps to HTTP 400 / gRPC INVALID_ARGUMENT; adapters already loaded are not
+    affected."""
+
+
 class EngineOverloaded(Exception):
     """The admission queue is full right now. Maps to HTTP 429/503 with Retry-After."""
 
