@@ -1,16 +1,22 @@
 """The `args` of the Serve application, validated when the app is built (pydantic at the edge).
 
 `engine` is `cluster.engine.config.EngineConfig` as a mapping, validated by `engine_config()`.
+`api_keys` maps each key to its tenant, either as a plain tenant name or as
+`{"tenant": ..., "admin": true}`; only admin keys may load and unload LoRA adapters at run time.
+`lora_modules` and `allow_runtime_lora_updating` are the LoRA serving settings
+(cluster/serving/lora_args.py).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.engine.config import EngineConfig
+from cluster.engine.lora_request import LoRARequest
 from cluster.serving.limits import LimitsArgs
+from cluster.serving.lora_args import LoRAModuleArgs, check_unique, normalise_lora_modules
 
 
 class DirectoryArgs(BaseModel):
@@ -42,6 +48,16 @@ class HealthArgs(BaseModel):
     )
 
 
+class ApiKeyArgs(BaseModel):
+    """An API key's tenant, and whether the key is an administrator's (may load and unload LoRA
+    adapters at run time)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(min_length=1)
+    admin: bool = False
+
+
 class ServeAppArgs(BaseModel):
     """The `args` of the Serve application (validated when the app is built)."""
 
@@ -51,9 +67,20 @@ class ServeAppArgs(BaseModel):
     engine: dict[str, Any] = Field(
         default_factory=dict, description="cluster.engine.config.EngineConfig"
     )
-    api_keys: dict[str, str] = Field(
+    api_keys: dict[str, ApiKeyArgs] = Field(
         default_factory=dict,
-        description="API key -> tenant name; empty: no authentication and one shared tenant",
+        description="API key -> tenant name (or {tenant, admin}); empty: no authentication and "
+        "one shared tenant",
+    )
+    lora_modules: list[LoRAModuleArgs] = Field(
+        default_factory=list,
+        description="LoRA adapters every engine replica serves from start: {name: path}, or "
+        'vLLM\'s [{name, path, base_model_name}]; clients select one with "model": name',
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys "
+        "only when API keys are configured); off: both answer 404",
     )
 
     directory: DirectoryArgs = Field(default_factory=DirectoryArgs)
@@ -67,5 +94,46 @@ class ServeAppArgs(BaseModel):
         ),
     )
 
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _tenant_shorthand(cls, value: Any) -> Any:
+        """`{"key": "tenant"}` is `{"key": {"tenant": "tenant"}}`."""
+        if not isinstance(value, dict):
+            return value
+        return {key: {"tenant": v} if isinstance(v, str) else v for key, v in value.items()}
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_module_forms(cls, value: Any) -> Any:
+        return normalise_lora_modules(value)
+
+    @model_validator(mode="after")
+    def _adapter_names(self) -> ServeAppArgs:
+        check_unique(self.lora_modules, self.served_model_name)
+        return self
+
     def engine_config(self) -> EngineConfig:
-        return EngineConfig.build(self.engine)
+        """The engine section, validated; `lora_modules` or `allow_runtime_lora_updating` turn
+        `lora.enable_lora` on."""
+        config = EngineConfig.build(self.engine)
+        if (self.lora_modules or self.allow_runtime_lora_updating) and not config.lora.enable_lora:
+            config = config.with_overrides({"lora": {"enable_lora": True}})
+        return config
+
+    def tenants_by_key(self) -> dict[str, str]:
+        return {key: value.tenant for key, value in self.api_keys.items()}
+
+    def admin_keys(self) -> frozenset[str]:
+        return frozenset(key for key, value in self.api_keys.items() if value.admin)
+
+    def configured_adapters(self) -> list[LoRARequest]:
+        """`lora_modules` as the engine's requests, ids 1..n in the order given."""
+        return [
+            LoRARequest(
+                module.name,
+                index,
+                module.path,
+                module.base_model_name or self.served_model_name,
+            )
+            for index, module in enumerate(self.lora_modules, start=1)
+        ]

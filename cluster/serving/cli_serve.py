@@ -19,7 +19,9 @@ from typing import Any
 
 import yaml
 
+from cluster.engine.config import LoRASettings
 from cluster.engine.errors import ConfigError
+from cluster.serving.lora_args import parse_module_item
 from cluster.serving.serve_runner import apply_grace_period, run_config
 from workers.config import available_cores
 
@@ -80,6 +82,42 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    add_lora_arguments(parser)
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """LoRA flags, as vLLM spells them: the adapters served from start, runtime updating, and
+    the engine's `lora` section (one flag per `LoRASettings` field)."""
+    group = parser.add_argument_group("LoRA adapters")
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters every engine replica serves from start: name=path, or a JSON object "
+        '{"name": ..., "path": ..., "base_model_name": ...}; turns LoRA on',
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin API keys "
+        "only when keys are configured); turns LoRA on (default: from config, off)",
+    )
+    for name, info in LoRASettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if info.annotation is bool:
+            group.add_argument(
+                flag,
+                dest=f"lora.{name}",
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=info.description or None,
+            )
+        else:
+            group.add_argument(
+                flag, dest=f"lora.{name}", type=int, default=None, help=info.description
+            )
 
 
 def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,6 +145,7 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
         for app in config.get("applications", []):
             engine = app.setdefault("args", {}).setdefault("engine", {})
             engine.setdefault("model", {})["model"] = args.model
+    apply_lora_flags(config, args)
     if args.replicas is not None:
         pin_replicas(config, args.replicas)
     else:
@@ -119,6 +158,27 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as error:  # pydantic's ValidationError, named by Ray's schema
         raise ConfigError(f"{path}: not a valid Ray Serve config: {error}") from error
     return config
+
+
+def apply_lora_flags(config: dict[str, Any], args: argparse.Namespace) -> None:
+    """Writes the LoRA flags given into every application's args (`lora_modules` replaces the
+    config's; the engine's `lora` section is updated field by field)."""
+    flags = vars(args)
+    modules = flags.get("lora_modules")
+    parsed = [parse_module_item(item) for item in modules] if modules is not None else None
+    section = {
+        key.removeprefix("lora."): value
+        for key, value in flags.items()
+        if key.startswith("lora.") and value is not None
+    }
+    for app in config.get("applications", []):
+        app_args = app.setdefault("args", {})
+        if parsed is not None:
+            app_args["lora_modules"] = parsed
+        if flags.get("allow_runtime_lora_updating") is not None:
+            app_args["allow_runtime_lora_updating"] = flags["allow_runtime_lora_updating"]
+        if section:
+            app_args.setdefault("engine", {}).setdefault("lora", {}).update(section)
 
 
 def pin_replicas(config: dict[str, Any], replicas: int) -> None:

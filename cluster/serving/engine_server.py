@@ -14,7 +14,10 @@ Invariants:
   `RequestOutput`s), each carrying `served_by` (this replica's id);
 - nothing blocks its event loop on Ray: the engine is built and shut down in a worker thread;
 - closing a `generate` stream (the ingress's client went away) aborts the request and frees its
-  blocks.
+  blocks;
+- with LoRA on, a replica serves the application registry's adapters (the configured
+  `lora_modules` plus those loaded at run time) before it takes traffic, and follows every
+  later change (`AdapterSync`): a replica started later serves the same adapters as the others.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from cluster.engine.output_stream import RequestDelta
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.autoscaling import autoscaling_stats
 from cluster.serving.kv_directory import CacheSource, DirectoryPublisher, directory_handle
+from cluster.serving.lora_registry import registry_handle
+from cluster.serving.lora_sync import AdapterSync
 from cluster.serving.replica_health import StepProgress, replica_problem
 from cluster.serving.routing import ROUTER_CLASS_PATH, LoadReport, routing_stats
 
@@ -88,10 +93,19 @@ class GenerationServer:
             directory.publish_period_s,
         )
         self.publisher.start()
+        self.adapter_sync: AdapterSync | None = None
+        if self.config.lora.enable_lora:
+            configured = self.args.configured_adapters()
+            registry = registry_handle(context.app_name, configured)
+            self.adapter_sync = AdapterSync(registry, self.engine, self.replica_id, configured)
+            await self.adapter_sync.start()
 
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica: stop the step loop and the workers."""
-        publisher = getattr(self, "publisher", None)  # absent when the constructor failed
+        sync = getattr(self, "adapter_sync", None)  # absent when the constructor failed
+        if sync is not None:
+            await sync.close()
+        publisher = getattr(self, "publisher", None)
         if publisher is not None:
             await publisher.close()
         engine = getattr(self, "engine", None)

@@ -86,10 +86,14 @@ class FrontEnd:
         request_id: str,
         tenant_salt: bytes | None,
         what: str = "prompt",
+        adapter: str | None = None,
     ) -> GenerateRequest:
-        """Renders `prompt` once into a request. Raises RequestRejected for a prompt that cannot
-        be rendered and ContextOverflow for one that does not fit (`what` names it)."""
-        request = self.builder.build(prompt, params, request_id=request_id, tenant_salt=tenant_salt)
+        """Renders `prompt` once into a request for the base model or the LoRA `adapter` (a name
+        the front end resolved). Raises RequestRejected for a prompt that cannot be rendered
+        and ContextOverflow for one that does not fit (`what` names it)."""
+        request = self.builder.build(
+            prompt, params, request_id=request_id, tenant_salt=tenant_salt, adapter=adapter
+        )
         overflow = context_overflow(
             request.num_prompt_tokens, params.max_tokens, self.max_model_len, what
         )

@@ -9,8 +9,9 @@ Validation is HTTP's (cluster/serving/grpc_validation.py builds the same pydanti
 models); bytes that do not parse as the request message are INVALID_ARGUMENT (see
 cluster/serving/grpc_wire.py, the servicer functions the proxy registers).
 
-Status mapping: bad input (unset prompt, invalid sampling values, unknown model, a prompt plus
-`max_tokens` beyond the context) -> INVALID_ARGUMENT; admission queue full -> RESOURCE_EXHAUSTED;
+Status mapping: bad input (unset prompt, invalid sampling values, a prompt plus `max_tokens`
+beyond the context, an adapter that cannot be loaded) -> INVALID_ARGUMENT; an unknown model or
+adapter -> NOT_FOUND (HTTP's 404); admission queue full -> RESOURCE_EXHAUSTED;
 a stopped engine -> UNAVAILABLE; a missing or unknown API key -> UNAUTHENTICATED. A cancelled
 call closes the `generate` stream, which aborts the request in the engine and frees its blocks.
 """
@@ -27,7 +28,7 @@ from grpc_health.v1 import health_pb2
 from ray.serve.grpc_util import RayServegRPCContext
 
 from cluster.engine.client import EngineClient, ModelInfo
-from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
+from cluster.engine.errors import AdapterNotFound, EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.serving.frontend import ENGINE_ERRORS, FinishTracker, FrontEnd, new_logprobs
@@ -36,8 +37,10 @@ from cluster.serving.grpc_validation import (
     GrpcAbort,
     chat_request,
     parse_or_abort,
+    requested_model,
     validated_generate,
 )
+from cluster.serving.lora_admin import AdapterService
 from protos import generation_pb2 as pb
 
 GRPC_SERVICE_NAME = "pagedserve.v1.Generation"
@@ -53,6 +56,8 @@ MessageT = TypeVar("MessageT")
 
 def abort_for_engine_error(error: Exception) -> GrpcAbort | None:
     """The status an engine error maps to; None for an error that is not the client's business."""
+    if isinstance(error, AdapterNotFound):
+        return GrpcAbort(grpc.StatusCode.NOT_FOUND, str(error))
     if isinstance(error, RequestRejected | ValueError):
         return GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     if isinstance(error, EngineOverloaded):
@@ -163,20 +168,30 @@ def health_response(serving: bool) -> health_pb2.HealthCheckResponse:
 
 
 class GenerationRpc:
-    """The four `Generation` RPCs over one engine serving one model name."""
+    """The four `Generation` RPCs over one engine serving one base model and its adapters."""
 
-    def __init__(self, engine: EngineClient, frontend: FrontEnd, served_model_name: str) -> None:
+    def __init__(self, engine: EngineClient, frontend: FrontEnd, adapters: AdapterService) -> None:
         self.engine = engine
         self.frontend = frontend
-        self.served_model_name = served_model_name
+        self.adapters = adapters
+
+    @property
+    def served_model_name(self) -> str:
+        return self.adapters.base_model
 
     def check_model(self, model: str) -> None:
-        if model and model != self.served_model_name:
-            raise GrpcAbort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"model {model!r} is not served here; this server serves "
-                f"{self.served_model_name!r}",
-            )
+        """For RPCs that only read the tokenizer (shared by every adapter): NOT_FOUND unless
+        `model` is empty, the base model or an adapter in the cached view."""
+        if model and not self.adapters.known(model):
+            raise GrpcAbort(grpc.StatusCode.NOT_FOUND, f"The model `{model}` does not exist.")
+
+    async def resolve(self, request: pb.GenerateRequest) -> str | None:
+        """The request's adapter (None: the base model); NOT_FOUND for an unknown name."""
+        name = requested_model(request.model, request.adapter, self.served_model_name)
+        try:
+            return await self.adapters.resolve(name)
+        except AdapterNotFound as error:
+            raise GrpcAbort(grpc.StatusCode.NOT_FOUND, str(error)) from None
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.frontend.renderer.decode(token_ids)
@@ -184,7 +199,7 @@ class GenerationRpc:
     async def generate(
         self, request: pb.GenerateRequest, *, request_id: str, tenant_salt: bytes | None
     ) -> AsyncIterator[pb.GenerateResponse]:
-        self.check_model(request.model)
+        adapter = await self.resolve(request)
         prompt, params = validated_generate(request)  # the HTTP checks, INVALID_ARGUMENT
         try:
             generate = await self.frontend.off_loop(
@@ -193,6 +208,7 @@ class GenerationRpc:
                 params,
                 request_id=request_id,
                 tenant_salt=tenant_salt,
+                adapter=adapter,
             )
         except RequestRejected as error:
             raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None

@@ -8,7 +8,9 @@ Invariants:
 - unset optional proto fields are left out, so they take the same defaults as an HTTP field
   left out, except `max_tokens`, which is 16 for every prompt kind (the documented gRPC default);
 - bytes that are not a valid message never reach a method as a message: the proxy's
-  deserializer turns them into `CorruptRequest`, which `parse_or_abort` refuses.
+  deserializer turns them into `CorruptRequest`, which `parse_or_abort` refuses;
+- a request selects a LoRA adapter with `adapter` or, as over HTTP, with `model`; both set to
+  different names is INVALID_ARGUMENT; the name is then resolved as HTTP resolves `model`.
 """
 
 from __future__ import annotations
@@ -65,6 +67,17 @@ def parse_or_abort(request: MessageT | CorruptRequest) -> MessageT:
             f"the request is not a valid {request.message_type} message: {request.error}",
         )
     return request
+
+
+def requested_model(model: str, adapter: str, base_model: str) -> str:
+    """The name to resolve for a request's `model` and `adapter` fields (empty: unset; both
+    unset: the base model). Raises GrpcAbort INVALID_ARGUMENT when they name two models."""
+    if adapter and model and model not in (adapter, base_model):
+        raise GrpcAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"model {model!r} and adapter {adapter!r} name different models: set one",
+        )
+    return adapter or model or base_model
 
 
 def invalid_argument(error: OpenAIError) -> Exception:

@@ -11,6 +11,10 @@ independently; the engines never tokenize.
 Invariants:
 - the tenant salt that keys the prefix cache is derived here from the API key's tenant; no
   request field can choose it;
+- `model` names the served model or a LoRA adapter the application's registry holds
+  (`AdapterService`); anything else is a 404 `model_not_found` (gRPC: NOT_FOUND) before any
+  engine is asked; adapters are loaded and unloaded at run time only through the registry,
+  which every engine replica follows (cluster/serving/lora_registry.py);
 - bad input is a 400 with OpenAI's error body (gRPC: INVALID_ARGUMENT); admission refusal a 503
   with Retry-After (gRPC: RESOURCE_EXHAUSTED); a body over `limits.max_body_bytes` a 413 before
   any of it is parsed;
@@ -44,23 +48,24 @@ from cluster.serving.frontend import FrontEnd
 from cluster.serving.grpc_service import GenerationRpc, GrpcAbort, GrpcMethods, cache_stats
 from cluster.serving.kv_directory import DirectoryClient, directory_handle
 from cluster.serving.limits import read_body
+from cluster.serving.lora_admin import AdapterService
+from cluster.serving.lora_registry import registry_handle
+from cluster.serving.lora_routes import install_lora_routes, model_cards, resolve_http
 from cluster.serving.metrics_listener import MetricsListener
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
-    ModelList,
     OpenAIError,
     authentication_error,
-    invalid_request,
     parse_request,
+    permission_error,
 )
 from cluster.serving.openai_serving import OpenAIServing, ResponseMeta
 from cluster.serving.openapi_schema import install_openapi, request_body
 from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
 from cluster.serving.routed_engine import RoutedEngineClient, client_error
 from cluster.serving.routing import RoutedOutput, RoutedRequest
-from cluster.serving.tenancy import Tenancy, Unauthenticated
+from cluster.serving.tenancy import Forbidden, Tenancy, Unauthenticated
 from protos import generation_pb2 as pb
 
 INGRESS_NAME = "OpenAIIngress"
@@ -103,12 +108,9 @@ def build_http_api(ingress: OpenAIIngress) -> FastAPI:
     @api.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         ingress.http_tenant_salt(request)
-        card = ModelCard(
-            id=ingress.args.served_model_name,
-            created=ingress.created,
-            max_model_len=ingress.frontend.max_model_len,
-        )
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        await ingress.adapters.list_loras()  # refreshes the view from the registry
+        cards = model_cards(ingress.adapters, ingress.created, ingress.frontend.max_model_len)
+        return JSONResponse(cards.model_dump())
 
     async def run(request: Request, model: type[Any], unary: Any, stream: Any) -> Response:
         """Authenticate, read and parse the body off the loop, check the model, then answer
@@ -116,12 +118,12 @@ def build_http_api(ingress: OpenAIIngress) -> FastAPI:
         salt = ingress.http_tenant_salt(request)
         body = await read_body(request, ingress.args.limits.max_body_bytes)
         parsed = await ingress.frontend.off_loop(parse_request, body, model)
-        ingress.check_model(parsed.model)
+        adapter = await resolve_http(ingress.adapters, parsed.model)
         meta = ResponseMeta()
         if parsed.stream:
-            events = await stream(parsed, salt, meta)
+            events = await stream(parsed, salt, meta, adapter)
             return StreamingResponse(events, media_type="text/event-stream", headers=meta_of(meta))
-        response = await unary(parsed, salt, meta)
+        response = await unary(parsed, salt, meta, adapter)
         return JSONResponse(response.model_dump(exclude_none=True), headers=meta_of(meta))
 
     @api.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
@@ -134,6 +136,10 @@ def build_http_api(ingress: OpenAIIngress) -> FastAPI:
         openai = ingress.openai
         return await run(request, ChatCompletionRequest, openai.chat, openai.stream_chat)
 
+    if ingress.args.allow_runtime_lora_updating:
+        install_lora_routes(
+            api, ingress.adapters, ingress.http_admin, ingress.args.limits.max_body_bytes
+        )
     return api
 
 
@@ -160,19 +166,28 @@ class OpenAIIngress(GrpcMethods):
         renderer = PromptRenderer(description.tokenizer, info.vocab_size)
         builder = RequestBuilder(renderer, description.block_size, self.args.shared_prefixes)
         self.frontend = FrontEnd(builder, info.max_model_len)
-        self.tenancy = Tenancy(self.args.api_keys)
+        self.tenancy = Tenancy(self.args.tenants_by_key(), self.args.admin_keys())
         settings = self.args.directory
         app_name = serve.get_replica_context().app_name
+        name = self.args.served_model_name
+        registry = None
+        if self.args.engine_config().lora.enable_lora:
+            registry = registry_handle(app_name, self.args.configured_adapters())
+        self.adapters = AdapterService(name, registry)
+        await self.adapters.start()
         self.directory = DirectoryClient(
             directory_handle(app_name, settings.max_entries, settings.replica_timeout_s),
             settings.query_timeout_s,
         )
         self.client = RoutedEngineClient(
-            engine, description.keys, self.directory.holdings, self.args.limits.queue_timeout_s
+            engine,
+            description.keys,
+            self.directory.holdings,
+            self.args.limits.queue_timeout_s,
+            self.adapters,
         )
-        name = self.args.served_model_name
         self.openai = OpenAIServing(self.client, self.frontend, name)
-        self.rpc = GenerationRpc(self.client, self.frontend, name)
+        self.rpc = GenerationRpc(self.client, self.frontend, self.adapters)
         self.created = int(time.time())
         self.metrics_listener: MetricsListener | None = None
         metrics_args = self.args.limits.metrics
@@ -183,10 +198,14 @@ class OpenAIIngress(GrpcMethods):
             await self.metrics_listener.start()
 
     async def __del__(self) -> None:
-        """Serve calls this when it stops the replica: close the metrics port."""
+        """Serve calls this when it stops the replica: close the metrics port, stop watching
+        the adapter registry."""
         listener = getattr(self, "metrics_listener", None)  # absent when __init__ failed
         if listener is not None:
             await listener.close()
+        adapters = getattr(self, "adapters", None)
+        if adapters is not None:
+            await adapters.close()
 
     async def prometheus_text(self) -> tuple[str, bytes]:
         """The id of the engine replica that answered, and its metrics and the KV directory's
@@ -214,6 +233,7 @@ class OpenAIIngress(GrpcMethods):
         """For handle callers: streams the engine's outputs. Raises Unauthenticated,
         RequestRejected, EngineOverloaded like the engine."""
         salt = self.tenancy.salt_for(request.authorization)
+        adapter = await self.adapters.resolve(request.model or self.args.served_model_name)
         request_id = request.request_id or f"handle-{time.time_ns()}"
         prepared = await self.frontend.off_loop(
             self.frontend.prepare,
@@ -221,6 +241,7 @@ class OpenAIIngress(GrpcMethods):
             request.params,
             request_id=request_id,
             tenant_salt=salt,
+            adapter=adapter,
         )
         stream = self.client.generate(prepared)
         try:
@@ -235,14 +256,14 @@ class OpenAIIngress(GrpcMethods):
         except Unauthenticated as error:
             raise authentication_error(str(error)) from None
 
-    def check_model(self, model: str) -> None:
-        if model != self.args.served_model_name:
-            raise invalid_request(
-                f"The model '{model}' does not exist; this server serves "
-                f"'{self.args.served_model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+    def http_admin(self, request: Request) -> None:
+        """Passes for an admin key (or without API keys); 401 / 403 otherwise."""
+        try:
+            self.tenancy.authorize_admin(request.headers.get("authorization"))
+        except Unauthenticated as error:
+            raise authentication_error(str(error)) from None
+        except Forbidden as error:
+            raise permission_error(str(error)) from None
 
     # --- gRPC hooks (GrpcMethods) ------------------------------------------------------------
 

@@ -62,6 +62,18 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return OpenAIError(400, message, param=param, code=code)
 
 
+def model_not_found(message: str) -> OpenAIError:
+    """404: the `model` names neither the served model nor an adapter it serves (vLLM's body)."""
+    return OpenAIError(
+        404, message, error_type="NotFoundError", param="model", code="model_not_found"
+    )
+
+
+def permission_error(message: str) -> OpenAIError:
+    """403: a valid API key that may not do this."""
+    return OpenAIError(403, message, error_type="permission_error", code="forbidden")
+
+
 def authentication_error(message: str) -> OpenAIError:
     """401: missing or unknown API key."""
     return OpenAIError(401, message, error_type="authentication_error", code="invalid_api_key")
@@ -329,6 +341,16 @@ RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
 def parse_request(body: bytes, model: type[RequestT]) -> RequestT:
     """Parse a raw JSON body into `model` and check it is supported; every failure is a 400,
     a body nested too deep to decode included (the decoder's RecursionError, never a 500)."""
+    request = parse_object(body, model)
+    request.check_supported()
+    return request
+
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+def parse_object(body: bytes, model: type[BodyT]) -> BodyT:
+    """Parse a raw JSON object body into `model`; every failure is a 400 naming the field."""
     try:
         decoded = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -338,11 +360,9 @@ def parse_request(body: bytes, model: type[RequestT]) -> RequestT:
     if not isinstance(decoded, dict):
         raise invalid_request("Request body must be a JSON object")
     try:
-        request = model.model_validate_json(body)
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise error_from_validation(exc) from None
-    request.check_supported()
-    return request
 
 
 # ---------------------------------------------------------------- responses
@@ -452,10 +472,15 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One served model: the base model (`parent` None) or a LoRA adapter (`root` its path,
+    `parent` the base model's id), as vLLM lists them."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pagedserve"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

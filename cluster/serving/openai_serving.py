@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from cluster.engine.client import EngineClient
-from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
+from cluster.engine.errors import AdapterNotFound, EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import PromptInput
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
@@ -60,6 +60,7 @@ from cluster.serving.openai_protocol import (
     TopLogprob,
     Usage,
     invalid_request,
+    model_not_found,
     overloaded,
     sse_event,
 )
@@ -74,6 +75,8 @@ def engine_prompt(prompt: Prompt) -> PromptInput:
 
 def http_error(error: Exception, param: str | None = None) -> OpenAIError:
     """The HTTP error an engine or front-end error maps to (`param`: the prompt's field)."""
+    if isinstance(error, AdapterNotFound):  # unloaded after the front end resolved it
+        return model_not_found(str(error))
     if isinstance(error, ContextOverflow):
         return invalid_request(str(error), param=param, code="context_length_exceeded")
     if isinstance(error, EngineOverloaded):
@@ -182,10 +185,12 @@ class OpenAIServing:
         rid: str,
         salt: bytes | None,
         meta: ResponseMeta | None = None,
+        adapter: str | None = None,
     ) -> list[Stream]:
-        """Renders every prompt once, queues one engine request per prompt and waits for each
-        one's first output, so a refusal becomes an HTTP status before any byte is sent; `meta`
-        learns which engine replica served the first prompt."""
+        """Renders every prompt once, queues one engine request per prompt (for the LoRA
+        `adapter`, None: the base model) and waits for each one's first output, so a refusal
+        becomes an HTTP status before any byte is sent; `meta` learns which engine replica
+        served the first prompt."""
         param = "prompt" if isinstance(prompts[0], str | Mapping) else "messages"
         try:
             requests = [
@@ -196,6 +201,7 @@ class OpenAIServing:
                     request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
                     tenant_salt=salt,
                     what=param,
+                    adapter=adapter,
                 )
                 for i, prompt in enumerate(prompts)
             ]
@@ -291,12 +297,16 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     async def completion(
-        self, request: CompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
+        self,
+        request: CompletionRequest,
+        salt: bytes | None,
+        meta: ResponseMeta | None = None,
+        adapter: str | None = None,
     ) -> CompletionResponse:
         params = sampling_params(request.sampling_kwargs())
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
-        finals = await self.finals(await self.start(prompts, params, rid, salt, meta))
+        finals = await self.finals(await self.start(prompts, params, rid, salt, meta, adapter))
         choices = [
             self.completion_choice(i, output, params.n, whole=True)
             for i, final in enumerate(finals)
@@ -305,28 +315,36 @@ class OpenAIServing:
         return CompletionResponse(
             id=rid,
             created=int(time.time()),
-            model=self.model,
+            model=adapter or self.model,
             choices=choices,
             usage=total_usage(finals),
         )
 
     async def stream_completion(
-        self, request: CompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
+        self,
+        request: CompletionRequest,
+        salt: bytes | None,
+        meta: ResponseMeta | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[str]:
         params = sampling_params(request.sampling_kwargs())
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
-        streams = await self.start(prompts, params, rid, salt, meta)
-        encoder = CompletionChunks(self, rid, params.n)
+        streams = await self.start(prompts, params, rid, salt, meta, adapter)
+        encoder = CompletionChunks(self, rid, adapter or self.model, params.n)
         return self.events(streams, encoder, request.include_usage)
 
     async def chat(
-        self, request: ChatCompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
+        self,
+        request: ChatCompletionRequest,
+        salt: bytes | None,
+        meta: ResponseMeta | None = None,
+        adapter: str | None = None,
     ) -> ChatCompletionResponse:
         params = sampling_params(request.sampling_kwargs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         (final,) = await self.finals(
-            await self.start([request.chat_messages()], params, rid, salt, meta)
+            await self.start([request.chat_messages()], params, rid, salt, meta, adapter)
         )
         choices = [
             ChatChoice(
@@ -342,28 +360,34 @@ class OpenAIServing:
         return ChatCompletionResponse(
             id=rid,
             created=int(time.time()),
-            model=self.model,
+            model=adapter or self.model,
             choices=choices,
             usage=total_usage([final]),
         )
 
     async def stream_chat(
-        self, request: ChatCompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
+        self,
+        request: ChatCompletionRequest,
+        salt: bytes | None,
+        meta: ResponseMeta | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[str]:
         params = sampling_params(request.sampling_kwargs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start([request.chat_messages()], params, rid, salt, meta)
-        return self.events(streams, ChatChunks(self, rid), request.include_usage)
+        streams = await self.start([request.chat_messages()], params, rid, salt, meta, adapter)
+        encoder = ChatChunks(self, rid, adapter or self.model)
+        return self.events(streams, encoder, request.include_usage)
 
 
 class _StreamChunks:
-    """What both chunk encoders share: the stream's id and creation time, the finish tracker,
-    and the chunk model (`response_model`) every chunk and the final usage chunk are built as."""
+    """What both chunk encoders share: the stream's id, model name (the adapter's for an adapter
+    request) and creation time, the finish tracker, and the chunk model (`response_model`)
+    every chunk and the final usage chunk are built as."""
 
     response_model: type[CompletionResponse] | type[ChatCompletionChunk]
 
-    def __init__(self, serving: OpenAIServing, rid: str) -> None:
-        self.serving, self.rid = serving, rid
+    def __init__(self, serving: OpenAIServing, rid: str, model: str) -> None:
+        self.serving, self.rid, self.model = serving, rid, model
         self.created = int(time.time())
         self.changes = FinishTracker()
 
@@ -371,7 +395,7 @@ class _StreamChunks:
         return self.response_model(
             id=self.rid,
             created=self.created,
-            model=self.serving.model,
+            model=self.model,
             choices=choices,
             usage=usage,
         )
@@ -385,8 +409,8 @@ class CompletionChunks(_StreamChunks):
 
     response_model = CompletionResponse
 
-    def __init__(self, serving: OpenAIServing, rid: str, n: int) -> None:
-        super().__init__(serving, rid)
+    def __init__(self, serving: OpenAIServing, rid: str, model: str, n: int) -> None:
+        super().__init__(serving, rid, model)
         self.n = n
 
     def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]:
@@ -401,8 +425,8 @@ class ChatChunks(_StreamChunks):
 
     response_model = ChatCompletionChunk
 
-    def __init__(self, serving: OpenAIServing, rid: str) -> None:
-        super().__init__(serving, rid)
+    def __init__(self, serving: OpenAIServing, rid: str, model: str) -> None:
+        super().__init__(serving, rid, model)
         self.started: set[int] = set()
 
     def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]:

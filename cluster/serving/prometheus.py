@@ -15,6 +15,7 @@ Invariants of the exposition:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -46,6 +47,26 @@ def cumulative_buckets(histogram: Histogram) -> list[tuple[str, float]]:
     return buckets
 
 
+@dataclass(frozen=True)
+class AdapterCounters:
+    """The LoRA counters of an `EngineMetrics` snapshot (all zero from an engine without LoRA
+    counters, e.g. a replica of an older build during a rolling update)."""
+
+    requests: Mapping[str, int]
+    generation_tokens: Mapping[str, int]
+    loads: int
+    evictions: int
+
+    @staticmethod
+    def of(metrics: EngineMetrics) -> AdapterCounters:
+        return AdapterCounters(
+            requests=getattr(metrics, "adapter_requests_total", {}),
+            generation_tokens=getattr(metrics, "adapter_generation_tokens_total", {}),
+            loads=getattr(metrics, "adapter_loads_total", 0),
+            evictions=getattr(metrics, "adapter_evictions_total", 0),
+        )
+
+
 class EngineMetricsCollector(Collector):
     """Yields one family per metric with one sample (set) per replica on every `collect()`."""
 
@@ -60,6 +81,7 @@ class EngineMetricsCollector(Collector):
         yield from self._preemption_and_swaps(snapshots)
         yield from self._cache_tiers(snapshots)
         yield from self._throughput(snapshots)
+        yield from self._adapters(snapshots)
         yield from self._latency(snapshots)
 
     def _blocks(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
@@ -209,6 +231,37 @@ class EngineMetricsCollector(Collector):
             requests.add_metric([replica, "aborted"], m.num_aborted_requests)
             requests.add_metric([replica, "failed"], m.num_failed_requests)
         yield from (steps, tokens, requests)
+
+    def _adapters(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
+        """LoRA: requests and generated tokens per adapter, adapter loads and evictions (from
+        the engine's CPU-resident adapter cache)."""
+        requests = CounterMetricFamily(
+            f"{PREFIX}_adapter_requests",
+            "Requests admitted for a LoRA adapter",
+            labels=["replica", "adapter"],
+        )
+        tokens = CounterMetricFamily(
+            f"{PREFIX}_adapter_generation_tokens",
+            "Tokens sampled for requests of a LoRA adapter",
+            labels=["replica", "adapter"],
+        )
+        loads = CounterMetricFamily(
+            f"{PREFIX}_adapter_loads", "LoRA adapters loaded from disk", labels=["replica"]
+        )
+        evictions = CounterMetricFamily(
+            f"{PREFIX}_adapter_evictions",
+            "LoRA adapters evicted from the engine's adapter cache",
+            labels=["replica"],
+        )
+        for replica, m in snapshots.items():
+            counted = AdapterCounters.of(m)
+            for adapter, count in sorted(counted.requests.items()):
+                requests.add_metric([replica, adapter], count)
+            for adapter, count in sorted(counted.generation_tokens.items()):
+                tokens.add_metric([replica, adapter], count)
+            loads.add_metric([replica], counted.loads)
+            evictions.add_metric([replica], counted.evictions)
+        yield from (requests, tokens, loads, evictions)
 
     def _latency(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
         ttft = HistogramMetricFamily(

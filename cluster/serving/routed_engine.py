@@ -14,7 +14,12 @@ Invariants:
 - closing the stream before it finished cancels the call on the replica, which aborts the
   request there and frees its blocks;
 - a request with no output `queue_timeout_s` after it was sent (queued at the handle or in an
-  engine's admission queue) is cancelled and ends with EngineOverloaded (503 + Retry-After).
+  engine's admission queue) is cancelled and ends with EngineOverloaded (503 + Retry-After);
+- a LoRA adapter request is routed by load only (no block hashes): the ingress's `RequestKeys`
+  cannot key an adapter's blocks (they are seeded with the adapter's weights digest, which only
+  the engines know), and routing never uses a key the engine would not use;
+- `add_lora`, `remove_lora` and `list_loras` act on every engine replica at once, through the
+  application's adapter registry (`AdapterService`), never on the one replica a handle picks.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from ray.serve.exceptions import BackPressureError
 from cluster.engine.cache_keys import RequestKeys
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest
+from cluster.engine.lora_request import LoRARequest
 from cluster.engine.output_stream import OutputAccumulator
 from cluster.engine.outputs import RequestOutput
+from cluster.serving.lora_admin import AdapterService
 from cluster.serving.routing import BLOCK_HASHES_KWARG, PREFIX_BLOCKS_KWARG
 
 CLIENT_ERRORS = (RequestRejected, EngineOverloaded, EngineDead)
@@ -70,15 +77,25 @@ class RoutedEngineClient:
         keys: RequestKeys,
         holdings: Holdings = no_holdings,
         queue_timeout_s: float | None = None,
+        adapters: AdapterService | None = None,
     ) -> None:
-        """`queue_timeout_s`: a request not started by then is refused as overloaded."""
+        """`queue_timeout_s`: a request not started by then is refused as overloaded;
+        `adapters`: the deployment's LoRA adapters (None: only the base model is served)."""
         self.handle = handle
         self.keys = keys
         self.holdings = holdings
         self.queue_timeout_s = queue_timeout_s
+        self.adapters = adapters or AdapterService("", None)
+
+    def routing_hashes(self, request: GenerateRequest) -> list[bytes]:
+        """The block hashes the router reads: none for an adapter request (load only, see the
+        module doc). Raises RequestRejected for a bad shared prefix."""
+        if request.adapter is not None:
+            return []
+        return self.keys.block_hashes(request)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        hashes = self.keys.block_hashes(request)  # RequestRejected for a bad shared prefix
+        hashes = self.routing_hashes(request)
         held = await self.holdings(hashes)
         finished = False
         stream = None
@@ -119,3 +136,12 @@ class RoutedEngineClient:
     async def abort(self, request_id: str) -> None:
         """Requests are aborted by closing their `generate` stream (which cancels the call on
         the replica); there is nothing to do by id."""
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        await self.adapters.add_lora(lora)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        await self.adapters.remove_lora(lora_name)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return await self.adapters.list_loras()

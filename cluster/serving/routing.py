@@ -47,6 +47,8 @@ class RoutedRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     authorization: str | None = None
     request_id: str | None = None
+    model: str | None = None
+    """The served model's name or a LoRA adapter's (None: the served model)."""
 
 
 @dataclass(frozen=True)

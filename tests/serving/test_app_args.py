@@ -45,7 +45,7 @@ def test_build_app_binds_the_ingress_over_the_engine_with_validated_args() -> No
     ingress = app._bound_deployment  # the application's entry
     assert ingress.name == "OpenAIIngress"
     engine_app, args = ingress.init_args
-    assert ServeAppArgs.model_validate(args).api_keys == KEYS
+    assert ServeAppArgs.model_validate(args).tenants_by_key() == KEYS
     engine = engine_app._bound_deployment
     assert engine.name == "GenerationServer"
     (engine_args,) = engine.init_args
