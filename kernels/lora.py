@@ -11,13 +11,14 @@ concatenates) for a batch whose tokens use different adapters (or none):
 slots it uses.
 
 Dispatch: Triton (`kernels.triton_lora`) for CUDA tensors: a shrink and an expand kernel that
-read each token's own slot. Plain torch for CPU tensors: the tokens are multiplied by the A of
-every slot in the step's slot range in one matmul (`[T, K] x [K, k*P*R]`), the rows of other
-slots zeroed by a mask, and the expand is one matmul per projection over the same range
-(`[T, k*R] x [k*R, w]`), read from `b` without a copy. Its op count does not grow with the
-number of adapters in the batch (a gather per slot group would launch k times as many small
-matmuls, which on a CPU costs more than the k-fold rank-sized work it saves at decode sizes).
-`reference_add_lora` is the per-token oracle.
+read each token's own slot. Plain torch for CPU tensors, gather-based: the step's tokens with an
+adapter are put in slot order once (`LoRAIndices.order`, one `index_select` per target), each
+slot group is then a contiguous run multiplied by its own slot's A (`[n_g, K] x [K, P*R]`) and,
+per projection, its B, and the deltas are added back in one `index_add_`. When every token uses
+one slot nothing is gathered and the products go straight into `y`. A token costs only its own
+adapter's work (a dense product over all the step's slots with a mask costs k times the flops,
+which at rank 16 is most of the LoRA time on a CPU). `reference_add_lora` is the per-token
+oracle.
 
 `reduce` (row-parallel layers under tensor parallelism) is applied to the shrunk intermediate:
 each rank holds A's columns of its input shard, so the all-reduced intermediate is the whole
@@ -36,27 +37,34 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class LoRAIndices:
-    """One step's token -> slot map. `slots`: `[T]` int64 (-1: base model); `lo`/`hi`: the
-    slot range the step uses (`lo < hi`); `mask`: `[T, hi - lo]` (1 where the token's slot is
-    `lo + j`), None when every token uses slot `lo` and `hi == lo + 1`."""
+    """One step's token -> slot map, prepared once for every layer.
+
+    `slots`: `[T]` int64 (-1: base model). `order`: the indices of the tokens with an adapter,
+    sorted by slot (stable), or None when every token uses one slot (no gather needed).
+    `groups`: `(slot, start, stop)` runs of `order` (of the batch when `order` is None)."""
 
     slots: torch.Tensor
-    lo: int
-    hi: int
-    mask: torch.Tensor | None
+    order: torch.Tensor | None
+    groups: tuple[tuple[int, int, int], ...]
 
 
-def prepare_indices(slots: torch.Tensor, dtype: torch.dtype) -> LoRAIndices | None:
+def prepare_indices(slots: torch.Tensor) -> LoRAIndices | None:
     """The step's indices, or None when no token uses an adapter (nothing to add)."""
-    used = slots[slots >= 0]
-    if used.numel() == 0:
+    adapted = torch.nonzero(slots >= 0).flatten()
+    if adapted.numel() == 0:
         return None
-    lo, hi = int(used.min()), int(used.max()) + 1
-    mask = None
-    if hi - lo > 1 or used.numel() != slots.numel():
-        columns = torch.arange(lo, hi, device=slots.device)
-        mask = (slots[:, None] == columns[None, :]).to(dtype)
-    return LoRAIndices(slots, lo, hi, mask)
+    first = int(slots[adapted[0]])
+    if adapted.numel() == slots.numel() and bool((slots == first).all()):
+        return LoRAIndices(slots, None, ((first, 0, slots.numel()),))
+    keys = slots.index_select(0, adapted)
+    ranked = torch.argsort(keys, stable=True)
+    order = adapted.index_select(0, ranked)
+    values, counts = torch.unique_consecutive(keys.index_select(0, ranked), return_counts=True)
+    groups, start = [], 0
+    for slot, count in zip(values.tolist(), counts.tolist(), strict=True):
+        groups.append((slot, start, start + count))
+        start += count
+    return LoRAIndices(slots, order, tuple(groups))
 
 
 def add_lora(
@@ -86,22 +94,25 @@ def _add_lora_cpu(
     indices: LoRAIndices,
     reduce: Reduce | None,
 ) -> None:
-    tokens = x.shape[0]
     _, fused, rank, inputs = a.shape
-    lo, hi = indices.lo, indices.hi
-    k = hi - lo
-    shrunk = torch.matmul(x, a[lo:hi].reshape(k * fused * rank, inputs).t())
-    shrunk = shrunk.view(tokens, k, fused, rank)
-    if indices.mask is not None:
-        shrunk = shrunk * indices.mask.view(tokens, k, 1, 1)
+    order = indices.order
+    gathered = x if order is None else x.index_select(0, order)
+    shrunk = torch.empty(gathered.shape[0], fused * rank, dtype=x.dtype, device=x.device)
+    for slot, start, stop in indices.groups:
+        torch.mm(
+            gathered[start:stop], a[slot].reshape(fused * rank, inputs).t(), out=shrunk[start:stop]
+        )
     if reduce is not None:
         shrunk = reduce(shrunk)
-    wide = b[:, lo:hi].reshape(b.shape[0], k * rank)
-    row = 0
-    for p, width in enumerate(widths):
-        part = shrunk[:, :, p].reshape(tokens, k * rank)
-        y[:, row : row + width].addmm_(part, wide[row : row + width].t())
-        row += width
+    target = y if order is None else torch.zeros(shrunk.shape[0], y.shape[1], dtype=y.dtype)
+    for slot, start, stop in indices.groups:
+        row = 0
+        for p, width in enumerate(widths):
+            part = shrunk[start:stop, p * rank : (p + 1) * rank]
+            target[start:stop, row : row + width].addmm_(part, b[row : row + width, slot].t())
+            row += width
+    if order is not None:
+        y.index_add_(0, order, target)
 
 
 def reference_add_lora(

@@ -42,7 +42,7 @@ def test_add_lora_matches_the_oracle(slots: list[int], path: str) -> None:
     a, b, x, y, index = _case(slots, torch.float32)
     expected = y.clone()
     lora.reference_add_lora(expected, x, a, b, WIDTHS, index)
-    indices = lora.prepare_indices(index, x.dtype)
+    indices = lora.prepare_indices(index)
     if indices is None:
         assert all(s < 0 for s in slots)
         return
@@ -62,7 +62,7 @@ def test_reduce_applies_to_the_intermediate() -> None:
     a, b, x, y, index = _case([0, 1, -1, 1], torch.float32, seed=3)
     expected = y.clone()
     lora.reference_add_lora(expected, x, a, b, WIDTHS, index)
-    indices = lora.prepare_indices(index, x.dtype)
+    indices = lora.prepare_indices(index)
     assert indices is not None
     halves = [(0, 20), (20, 40)]
     partial: list[torch.Tensor] = []
@@ -83,7 +83,7 @@ def test_bfloat16_close_to_the_oracle() -> None:
     a, b, x, y, index = _case(slots, torch.bfloat16, seed=5)
     expected = y.float().clone()
     lora.reference_add_lora(expected, x.float(), a.float(), b.float(), WIDTHS, index)
-    indices = lora.prepare_indices(index, x.dtype)
+    indices = lora.prepare_indices(index)
     assert indices is not None
     lora.add_lora(y, x, a, b, WIDTHS, indices)
     torch.testing.assert_close(y.float(), expected, atol=0.5, rtol=0.03)

@@ -26,7 +26,7 @@ class LoRAStep:
     @classmethod
     def prepare(cls, slots: LoRASlots, token_slots: torch.Tensor) -> LoRAStep | None:
         """None when no token uses an adapter (the forward pass then does no LoRA work)."""
-        indices = prepare_indices(token_slots, slots.a["qkv"].dtype)
+        indices = prepare_indices(token_slots)
         return None if indices is None else cls(slots, indices)
 
     def column(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor) -> None:
