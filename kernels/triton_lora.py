@@ -5,7 +5,8 @@ adapters costs what one adapter costs).
 Shrink: program (token, tile of N = P*R) computes `h[t, n] = sum_k A[slot_t, n, k] x[t, k]` in
 float32 (zeros for slot -1). Expand: program (token, tile of w) adds
 `sum_r B[slot_t, o, r] h[t, r]` to `y[t, o]` for one projection (tokens of slot -1 untouched).
-Every pointer is addressed through strides, so `b`'s `[O, S, R]` storage is read in place.
+Every pointer is addressed through strides, so `b`'s block-diagonal `[S, P*R, O]` storage is
+read in place (each projection's block as a strided `[S, w, R]` view).
 """
 
 from __future__ import annotations
@@ -122,20 +123,15 @@ def add_lora(
     indices: LoRAIndices,
     reduce: Reduce | None,
 ) -> None:
-    """`kernels.lora.add_lora` on CUDA (or the interpreter): one shrink, one expand per
-    projection."""
-    slots_count, fused, rank, inputs = a.shape
+    """`kernels.lora.add_lora` on CUDA (or the interpreter): one shrink, then one expand per
+    projection reading only its diagonal block of `b`."""
+    rank = a.shape[1] // len(widths)
     slots = indices.slots.to(device=x.device, dtype=torch.int64).contiguous()
-    h = shrink(x, a.reshape(slots_count, fused * rank, inputs), slots)
+    h = shrink(x, a, slots)
     if reduce is not None:
         h = reduce(h)
-    per_slot = b.permute(1, 0, 2)  # [S, O, R], a view of the [O, S, R] storage
     row = 0
     for p, width in enumerate(widths):
-        expand(
-            h[:, p * rank : (p + 1) * rank],
-            per_slot[:, row : row + width],
-            slots,
-            y[:, row : row + width],
-        )
+        block = b[:, p * rank : (p + 1) * rank, row : row + width].transpose(1, 2)  # [S, w, R]
+        expand(h[:, p * rank : (p + 1) * rank], block, slots, y[:, row : row + width])
         row += width

@@ -18,10 +18,16 @@ WIDTHS = (48, 16, 16)  # a fused q/k/v target
 def _case(slots: list[int], dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(seed)
     num_slots, fused, rank, inputs = 4, len(WIDTHS), 8, 40
-    a = torch.randn(num_slots, fused, rank, inputs, generator=generator)
-    b = torch.randn(sum(WIDTHS), num_slots, rank, generator=generator)
-    a[1, :, 5:] = 0  # slot 1 holds a rank-5 adapter
-    b[:, 1, 5:] = 0
+    a = torch.randn(num_slots, fused * rank, inputs, generator=generator)
+    b = torch.zeros(num_slots, fused * rank, sum(WIDTHS))
+    row = 0
+    for p, width in enumerate(WIDTHS):  # block-diagonal, as the slots hold it
+        block = torch.randn(num_slots, rank, width, generator=generator)
+        b[:, p * rank : (p + 1) * rank, row : row + width] = block
+        row += width
+    for p in range(fused):  # slot 1 holds a rank-5 adapter
+        a[1, p * rank + 5 : (p + 1) * rank] = 0
+        b[1, p * rank + 5 : (p + 1) * rank] = 0
     x = torch.randn(len(slots), inputs, generator=generator)
     y = torch.randn(len(slots), sum(WIDTHS), generator=generator)
     index = torch.tensor(slots, dtype=torch.int64)
@@ -32,6 +38,8 @@ BATCHES = [
     [0, 0, 0],  # one adapter, every token
     [2, -1, 2, -1],  # one adapter and the base model
     [3, 0, -1, 1, 0, 3, 1],  # three adapters and the base model, interleaved
+    [1, 2, 1, 2, 3],  # a run of slots: the batched products read the buffers as views
+    [0] * 10 + [1, 3],  # groups too uneven to pad: one by one
     [-1, -1],  # no adapter: nothing to add
 ]
 
@@ -46,6 +54,7 @@ def test_add_lora_matches_the_oracle(slots: list[int], path: str) -> None:
     if indices is None:
         assert all(s < 0 for s in slots)
         return
+    assert indices.padded == (slots != [0] * 10 + [1, 3])
     if path == "cpu":
         lora.add_lora(y, x, a, b, WIDTHS, indices)
     else:
@@ -53,7 +62,7 @@ def test_add_lora_matches_the_oracle(slots: list[int], path: str) -> None:
         y_dev = y.to(device)
         triton_lora.add_lora(y_dev, x.to(device), a.to(device), b.to(device), WIDTHS, indices, None)
         y = y_dev.cpu()
-    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-5)
 
 
 def test_reduce_applies_to_the_intermediate() -> None:
@@ -75,7 +84,8 @@ def test_reduce_applies_to_the_intermediate() -> None:
         lora.add_lora(y.clone(), x[:, start:stop], a[..., start:stop], b, WIDTHS, indices, capture)
     total = partial[0] + partial[1]
     lora.add_lora(y, x[:, :20], a[..., :20], b, WIDTHS, indices, lambda _: total)
-    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    assert indices.padded
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-5)
 
 
 def test_bfloat16_close_to_the_oracle() -> None:

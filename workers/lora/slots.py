@@ -3,16 +3,19 @@
 For each fused target (`qkv`, `o`, `gate_up`, `down`, see `workers.lora.shard`) two tensors
 cover every layer and every slot:
 
-- `a[target]`: `[layers, max_loras, P, max_rank, in_local]` (P projections fused in the target);
-- `b[target]`: `[layers, out_local, max_loras, max_rank]` (the projections' rows concatenated
-  as the base layer concatenates them; the scaling folded in).
+- `a[target]`: `[layers, max_loras, P * max_rank, in_local]` (P projections fused in the
+  target, projection p's A in rows `p * max_rank ..`);
+- `b[target]`: `[layers, max_loras, P * max_rank, out_local]`, block-diagonal: projection p's
+  `B^T` (scaling folded in) in rows `p * max_rank ..` and in the output columns the base layer
+  gives that projection (their outputs concatenated), zeros elsewhere.
 
 Invariants: a slot holds one adapter or nothing; every entry of a slot outside its adapter's
 rank, or of a projection the adapter does not target, is zero (so padding the rank to
 `max_rank` and absent projections add exactly nothing); slots are filled and cleared only
 between forward passes (the rank applies a plan's slot loads before its forward pass).
-The `b` layout keeps each row's slots adjacent: a range of slots is one strided view
-`[out, k * max_rank]`, which the CPU path multiplies without copying.
+Slot-major buffers make a run of slots one view (no copy) for the batched products; the
+block-diagonal `b` applies every projection of a target in one product (P times the expand's
+flops, which are rank-sized).
 """
 
 from __future__ import annotations
@@ -47,12 +50,12 @@ class LoRASlots:
         self.b: dict[str, torch.Tensor] = {}
         layers = spec.num_layers
         for name, target in self.targets.items():
-            fused = len(target.projections)
+            ranks = len(target.projections) * max_rank
             self.a[name] = torch.zeros(
-                layers, max_loras, fused, max_rank, target.local_inputs, dtype=dtype, device=device
+                layers, max_loras, ranks, target.local_inputs, dtype=dtype, device=device
             )
             self.b[name] = torch.zeros(
-                layers, sum(target.widths), max_loras, max_rank, dtype=dtype, device=device
+                layers, max_loras, ranks, sum(target.widths), dtype=dtype, device=device
             )
             row = 0
             for index, (projection, width) in enumerate(
@@ -70,7 +73,7 @@ class LoRASlots:
     def clear(self, slot: int) -> None:
         for name in self.targets:
             self.a[name][:, slot].zero_()
-            self.b[name][:, :, slot].zero_()
+            self.b[name][:, slot].zero_()
         self.contents[slot] = None
 
     def fill(self, slot: int, shard: AdapterShard) -> None:
@@ -81,6 +84,7 @@ class LoRASlots:
         r = shard.rank
         for (layer, projection), (a, b) in shard.pairs.items():
             name, index, row = self.where[projection]
-            self.a[name][layer, slot, index, :r].copy_(a)
-            self.b[name][layer, row : row + b.shape[0], slot, :r].copy_(b)
+            first = index * self.max_rank
+            self.a[name][layer, slot, first : first + r].copy_(a)
+            self.b[name][layer, slot, first : first + r, row : row + b.shape[0]].copy_(b.t())
         self.contents[slot] = shard.digest
