@@ -34,6 +34,8 @@ class PackedBatch:
     metadata: AttentionMetadata
     sample_seq_ids: list[int]
     sample_requests: list[SampleRequest]
+    lora_slots: torch.Tensor | None = None
+    """`[tokens]` int64, each token's LoRA slot (-1: base model); None when no token has one."""
 
 
 class SequenceRegistry:
@@ -139,12 +141,14 @@ def pack_batch(
     logits_rows: list[int] = []
     sample_seq_ids: list[int] = []
     requests: list[SampleRequest] = []
+    lora_slots: list[int] = []
     for work in plan.sequences:
         state = registry.states[work.seq_id]
         _check_work(plan, work, state, block_size)
         table = state.block_table
         end = work.start_pos + len(work.token_ids)
         token_ids.extend(work.token_ids)
+        lora_slots.extend([work.lora_slot] * len(work.token_ids))
         span = range(work.start_pos, end)
         positions.extend(span)
         slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
@@ -175,4 +179,11 @@ def pack_batch(
         logits_indices=tensor(logits_rows, torch.int64),
         range_first_blocks=contiguous_runs(tables) if contiguous else None,
     )
-    return PackedBatch(tensor(token_ids, torch.int64), metadata, sample_seq_ids, requests)
+    any_lora = any(slot >= 0 for slot in lora_slots)
+    return PackedBatch(
+        tensor(token_ids, torch.int64),
+        metadata,
+        sample_seq_ids,
+        requests,
+        tensor(lora_slots, torch.int64) if any_lora else None,
+    )

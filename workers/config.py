@@ -52,7 +52,17 @@ class WorkerConfig:
     the cores this process may run on, shared among the TP ranks (`cpu_threads`); None leaves
     torch's setting alone (Ray sets OMP_NUM_THREADS from an actor's num_cpus, often 1)."""
 
+    max_loras: int = 0
+    """LoRA device slots per rank (0: LoRA off, no slot memory allocated)."""
+    max_lora_rank: int = 64
+    """The largest adapter rank accepted; slots pad every adapter's rank to it."""
+
     def __post_init__(self) -> None:
+        if self.max_loras < 0 or self.max_lora_rank <= 0:
+            raise ValueError(
+                f"max_loras must be >= 0 and max_lora_rank > 0, got {self.max_loras} and "
+                f"{self.max_lora_rank}"
+            )
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout {self.kv_layout!r} is not one of {list(KV_LAYOUTS)}")
         if self.kv_layout == "virtual" and self.kv_virtual_slots <= 0:

@@ -23,6 +23,7 @@ import torch
 from workers.config import ModelInfo, WorkerConfig
 from workers.kv_memory import KVShape
 from workers.loader import ModelDescription, describe_model
+from workers.lora import AdapterSummary
 from workers.model_source import resolve_model_path
 from workers.parallel import check_tensor_parallel
 from workers.placement import RankPlacement, place_ranks
@@ -161,6 +162,25 @@ class WorkerGroup:
         import ray
 
         return ray.get([actor.node_id.remote() for actor in self._actors])
+
+    def add_lora(self, path: str) -> AdapterSummary:
+        """Every rank reads its slice of the PEFT adapter at `path` into CPU memory (blocking;
+        on Ray, queued behind the step each rank is running). Raises ValueError naming the
+        problem, on every rank alike (the same validation), with nothing loaded changed."""
+        if self._local is not None:
+            return self._local.add_lora(path)
+        import ray
+
+        try:
+            summaries = ray.get([actor.add_lora.remote(path) for actor in self._actors])
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, ValueError):
+                raise ValueError(str(error.cause)) from None
+            raise
+        digests = {summary.digest for summary in summaries}
+        if len(digests) != 1:
+            raise ValueError(f"adapter {path!r}: the ranks read different weights ({digests})")
+        return summaries[0]
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run one step on every rank (blocking); returns rank 0's output."""

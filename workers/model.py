@@ -24,6 +24,7 @@ from workers.layers import (
     RowSegment,
     VocabParallelEmbedding,
 )
+from workers.lora.apply import LoRAStep
 from workers.parallel import TensorParallel, even_range, head_layout
 from workers.rope import RotaryEmbedding, apply_rotary
 
@@ -71,6 +72,7 @@ class Attention(torch.nn.Module):
         super().__init__()
         layout = head_layout(spec, tp)
         d = spec.head_dim
+        self.layer_index = layer_index
         self.head_dim = d
         self.num_q = layout.num_q
         self.num_kv = layout.num_kv
@@ -105,23 +107,34 @@ class Attention(torch.nn.Module):
         step: AttentionStep,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         q_width, kv_width = self.num_q * self.head_dim, self.num_kv * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_width, kv_width, kv_width], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            lora.column(self.layer_index, "qkv", hidden, qkv)
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
         q = apply_rotary(q.view(tokens, self.num_q, self.head_dim), *cos_sin)
         k = apply_rotary(k.view(tokens, self.num_kv, self.head_dim), *cos_sin)
         v = v.reshape(tokens, self.num_kv, self.head_dim)
         write_kv(k, v, k_cache, v_cache, metadata=step.prepared)
         out = step.attend(q, k_cache, v_cache, scale=self.scale, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(tokens, q_width))
+        attended = out.reshape(tokens, q_width)
+        projected = self.o_proj(attended)
+        if lora is not None:
+            lora.row(self.layer_index, "o", attended, projected)
+        return projected
 
 
 class GatedMLP(torch.nn.Module):
     """down(silu(gate(x)) * up(x)), gate/up column-parallel (fused), down row-parallel."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel, dtype: torch.dtype) -> None:
+    def __init__(
+        self, spec: ModelSpec, layer_index: int, tp: TensorParallel, dtype: torch.dtype
+    ) -> None:
         super().__init__()
+        self.layer_index = layer_index
         full = spec.intermediate_size
         start, stop = even_range(full, tp)
         self.width = stop - start
@@ -135,9 +148,16 @@ class GatedMLP(torch.nn.Module):
             full, spec.hidden_size, (start, stop), spec.mlp_bias, tp, dtype
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.width, self.width], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.column(self.layer_index, "gate_up", x, gate_up)
+        gate, up = gate_up.split([self.width, self.width], dim=-1)
+        activated = F.silu(gate) * up
+        down = self.down_proj(activated)
+        if lora is not None:
+            lora.row(self.layer_index, "down", activated, down)
+        return down
 
 
 class DecoderLayer(torch.nn.Module):
@@ -148,7 +168,7 @@ class DecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.self_attn = Attention(spec, layer_index, tp, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(spec, tp, dtype)
+        self.mlp = GatedMLP(spec, layer_index, tp, dtype)
 
     def forward(
         self,
@@ -156,12 +176,13 @@ class DecoderLayer(torch.nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         step: AttentionStep,
         kv_layer: torch.Tensor,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         attended = self.self_attn(
-            self.input_layernorm(hidden), cos_sin, step, kv_layer[0], kv_layer[1]
+            self.input_layernorm(hidden), cos_sin, step, kv_layer[0], kv_layer[1], lora
         )
         hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         self.input_layernorm.load(reader, f"{prefix}input_layernorm.weight")
@@ -201,16 +222,21 @@ class CausalLM(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, token_ids: torch.Tensor, metadata: AttentionMetadata, kv_pool: torch.Tensor
+        self,
+        token_ids: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_pool: torch.Tensor,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
-        """Hidden states `[tokens, hidden]` after the final norm; writes this step's KV."""
+        """Hidden states `[tokens, hidden]` after the final norm; writes this step's KV.
+        `lora`: the step's adapters, added after every adapted base linear (None: none)."""
         hidden = self.embed_tokens.embed(token_ids)
         cos_sin = self.rotary.cos_sin(metadata.positions, hidden.dtype)
         if self.reduced:
             hidden = hidden.to(torch.float32)  # the residual stream
         step = metadata.prepare_kernels(kv_pool)  # validated once, shared by every layer
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos_sin, step, kv_pool[index])
+            hidden = layer(hidden, cos_sin, step, kv_pool[index], lora)
         return self.norm(hidden)
 
     @torch.inference_mode()

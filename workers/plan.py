@@ -14,7 +14,7 @@ Invariants the engine guarantees (the workers rely on them, they do not re-deriv
 
 Order of execution on a worker: demotions (the CPU cache tier's device -> CPU copies of blocks the
 plan reuses, before anything can overwrite them), swap-outs, then swap-ins and promotions, then
-copies, then the forward pass
+copies, then LoRA slot fills (`lora_drops`, `lora_loads`), then the forward pass
 (which writes the new tokens' KV into their slots layer by layer before attending), then rank 0
 samples. Swap-out sources may be handed to other sequences in the same plan, which is safe because
 they are copied out before the forward pass writes anything.
@@ -65,6 +65,19 @@ class SequenceWork:
     """How many tokens this branch has generated before this step (seeds the draw)."""
     sampling: SamplingSettings | None = None
     """Sent when the sequence is first scheduled (or re-scheduled after release); else None."""
+    lora_slot: int = -1
+    """The device slot of this step's LoRA adapter for the sequence (-1: the base model). Sent
+    every step: an adapter may move to another slot between steps."""
+
+
+@dataclass(frozen=True)
+class LoRASlotLoad:
+    """Fill device slot `slot` with the adapter of weights digest `digest` (from the rank's CPU
+    memory, or read again from `path` when it was dropped there)."""
+
+    slot: int
+    digest: str
+    path: str
 
 
 @dataclass
@@ -91,6 +104,10 @@ class StepPlan:
     decommit: list[BlockPair] = field(default_factory=list)
     """`[first, end)` device block ranges whose physical memory the worker returns to the OS
     before the forward pass (the `virtual` KV layout: ranges of ended sequences); else empty."""
+    lora_drops: list[str] = field(default_factory=list)
+    """Digests of adapters the ranks drop from CPU memory (the engine's LRU evicted them)."""
+    lora_loads: list[LoRASlotLoad] = field(default_factory=list)
+    """Slot fills, applied after `lora_drops` and before the forward pass."""
 
 
 class PlanRejected(ValueError):

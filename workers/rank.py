@@ -23,6 +23,7 @@ from workers.batch import SequenceRegistry, pack_batch
 from workers.config import WorkerConfig
 from workers.kv_memory import KVShape, cpu_device_blocks, cpu_swap_blocks, cuda_device_blocks
 from workers.loader import ModelDescription, load_model_shard
+from workers.lora import AdapterSummary, LoRAStep, RankLoRA
 from workers.model import AttentionMetadata, CausalLM
 from workers.parallel import TensorParallel, head_layout
 from workers.plan import BlockPair, PlanRejected, StepOutput, StepPlan
@@ -88,6 +89,8 @@ class WorkerRank:
         self.virtual_pool: VirtualKVPool | None = None
         self.cpu_checksums: dict[int, bytes] = {}
         """`verify_swaps`: digest of each CPU block's bytes as its last copy left them."""
+        self.lora: RankLoRA | None = None
+        """Adapters and device slots (`max_loras > 0`), made with the model in `load`."""
 
     def node_id(self) -> str:
         """The Ray node this rank runs on (as a Ray actor)."""
@@ -118,6 +121,22 @@ class WorkerRank:
             self.device,
             pathlib.Path(self.cache_root),
         )
+        if self.config.max_loras > 0:
+            self.lora = RankLoRA(
+                self.description.spec,
+                self.tp,
+                self.config.max_loras,
+                self.config.max_lora_rank,
+                self.config.torch_dtype,
+                self.device,
+            )
+
+    def add_lora(self, path: str) -> AdapterSummary:
+        """Reads the PEFT adapter at `path` into this rank's CPU memory (its slice). Raises
+        ValueError naming the problem (LoRA off, or an adapter that cannot be served)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on the workers (max_loras is 0)")
+        return self.lora.add_adapter(path)
 
     def measure_device_blocks(self) -> int:
         """Blocks this rank can hold (after a profiling forward pass on CUDA)."""
@@ -255,6 +274,15 @@ class WorkerRank:
                         f"(source pool {source_limit} blocks, target pool {target_limit})"
                     )
 
+    def _apply_lora(self, plan: StepPlan) -> None:
+        uses_lora = any(work.lora_slot != -1 for work in plan.sequences)
+        if self.lora is None:
+            if uses_lora or plan.lora_loads:
+                raise ValueError(f"step {plan.step_id}: LoRA slots used but LoRA is not enabled")
+            return
+        self.lora.check(plan)
+        self.lora.apply(plan)
+
     def _cpu_digest(self, block: int) -> bytes:
         assert self.cpu_pool is not None
         data = self.cpu_pool[:, :, block].contiguous().view(torch.uint8).numpy()
@@ -323,6 +351,7 @@ class WorkerRank:
                 contiguous=self.config.kv_layout != "paged",
             )
             self._check_ids(plan)
+            self._apply_lora(plan)
             self._decommit(plan)
         except ValueError:
             self.registry.restore(snapshot)
@@ -332,7 +361,10 @@ class WorkerRank:
         logits = None
         if plan.sequences:
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            hidden = self.model(batch.token_ids, batch.metadata, self.device_pool)
+            lora = None
+            if self.lora is not None and batch.lora_slots is not None:
+                lora = LoRAStep.prepare(self.lora.slots, batch.lora_slots)
+            hidden = self.model(batch.token_ids, batch.metadata, self.device_pool, lora)
             output.page_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             if batch.sample_requests:
                 logits = self.model.logits(hidden[batch.metadata.logits_indices])
@@ -353,6 +385,7 @@ class WorkerRank:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         self.model = None
+        self.lora = None
         self.device_pool = None
         self.cpu_pool = None
         self.virtual_pool = None

@@ -38,6 +38,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.errors import EngineDead, RequestFailed, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
+from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.output_stream import OutputAccumulator, OutputMailbox, RequestDelta
 from cluster.engine.outputs import RequestOutput
@@ -163,6 +164,23 @@ class AsyncEngine:
             return
         self._apply_abort(request_id)
         self._wake()  # an idle loop sends the workers the release
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Loads the adapter on every rank (in a worker thread: the step loop keeps running,
+        and on Ray the ranks take it between steps), then serves it under its name. Raises
+        InvalidAdapter naming the problem (nothing already loaded changes), RequestRejected
+        when LoRA is off."""
+        summary = await asyncio.to_thread(self.core.load_lora_weights, lora)
+        self.core.register_lora(lora, summary)  # on the loop's thread, between steps
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Stops serving the adapter; its requests in flight finish, then its weights go.
+        Raises AdapterNotFound for a name not loaded."""
+        self.core.remove_lora(lora_name)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters served now, in load order."""
+        return self.core.list_loras()
 
     def metrics(self) -> EngineMetrics:
         return self.core.metrics()
@@ -303,6 +321,7 @@ class AsyncEngine:
         depended on it, send its releases again, and go on with everything else."""
         log.warning("step %d refused by the workers: %r", step.plan.step_id, error)
         self.core.scheduler.requeue_releases(step.plan.released)
+        self.core.invalidate_lora_slots()
         blamed = blamed_sequences(error)
         involved = step.requests()
         guilty = [r for r in involved if not blamed or any(b.seq_id in blamed for b in r.branches)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from block_manager import CacheIdentity, CacheKey, prompt_block_hashes
-from cluster.engine.errors import RequestRejected
+from cluster.engine.errors import AdapterNotFound, RequestRejected
 from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.tokenization import NO_TEMPLATE
 
@@ -44,7 +44,11 @@ class CacheKeyFactory:
             )
             seed = identity.digest()
             self._seeds[memo] = seed
-        extra = (b"tenant:" + tenant_salt,) if tenant_salt else ()
+        extra: tuple[bytes, ...] = ()
+        if adapter_weights_digest is not None:
+            extra += (b"lora:" + adapter_weights_digest.encode(),)
+        if tenant_salt:
+            extra += (b"tenant:" + tenant_salt,)
         return CacheKey(hash_seed=seed, extra_keys=extra, unsalted_blocks=unsalted_blocks)
 
 
@@ -53,14 +57,24 @@ class RequestKeys:
     block manager keys its blocks. Picklable: an ingress holds a copy to hash prompts for
     routing without asking an engine."""
 
+    LORA_KIND = "lora"
+    """`CacheIdentity.adapter_id` of every adapter: the name never enters a key."""
+
     def __init__(self, factory: CacheKeyFactory, block_size: int) -> None:
         self.factory = factory
         self.block_size = block_size
+        self.adapters: dict[str, str] = {}
+        """Adapter name -> weights digest, as the engine serves them (its `LoRAManager`'s map:
+        a copy held elsewhere must be refreshed when adapters are added or removed)."""
 
     def key_for(self, request: GenerateRequest) -> CacheKey:
         """Its template's identity seed, the tenant salt, and `shared_prefix_tokens //
         block_size` leading unsalted blocks. Raises RequestRejected for a shared prefix that is
-        not an int within the prompt, or for an adapter (none is served yet)."""
+        not an int within the prompt; AdapterNotFound for an adapter name not served.
+
+        An adapter's weights digest (never its name or path) is in the identity that seeds the
+        chain and in every salted block's extra keys, so the same prompt under two adapters
+        shares no block and the same weights under two names share every block."""
         shared = request.shared_prefix_tokens
         num_prompt_tokens = request.num_prompt_tokens
         valid = isinstance(shared, int) and not isinstance(shared, bool)
@@ -69,10 +83,15 @@ class RequestKeys:
                 f"shared_prefix_tokens must be an int in [0, {num_prompt_tokens}] (the prompt's "
                 f"length), got {shared!r}"
             )
+        digest = None
         if request.adapter is not None:
-            raise RequestRejected(f"adapter {request.adapter!r}: no LoRA adapter is served here")
+            digest = self.adapters.get(request.adapter)
+            if digest is None:
+                raise AdapterNotFound(f"adapter {request.adapter!r} is not loaded")
         return self.factory.key(
             chat_template_digest=request.prompt.chat_template_digest,
+            adapter_id=None if digest is None else self.LORA_KIND,
+            adapter_weights_digest=digest,
             tenant_salt=request.tenant_salt,
             unsalted_blocks=shared // self.block_size,
         )

@@ -250,6 +250,8 @@ class EngineConfig(_Section):
             verify_swaps=self.cache.verify_swaps,
             device=self.parallel.device,
             num_threads=self.parallel.num_threads,
+            max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
+            max_lora_rank=self.lora.max_lora_rank,
         )
 
     # --- command line -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.errors import ConfigError, RequestRejected
 from cluster.engine.generate_request import PromptInput
+from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
@@ -49,11 +50,17 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Text prompts or {"prompt_token_ids": [...]} dicts; one result per prompt, in order."""
+        """Text prompts or {"prompt_token_ids": [...]} dicts; one result per prompt, in order.
+
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per
+        prompt. An adapter not loaded yet is loaded first (as vLLM does)."""
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, chat_template=None)
+        prompts = list(prompts)
+        return self._run(prompts, sampling_params, chat_template=None, lora=lora_request)
 
     def chat(
         self,
@@ -61,13 +68,27 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; rendered with the chat template."""
+        """One conversation (a list of messages) or several; rendered with the chat template.
+        `lora_request` as in `generate`."""
         if messages and isinstance(messages[0], Mapping):
             conversations: list[Any] = [messages]
         else:
             conversations = list(messages)
-        return self._run(conversations, sampling_params, chat_template=chat_template)
+        return self._run(
+            conversations, sampling_params, chat_template=chat_template, lora=lora_request
+        )
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Loads and serves an adapter (see `EngineCore.add_lora`)."""
+        self.engine.add_lora(lora)
+
+    def remove_lora(self, lora_name: str) -> None:
+        self.engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
 
     def metrics(self) -> EngineMetrics:
         return self.engine.metrics()
@@ -87,12 +108,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         *,
         chat_template: str | None,
+        lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
+        adapters = _per_prompt_lora(lora, len(prompts))
+        for adapter in dict.fromkeys(a for a in adapters if a is not None):
+            self.engine.add_lora(adapter)  # a no-op when served already from that path
         builder = self.engine.request_builder
         requests = [
-            builder.build(prompt, p, chat_template=chat_template)
-            for prompt, p in zip(prompts, params, strict=True)
+            builder.build(
+                prompt,
+                p,
+                chat_template=chat_template,
+                adapter=None if adapter is None else adapter.lora_name,
+            )
+            for prompt, p, adapter in zip(prompts, params, adapters, strict=True)
         ]
         ids: list[str] = []
         try:
@@ -124,6 +154,16 @@ def _per_prompt(
     if len(params) != count:
         raise ValueError(f"{len(params)} sampling params for {count} prompts")
     return list(params)
+
+
+def _per_prompt_lora(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    if len(lora) != count:
+        raise ValueError(f"{len(lora)} lora requests for {count} prompts")
+    return list(lora)
 
 
 def _whole(output: RequestOutput) -> RequestOutput:

@@ -70,6 +70,14 @@ class EngineMetrics:
     """Requests ended by their caller (a closed stream, a cancel, an abort) before finishing."""
     num_failed_requests: int = 0
     """Requests ended by a failed step attributed to them while the engine went on serving."""
+    adapter_requests_total: dict[str, int] = field(default_factory=dict)
+    """Requests admitted per LoRA adapter name (base-model requests are not counted here)."""
+    adapter_generation_tokens_total: dict[str, int] = field(default_factory=dict)
+    """Tokens generated per LoRA adapter name."""
+    adapter_loads_total: int = 0
+    """Adapters loaded into a device slot (every slot fill)."""
+    adapter_evictions_total: int = 0
+    """Adapters displaced from a device slot by another, plus adapters the CPU LRU dropped."""
 
     @property
     def preemptions(self) -> int:
@@ -91,6 +99,8 @@ class MetricsRecorder:
     swap_checksum_failures: int = 0
     num_aborted_requests: int = 0
     num_failed_requests: int = 0
+    adapter_requests: dict[str, int] = field(default_factory=dict)
+    adapter_tokens: dict[str, int] = field(default_factory=dict)
 
     def observe_pressure(self, pressure: PressureSnapshot) -> None:
         if pressure.token_slots_allocated == 0:

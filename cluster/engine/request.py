@@ -76,6 +76,10 @@ class Request:
     """Ended by a failed step (see `EngineCore.fail_requests`); `error` says why."""
     announced: bool = False
     """A delta or output was made already (the prompt travels with the first one only)."""
+    adapter_name: str | None = None
+    """The LoRA adapter's name as the caller gave it (None: the base model); metrics key."""
+    adapter_digest: str | None = None
+    """The adapter's weights digest: what the scheduler's slot limit and the slots key on."""
 
     @property
     def n(self) -> int:

@@ -11,13 +11,22 @@ Each step, in priority order (arrival order; earlier is higher):
    table (prefix-cache hits are shared, the block manager keeps the watermark free). The first one
    that does not fit stops admission (no overtaking, no starvation). With chunked prefill off,
    a prompt is only scheduled whole, when the rest of the budget holds it.
+   LoRA (`max_loras` set): a request whose adapter would make the running requests use more
+   than `max_loras` distinct adapters waits for a slot instead: it is skipped, and so is every
+   later waiting request with an adapter, while later base-model requests may still be admitted
+   (they take no slot). Swapped requests come back under the same rule.
 3. The engine calls `unstick_head` when a step had nothing to run and nothing was preempted:
    the head cannot fit even in an empty pool (a swapped one is recomputed instead, a waiting
    one is given up on).
 
-Invariants: the plan never has two sequences writing one slot and every write goes to a block its
-writer holds alone (the block manager's tables guarantee both); a request is in exactly one of
-waiting / running / swapped, or finished; no sequence appears in a plan in the step it is released.
+Invariants: the running requests use at most `max_loras` distinct adapters, so every step's
+adapters fit the device slots; a request waiting for a slot is never starved: while it waits no
+request with an adapter is admitted after it, so the running adapter requests only drain (each
+ends within its max_tokens) until its adapter fits, and being earlier in arrival order it is then
+considered before any later request. The plan never has two sequences writing one slot and
+every write goes to a block its writer holds alone (the block manager's tables guarantee both);
+a request is in exactly one of waiting / running / swapped, or finished; no sequence appears
+in a plan in the step it is released.
 """
 
 from __future__ import annotations
@@ -100,10 +109,13 @@ class Scheduler:
         settings: SchedulerSettings,
         block_manager: KVManager,
         cost_model: PreemptionCostModel,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: distinct adapters the running requests may use (None: LoRA off)."""
         self.settings = settings
         self.bm = block_manager
         self.cost_model = cost_model
+        self.max_loras = max_loras
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -342,7 +354,8 @@ class Scheduler:
             seq_ids = [b.seq_id for b in request.active_branches]
             room_for_appends = request.swapped_blocks + len(seq_ids)
             if (
-                self._running_seqs() + len(seq_ids) > self.settings.max_num_seqs
+                not self._adapter_fits(request)
+                or self._running_seqs() + len(seq_ids) > self.settings.max_num_seqs
                 or self.bm.num_free_device_blocks() < room_for_appends
                 or not self.bm.can_swap_in(seq_ids)
             ):
@@ -357,8 +370,16 @@ class Scheduler:
         return False
 
     def _schedule_waiting(self, step: SchedulerStep, budget: _Budget) -> None:
-        while self.waiting and budget.room(2) > 0:
-            request = self.waiting[0]
+        index = 0
+        slot_blocked = False  # an earlier request waits for an adapter slot
+        while index < len(self.waiting) and budget.room(2) > 0:
+            request = self.waiting[index]
+            if request.adapter_digest is not None and (
+                slot_blocked or not self._adapter_fits(request)
+            ):
+                slot_blocked = True
+                index += 1
+                continue
             branches = request.active_branches
             if self._running_seqs() + _seq_demand(request) > self.settings.max_num_seqs:
                 return
@@ -373,14 +394,14 @@ class Scheduler:
             except NoFreeBlocks:
                 return
             except NeverFits as error:
-                self.waiting.pop(0)
+                self.waiting.pop(index)
                 request.error = f"the request can never fit in the KV cache: {error}"
                 request.status = RequestStatus.FINISHED
                 step.rejected.append(request)
                 continue
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = cached
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             request.status = RequestStatus.RUNNING
             _insert_by_arrival(self.running, request)
             self._schedule_chunks(request, step, budget)
@@ -424,6 +445,14 @@ class Scheduler:
                 ):
                     return cap
         return None
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether admitting `request` keeps the running adapters within `max_loras`."""
+        digest = request.adapter_digest
+        if digest is None or self.max_loras is None:
+            return True
+        running = {r.adapter_digest for r in self.running if r.adapter_digest is not None}
+        return digest in running or len(running) < self.max_loras
 
     def _running_seqs(self) -> int:
         return sum(_seq_demand(r) for r in self.running)

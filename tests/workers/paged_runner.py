@@ -63,8 +63,11 @@ def greedy_generate(
     seed: int = 0,
     prefill_chunk: int | None = None,
     first_seq_id: int = 0,
+    lora_slots: Sequence[int] | None = None,
 ) -> GreedyRun:
-    """Generate `new_tokens` greedy tokens for every prompt through paged KV, then release them."""
+    """Generate `new_tokens` greedy tokens for every prompt through paged KV, then release them.
+    `lora_slots`: each prompt's LoRA slot (-1: none; the slots must be filled already)."""
+    slots = list(lora_slots) if lora_slots is not None else [-1] * len(prompts)
     block_size = group.config.block_size
     lengths = [len(p) + new_tokens for p in prompts]
     tables = scattered_tables(lengths, block_size, group.num_device_blocks, seed)
@@ -91,6 +94,7 @@ def greedy_generate(
                     table_blocks=tables[i] if first else [],
                     num_samples=1 if final else 0,
                     sampling=GREEDY if first else None,
+                    lora_slot=slots[i],
                 )
             )
             done[i] += len(piece)
@@ -108,6 +112,7 @@ def greedy_generate(
                 table_start=len(tables[i]),
                 num_samples=1,
                 output_index=index,
+                lora_slot=slots[i],
             )
             for i, prompt in enumerate(prompts)
         ]

@@ -1,0 +1,50 @@
+"""Fixtures of the LoRA tests: PEFT adapters built on the tiny Llama (HF float32 oracle), each
+saved with PEFT's `save_pretrained` and loaded back into a fresh `PeftModel` as the oracle."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+import transformers
+
+from tests.lora.adapters import ALL_PROJECTIONS, build_adapter
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread: the machine's cores are shared (see tests/workers/conftest.py)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: pathlib.Path
+) -> dict[str, pathlib.Path]:
+    """Three adapters of the tiny model: `all8` (rank 8, all seven projections), `qv16` (rank
+    16, q/v only) and `rs4` (rank 4 on o/down, rsLoRA scaling)."""
+    root = tmp_path_factory.mktemp("tiny_adapters")
+    specs = {
+        "all8": {"rank": 8, "targets": ALL_PROJECTIONS, "seed": 1},
+        "qv16": {"rank": 16, "targets": ("q_proj", "v_proj"), "seed": 2},
+        "rs4": {"rank": 4, "targets": ("o_proj", "down_proj"), "seed": 3, "use_rslora": True},
+    }
+    paths = {}
+    for name, spec in specs.items():
+        base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        build_adapter(base, root / name, **spec)  # type: ignore[arg-type]
+        paths[name] = root / name
+    return paths
+
+
+def peft_oracle(model_dir: pathlib.Path, adapter: pathlib.Path) -> transformers.PreTrainedModel:
+    """HF transformers float32 + PEFT with the saved adapter: the reference model."""
+    import peft
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base.eval(), str(adapter)).eval()

@@ -1,0 +1,101 @@
+"""SmolLM2-135M-Instruct with PEFT adapters: our float32 path against HF transformers + PEFT.
+
+The adapters are built by PEFT on HF's float32 model of the same GGUF and saved with
+`save_pretrained` (rank 8 on all seven projections; rank 16 on q/v only; B drawn at random, so
+both change the outputs). Two chat prompts per adapter and one for the base model run in ONE
+batch (prefill together, then decode together) through block tables scattered over the pool;
+every prompt's greedy tokens must equal HF's `generate(do_sample=False)` with its adapter and
+every step's logits lie within the float32 parity tolerance (2e-3).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+import transformers
+
+from tests.lora.adapters import ALL_PROJECTIONS, build_adapter
+from tests.workers.conftest import smollm2_hf  # noqa: F401  (the session's HF oracle)
+from tests.workers.paged_runner import chat_prompt_ids, greedy_generate, hf_greedy
+from workers import StepPlan, WorkerConfig, WorkerGroup, load_tokenizer
+from workers.plan import LoRASlotLoad
+
+NEW_TOKENS = 12
+LOGITS_ATOL = 2e-3
+CHATS = ["What is the capital of France?", "List three prime numbers."]
+ADAPTERS = {
+    "all8": {"rank": 8, "targets": ALL_PROJECTIONS, "seed": 21, "std": 0.04},
+    "qv16": {"rank": 16, "targets": ("q_proj", "v_proj"), "seed": 22, "std": 0.06},
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_lora_group() -> Iterator[WorkerGroup]:
+    group = WorkerGroup(
+        WorkerConfig(
+            model="default",
+            backend="local",
+            block_size=16,
+            num_device_blocks=64,
+            max_loras=2,
+            max_lora_rank=16,
+        )
+    )
+    yield group
+    group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def references(
+    smollm2_hf: transformers.PreTrainedModel,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[pathlib.Path, list[tuple[list[int], torch.Tensor]]]]:
+    """Per adapter: its directory and HF+PEFT's greedy tokens and logits for each chat; the
+    shared HF model is given back unwrapped."""
+    tokenizer = load_tokenizer("default")
+    prompts = chat_prompt_ids(tokenizer, CHATS)
+    root = tmp_path_factory.mktemp("smollm2_adapters")
+    out = {}
+    for name, spec in ADAPTERS.items():
+        model = build_adapter(smollm2_hf, root / name, **spec)  # type: ignore[arg-type]
+        try:
+            out[name] = (root / name, [hf_greedy(model, p, NEW_TOKENS) for p in prompts])
+        finally:
+            model.unload()
+    base = [hf_greedy(smollm2_hf, p, NEW_TOKENS) for p in prompts]
+    out["base"] = (root, base)
+    return out
+
+
+def test_mixed_batch_matches_hf_peft(
+    smollm2_lora_group: WorkerGroup,
+    references: dict[str, tuple[pathlib.Path, list[tuple[list[int], torch.Tensor]]]],
+) -> None:
+    group = smollm2_lora_group
+    tokenizer = load_tokenizer("default")
+    prompts = chat_prompt_ids(tokenizer, CHATS)
+    loads = []
+    for slot, name in enumerate(ADAPTERS):
+        summary = group.add_lora(str(references[name][0]))
+        loads.append(LoRASlotLoad(slot, summary.digest, str(references[name][0])))
+    group.execute(StepPlan(0, lora_loads=loads))
+    batch = [prompts[0], prompts[1], prompts[0], prompts[1], prompts[0]]
+    slots = [0, 0, 1, 1, -1]  # all8, all8, qv16, qv16, base
+    run = greedy_generate(group, batch, NEW_TOKENS, seed=5, lora_slots=slots, first_seq_id=100)
+    expected = references["all8"][1] + references["qv16"][1] + references["base"][1][:1]
+    for index, ((tokens, logits), (ref_tokens, ref_logits)) in enumerate(
+        zip(zip(run.tokens, run.logits, strict=True), expected, strict=True)
+    ):
+        assert tokens == ref_tokens, (index, tokenizer.decode(tokens))
+        torch.testing.assert_close(logits, ref_logits, atol=LOGITS_ATOL, rtol=0)
+    # each adapter changes what the base model computes (so the comparison above can fail)
+    base = references["base"][1]
+    changed_tokens = 0
+    for adapted in (expected[0:2], expected[2:4]):
+        for (tokens, logits), (base_tokens, base_logits) in zip(adapted, base, strict=True):
+            assert (logits[0] - base_logits[0]).abs().max() > 0.5
+            changed_tokens += tokens != base_tokens
+    assert changed_tokens >= 2
