@@ -221,3 +221,20 @@ def test_routing_and_kv_autoscaling_follow_the_values(chart: Any) -> None:
     _, changed = serve_config(render(chart, values)).applications[0].deployments
     assert "request_router_config" not in changed.model_fields_set
     assert changed.autoscaling_config["policy"]["policy_kwargs"] == {"target_kv_utilization": 0.6}
+
+
+def test_lora_values_become_the_apps_lora_args(chart: Any) -> None:
+    from cluster.serving.app_args import ServeAppArgs
+
+    (plain,) = serve_config(render(chart)).applications
+    assert "lora_modules" not in plain.args and "allow_runtime_lora_updating" not in plain.args
+    values = {
+        "lora": {"modules": {"sql": "/adapters/sql"}, "allowRuntimeUpdating": True},
+        "engine": {"lora": {"max_loras": 2}},
+    }
+    (app,) = serve_config(render(chart, values)).applications
+    args = ServeAppArgs.model_validate(app.args)
+    assert [(m.name, m.path) for m in args.lora_modules] == [("sql", "/adapters/sql")]
+    assert args.allow_runtime_lora_updating
+    lora = args.engine_config().lora
+    assert (lora.enable_lora, lora.max_loras) == (True, 2)

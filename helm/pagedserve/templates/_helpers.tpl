@@ -45,6 +45,12 @@ tensor-parallel rank, packed onto one node.
 {{- $bundles = append $bundles (dict "CPU" $.Values.serve.workerCpus "GPU" 1) -}}
 {{- end -}}
 {{- $args := dict "engine" .Values.engine "served_model_name" .Values.servedModelName -}}
+{{- if .Values.lora.modules -}}
+{{- $_ := set $args "lora_modules" .Values.lora.modules -}}
+{{- end -}}
+{{- if .Values.lora.allowRuntimeUpdating -}}
+{{- $_ := set $args "allow_runtime_lora_updating" true -}}
+{{- end -}}
 {{- $deployment := dict
       "name" "GenerationServer"
       "max_ongoing_requests" (int .Values.serve.maxOngoingRequests)
