@@ -97,7 +97,10 @@ class GenerationServer:
         if self.config.lora.enable_lora:
             configured = self.args.configured_adapters()
             registry = registry_handle(context.app_name, configured)
-            self.adapter_sync = AdapterSync(registry, self.engine, self.replica_id, configured)
+            keys = self.engine.core.request_keys  # its `adapters` map follows the engine's
+            self.adapter_sync = AdapterSync(
+                registry, self.engine, self.replica_id, configured, lambda: keys.adapters
+            )
             await self.adapter_sync.start()
 
     async def __del__(self) -> None:

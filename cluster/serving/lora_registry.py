@@ -20,7 +20,10 @@ Invariants:
 - a name maps to one path: adding a name again with the same path changes nothing, with another
   path is refused (InvalidAdapter) and nothing changes;
 - a restarted registry (new `epoch`) starts from the configured set; the first replica that
-  still serves the old epoch's set restores it (`restore`, accepted only before any change).
+  still serves the old epoch's set restores it (`restore`, accepted only before any change);
+- `digests` holds an adapter's weights digest only while every replica that reported it
+  reported the same one (the ingress keys adapter requests' blocks with it for routing); a
+  change of that map is a new version too.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,6 +55,8 @@ class AdapterSet:
     epoch: str
     version: int
     adapters: tuple[LoRARequest, ...]
+    digests: Mapping[str, str] = field(default_factory=dict)
+    """Adapter name -> weights digest, where the replicas agree (see the module doc)."""
 
     def get(self, name: str) -> LoRARequest | None:
         return next((a for a in self.adapters if a.lora_name == name), None)
@@ -60,12 +65,13 @@ class AdapterSet:
 @dataclass(frozen=True)
 class ApplyReport:
     """What a replica serves after applying `version`: `errors` maps each adapter it could not
-    load to why (its engine's message)."""
+    load to why (its engine's message), `digests` each adapter it serves to its weights digest."""
 
     replica: str
     epoch: str
     version: int
     errors: dict[str, str] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
 
 
 class RegistryPort(Protocol):
@@ -108,16 +114,30 @@ class LoRARegistry:
         self.live_after_s = live_after_s
         self.reports: dict[str, ApplyReport] = {}
         self.seen_s: dict[str, float] = {}
+        self.digests: dict[str, str] = {}
         self.changed = asyncio.Event()
 
     def _state(self) -> AdapterSet:
-        return AdapterSet(self.epoch, self.version, tuple(self.adapters.values()))
+        adapters = tuple(self.adapters.values())
+        return AdapterSet(self.epoch, self.version, adapters, dict(self.digests))
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
 
     def _bump(self) -> AdapterSet:
         self.version += 1
-        self.changed.set()
-        self.changed = asyncio.Event()
+        self.digests = self._agreed_digests()
+        self._notify()
         return self._state()
+
+    def _agreed_digests(self) -> dict[str, str]:
+        agreed = {}
+        for name in self.adapters:
+            seen = {r.digests[name] for r in self.reports.values() if name in r.digests}
+            if len(seen) == 1:
+                agreed[name] = seen.pop()
+        return agreed
 
     async def snapshot(self) -> AdapterSet:
         return self._state()
@@ -156,8 +176,10 @@ class LoRARegistry:
         self.seen_s[report.replica] = time.monotonic()
         if report.epoch == self.epoch:
             self.reports[report.replica] = report
-            self.changed.set()
-            self.changed = asyncio.Event()
+            if self._agreed_digests() != self.digests:
+                self._bump()
+            else:
+                self._notify()
 
     def _live(self) -> list[str]:
         now = time.monotonic()
@@ -192,8 +214,7 @@ class LoRARegistry:
     async def leave(self, replica: str) -> None:
         self.seen_s.pop(replica, None)
         self.reports.pop(replica, None)
-        self.changed.set()
-        self.changed = asyncio.Event()
+        self._notify()
 
 
 class ActorRegistry:

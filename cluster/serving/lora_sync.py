@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from cluster.engine.errors import AdapterNotFound, InvalidAdapter, RequestRejected
@@ -48,8 +48,12 @@ class AdapterSync:
         engine: AdapterEngine,
         replica: str,
         configured: Sequence[LoRARequest],
+        digests: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
+        """`digests`: the engine's adapter name -> weights digest map (reported with each
+        version, so the ingress can key adapter requests for routing)."""
         self.registry = registry
+        self.digests = digests
         self.engine = engine
         self.replica = replica
         self.configured = tuple(configured)
@@ -90,7 +94,12 @@ class AdapterSync:
                 errors[adapter.lora_name] = str(error)
                 log.warning("replica %s cannot load adapter %r: %s", self.replica, adapter, error)
         self.epoch, self.version = state.epoch, state.version
-        report = ApplyReport(self.replica, state.epoch, state.version, errors)
+        digests = {
+            name: digest
+            for name, digest in (self.digests() if self.digests is not None else {}).items()
+            if name in wanted and name not in errors
+        }
+        report = ApplyReport(self.replica, state.epoch, state.version, errors, digests)
         if state.version >= 0:
             with contextlib.suppress(Exception):
                 await self.registry.report(report)

@@ -15,9 +15,10 @@ Invariants:
   request there and frees its blocks;
 - a request with no output `queue_timeout_s` after it was sent (queued at the handle or in an
   engine's admission queue) is cancelled and ends with EngineOverloaded (503 + Retry-After);
-- a LoRA adapter request is routed by load only (no block hashes): the ingress's `RequestKeys`
-  cannot key an adapter's blocks (they are seeded with the adapter's weights digest, which only
-  the engines know), and routing never uses a key the engine would not use;
+- a LoRA adapter request's blocks are hashed with the adapter's weights digest exactly as the
+  engines key them, taken from the adapter registry where every replica reported the same
+  digest; without an agreed digest (just loaded, replicas disagree) it is routed by load only:
+  routing never uses a key the engine would not use;
 - `add_lora`, `remove_lora` and `list_loras` act on every engine replica at once, through the
   application's adapter registry (`AdapterService`), never on the one replica a handle picks.
 """
@@ -88,10 +89,13 @@ class RoutedEngineClient:
         self.adapters = adapters or AdapterService("", None)
 
     def routing_hashes(self, request: GenerateRequest) -> list[bytes]:
-        """The block hashes the router reads: none for an adapter request (load only, see the
-        module doc). Raises RequestRejected for a bad shared prefix."""
+        """The block hashes the router reads (none for an adapter without an agreed digest, see
+        the module doc). Raises RequestRejected for a bad shared prefix."""
         if request.adapter is not None:
-            return []
+            digests = self.adapters.view.digests
+            if request.adapter not in digests:
+                return []
+            self.keys.adapters = dict(digests)  # the ingress's copy of the engines' map
         return self.keys.block_hashes(request)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:

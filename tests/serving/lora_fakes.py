@@ -38,6 +38,10 @@ class FakeEngine:
 
     name: str
     unreadable: set[str] = field(default_factory=set)
+    digest_salt: str = ""
+    """Changes every digest this engine reports (a replica that read other bytes)."""
+    forgotten: set[str] = field(default_factory=set)
+    """Adapters `generate` refuses as unknown (as if unloaded just before admission)."""
     loras: dict[str, LoRARequest] = field(default_factory=dict)
     requests: list[GenerateRequest] = field(default_factory=list)
     load_calls: int = 0
@@ -61,8 +65,13 @@ class FakeEngine:
     async def list_loras(self) -> list[LoRARequest]:
         return list(self.loras.values())
 
+    def digests(self) -> dict[str, str]:
+        """Name -> weights digest, as `RequestKeys.adapters` holds them: by path here."""
+        return {name: f"sha:{a.lora_path}{self.digest_salt}" for name, a in self.loras.items()}
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        if request.adapter is not None and request.adapter not in self.loras:
+        known = set(self.loras) - self.forgotten
+        if request.adapter is not None and request.adapter not in known:
             raise AdapterNotFound(f"The model `{request.adapter}` does not exist.")
         self.requests.append(request)
         text = f"[{request.adapter or BASE}]"
@@ -107,9 +116,11 @@ class FakeDeployment:
         for _ in range(self._replicas):
             await self.add_replica()
 
-    async def add_replica(self, unreadable: set[str] | None = None) -> FakeEngine:
-        engine = FakeEngine(f"r{len(self.engines)}", unreadable or set())
-        sync = AdapterSync(self.registry, engine, engine.name, self.configured)
+    async def add_replica(
+        self, unreadable: set[str] | None = None, digest_salt: str = ""
+    ) -> FakeEngine:
+        engine = FakeEngine(f"r{len(self.engines)}", unreadable or set(), digest_salt)
+        sync = AdapterSync(self.registry, engine, engine.name, self.configured, engine.digests)
         await sync.start()
         self.engines.append(engine)
         self.syncs.append(sync)

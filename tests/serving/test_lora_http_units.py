@@ -6,6 +6,7 @@ adapters, conflicts, unknown names), and gRPC's NOT_FOUND / INVALID_ARGUMENT ali
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import pathlib
 from collections.abc import Awaitable, Callable
@@ -16,8 +17,11 @@ import httpx
 import pytest
 import transformers
 
+from block_manager import CacheIdentity
+from cluster.engine.cache_keys import CacheKeyFactory, RequestKeys
 from cluster.engine.generate_request import RequestBuilder
 from cluster.engine.lora_request import LoRARequest
+from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenization import PromptRenderer
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.frontend import FrontEnd
@@ -25,6 +29,7 @@ from cluster.serving.grpc_service import GenerationRpc
 from cluster.serving.grpc_validation import GrpcAbort
 from cluster.serving.ingress import OpenAIIngress, build_http_api
 from cluster.serving.openai_serving import OpenAIServing
+from cluster.serving.routed_engine import RoutedEngineClient
 from cluster.serving.tenancy import Tenancy
 from protos import generation_pb2 as pb
 from tests.serving.lora_fakes import BASE, FakeDeployment
@@ -143,7 +148,7 @@ def test_an_unknown_model_is_a_404_in_openais_body(frontend: FrontEnd, path: str
 def test_an_adapter_unloaded_before_admission_is_a_404_too(frontend: FrontEnd) -> None:
     async def check(h: Harness) -> None:
         for engine in h.deployment.engines:  # the engines lost it; the ingress's view has it
-            engine.loras.pop("sql")
+            engine.forgotten.add("sql")
         response = await h.post("/v1/completions", completion("sql"))
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "model_not_found"
@@ -305,5 +310,27 @@ def test_a_grpc_request_for_an_adapter_unloaded_before_admission_is_not_found(
         assert await h.deployment.list_loras() == []
         await h.deployment.add_lora(LoRARequest("sql", 1, "/a/sql", BASE))
         assert await grpc_generate(h.rpc, pb.GenerateRequest(text="x", adapter="sql")) == "[sql]"
+
+    run(frontend, check)
+
+
+def test_adapter_requests_are_hashed_exactly_as_the_engines_key_them(frontend: FrontEnd) -> None:
+    async def check(h: Harness) -> None:
+        identity = CacheIdentity(model_weights_digest="w", tokenizer_digest="t", block_size=4)
+        ingress_keys = RequestKeys(CacheKeyFactory(identity), 4)
+        engine_keys = RequestKeys(CacheKeyFactory(identity), 4)
+        engine_keys.adapters = h.deployment.engines[0].digests()
+        await h.deployment.adapters.list_loras()  # the ingress's view, as its watch keeps it
+        client = RoutedEngineClient(None, ingress_keys, adapters=h.deployment.adapters)
+        prompt = "the same prompt, long enough to fill several blocks of four tokens"
+
+        def request(adapter: str | None) -> Any:
+            return frontend.builder.build(prompt, SamplingParams(), adapter=adapter)
+
+        sql = client.routing_hashes(request("sql"))
+        assert sql and sql == engine_keys.block_hashes(request("sql"))
+        assert not set(sql) & set(client.routing_hashes(request(None)))
+        h.deployment.adapters.view = dataclasses.replace(h.deployment.adapters.view, digests={})
+        assert client.routing_hashes(request("sql")) == []  # no agreed digest: load only
 
     run(frontend, check)

@@ -162,3 +162,21 @@ def test_without_lora_only_the_base_model_resolves() -> None:
         assert service.view == AdapterSet("", -1, ())
 
     asyncio.run(check())
+
+
+def test_digests_are_published_where_every_replica_agrees() -> None:
+    async def check(d: FakeDeployment) -> None:
+        await d.add_lora(lora("chat", "/adapters/chat"))
+        state = await d.registry.snapshot()
+        assert dict(state.digests) == {"sql": "sha:/adapters/sql", "chat": "sha:/adapters/chat"}
+        assert d.adapters.view.digests == state.digests  # the ingress's view follows
+        await d.add_replica(digest_salt="-other-bytes")
+        for _ in range(50):  # its report arrives with its first watch
+            if not (await d.registry.snapshot()).digests:
+                break
+            await asyncio.sleep(0.05)
+        assert dict((await d.registry.snapshot()).digests) == {}  # no agreement: no key
+        await d.remove_lora("chat")
+        assert "chat" not in (await d.registry.snapshot()).digests
+
+    run(check)

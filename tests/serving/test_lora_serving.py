@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from protos import generation_pb2 as pb
 from protos import generation_pb2_grpc as pb_grpc
 from tests.lora.adapters import ALL_PROJECTIONS, build_adapter, copy_adapter
-from tests.serving.conftest import MODEL, Served, engine_section
+from tests.serving.conftest import MODEL, Served, engine_section, run_two_engine_app
 
 APP = "lora"
 ROUTE = "/lora"
@@ -126,6 +126,21 @@ def lora_app(
     serve.run(app, name=APP, route_prefix=ROUTE)
     yield LoRAApp(served.http_base + ROUTE, served.grpc_target, adapters)
     serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def routed_lora_base(
+    served: Served, tiny_model_dir: pathlib.Path, adapters: dict[str, pathlib.Path]
+) -> Iterator[str]:
+    """The same adapter on two engine replicas behind the prefix-aware router."""
+    from ray import serve
+
+    engine = engine_section(tiny_model_dir)
+    engine["lora"] = {"max_lora_rank": 16}
+    args = {"served_model_name": MODEL, "engine": engine, "lora_modules": {"a": str(adapters["a"])}}
+    run_two_engine_app("lora-routed", "/lora-routed", args)
+    yield served.http_base + "/lora-routed"
+    serve.delete("lora-routed")
 
 
 def cached(response: httpx.Response) -> int:
@@ -321,3 +336,20 @@ def test_a_replacement_replica_serves_the_adapters_loaded_at_run_time(lora_app: 
         time.sleep(1.0)
     else:
         pytest.fail("no replacement replica served the runtime-loaded adapter in 120 s")
+
+
+def test_adapter_requests_go_to_the_replica_holding_their_prefix(routed_lora_base: str) -> None:
+    tail = "the quick brown fox jumps over the lazy dog again and again"
+    prompts = [f"{first} story: {tail}" for first in ("Alpine", "Coastal")]
+    served_by: dict[str, set[str]] = {prompt: set() for prompt in prompts}
+    for round_ in range(3):
+        for prompt in prompts:
+            body = {"model": "a", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            response = httpx.post(f"{routed_lora_base}/v1/completions", json=body, timeout=60)
+            served_by[prompt].add(response.headers["x-pagedserve-replica"])
+            usage = response.json()["usage"]
+            full_blocks = (usage["prompt_tokens"] - 1) // BLOCK_SIZE * BLOCK_SIZE
+            expected = 0 if round_ == 0 else full_blocks
+            assert usage["prompt_tokens_details"]["cached_tokens"] == expected, (round_, usage)
+            time.sleep(0.2)  # the replica's block events reach the directory
+    assert all(len(replicas) == 1 for replicas in served_by.values()), served_by

@@ -135,8 +135,14 @@ def test_health_service_reports_serving(channel: grpc.Channel) -> None:
         (
             pb.GenerateRequest(model="gpt-4", text="x"),
             KEY,
-            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.NOT_FOUND,
             "gpt-4",
+        ),
+        (
+            pb.GenerateRequest(adapter="no-such-adapter", text="x"),
+            KEY,
+            grpc.StatusCode.NOT_FOUND,
+            "no-such-adapter",
         ),
         (
             pb.GenerateRequest(text="word " * (MAX_MODEL_LEN + 5)),

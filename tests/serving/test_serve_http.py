@@ -171,7 +171,6 @@ LONG_PROMPT = "word " * (MAX_MODEL_LEN + 10)
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
-        (COMPLETIONS, {"model": "gpt-4", "prompt": "x"}, 400, "model"),
         (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "prompt"),
         (COMPLETIONS, {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1}, 400, "prompt"),
         (CHAT, {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages[0].role"),
@@ -192,6 +191,14 @@ def test_bad_input_is_a_400_with_openais_error_body(
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert error["message"]
+
+
+def test_an_unknown_model_is_a_404_model_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert caught.value.code == "model_not_found"
+    assert caught.value.body["param"] == "model"  # type: ignore[index]
+    assert caught.value.body["type"] == "NotFoundError"  # type: ignore[index]
 
 
 def test_context_overflow_is_reported_like_openai(client: openai.OpenAI) -> None:
