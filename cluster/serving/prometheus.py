@@ -15,7 +15,6 @@ Invariants of the exposition:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -45,26 +44,6 @@ def cumulative_buckets(histogram: Histogram) -> list[tuple[str, float]]:
         buckets.append((repr(float(bound)), float(running)))
     buckets.append(("+Inf", float(histogram.count)))
     return buckets
-
-
-@dataclass(frozen=True)
-class AdapterCounters:
-    """The LoRA counters of an `EngineMetrics` snapshot (all zero from an engine without LoRA
-    counters, e.g. a replica of an older build during a rolling update)."""
-
-    requests: Mapping[str, int]
-    generation_tokens: Mapping[str, int]
-    loads: int
-    evictions: int
-
-    @staticmethod
-    def of(metrics: EngineMetrics) -> AdapterCounters:
-        return AdapterCounters(
-            requests=getattr(metrics, "adapter_requests_total", {}),
-            generation_tokens=getattr(metrics, "adapter_generation_tokens_total", {}),
-            loads=getattr(metrics, "adapter_loads_total", 0),
-            evictions=getattr(metrics, "adapter_evictions_total", 0),
-        )
 
 
 class EngineMetricsCollector(Collector):
@@ -233,8 +212,8 @@ class EngineMetricsCollector(Collector):
         yield from (steps, tokens, requests)
 
     def _adapters(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
-        """LoRA: requests and generated tokens per adapter, adapter loads and evictions (from
-        the engine's CPU-resident adapter cache)."""
+        """LoRA: requests and generated tokens per adapter name, adapter loads (slot fills)
+        and evictions (displaced from a slot, or dropped by the CPU LRU)."""
         requests = CounterMetricFamily(
             f"{PREFIX}_adapter_requests",
             "Requests admitted for a LoRA adapter",
@@ -246,21 +225,22 @@ class EngineMetricsCollector(Collector):
             labels=["replica", "adapter"],
         )
         loads = CounterMetricFamily(
-            f"{PREFIX}_adapter_loads", "LoRA adapters loaded from disk", labels=["replica"]
+            f"{PREFIX}_adapter_loads",
+            "LoRA adapters loaded into a device slot",
+            labels=["replica"],
         )
         evictions = CounterMetricFamily(
             f"{PREFIX}_adapter_evictions",
-            "LoRA adapters evicted from the engine's adapter cache",
+            "LoRA adapters displaced from a device slot or dropped from CPU memory",
             labels=["replica"],
         )
         for replica, m in snapshots.items():
-            counted = AdapterCounters.of(m)
-            for adapter, count in sorted(counted.requests.items()):
+            for adapter, count in sorted(m.adapter_requests_total.items()):
                 requests.add_metric([replica, adapter], count)
-            for adapter, count in sorted(counted.generation_tokens.items()):
+            for adapter, count in sorted(m.adapter_generation_tokens_total.items()):
                 tokens.add_metric([replica, adapter], count)
-            loads.add_metric([replica], counted.loads)
-            evictions.add_metric([replica], counted.evictions)
+            loads.add_metric([replica], m.adapter_loads_total)
+            evictions.add_metric([replica], m.adapter_evictions_total)
         yield from (requests, tokens, loads, evictions)
 
     def _latency(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:

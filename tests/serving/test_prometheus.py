@@ -169,3 +169,22 @@ def test_cache_tier_hits_moves_bytes_and_refusals_are_exposed() -> None:
     assert value(samples, copied, direction="to_device") == 6 * 1024
     assert value(samples, "pagedserve_refused_swap_ins_total", reason="stale") == 1
     assert value(samples, "pagedserve_refused_swap_ins_total", reason="checksum") == 2
+
+
+def test_adapter_requests_tokens_loads_and_evictions_are_exposed() -> None:
+    metrics = dataclasses.replace(
+        snapshot(),
+        adapter_requests_total={"sql": 3, "chat": 1},
+        adapter_generation_tokens_total={"sql": 30, "chat": 8},
+        adapter_loads_total=4,
+        adapter_evictions_total=2,
+    )
+    samples = parse(render_prometheus({"r0": metrics}))
+    assert value(samples, "pagedserve_adapter_requests_total", adapter="sql") == 3
+    assert value(samples, "pagedserve_adapter_requests_total", adapter="chat") == 1
+    assert value(samples, "pagedserve_adapter_generation_tokens_total", adapter="sql") == 30
+    assert value(samples, "pagedserve_adapter_loads_total", replica="r0") == 4
+    assert value(samples, "pagedserve_adapter_evictions_total", replica="r0") == 2
+    plain = parse(render_prometheus({"r0": snapshot()}))
+    assert "pagedserve_adapter_requests_total" not in plain  # no adapter: no series
+    assert value(plain, "pagedserve_adapter_loads_total", replica="r0") == 0
