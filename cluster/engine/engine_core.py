@@ -149,12 +149,12 @@ class EngineCore:
             adapter_name=generate.adapter,
             adapter_digest=digest,
         )
-        if self.lora is not None and digest is not None:
+        for branch in request.branches:  # what a range layout reserves at admission
+            self.block_manager.reserve(branch.seq_id, len(ids) + max_tokens)
+        if self.lora is not None and digest is not None:  # released by `_forget_limits`
             self.lora.hold(digest)
             counts = self.recorder.adapter_requests
             counts[generate.adapter] = counts.get(generate.adapter, 0) + 1  # type: ignore[index]
-        for branch in request.branches:  # what a range layout reserves at admission
-            self.block_manager.reserve(branch.seq_id, len(ids) + max_tokens)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
