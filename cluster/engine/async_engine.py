@@ -182,6 +182,12 @@ class AsyncEngine:
         """The adapters served now, in load order."""
         return self.core.list_loras()
 
+    def adapter_digests(self) -> dict[str, str]:
+        """Adapter name -> weights digest as served now: what a copy of the engine's
+        `RequestKeys` held elsewhere (an ingress hashing prompts for routing) must set as its
+        `adapters` to key adapter requests exactly as this engine caches them."""
+        return dict(self.core.request_keys.adapters)
+
     def metrics(self) -> EngineMetrics:
         return self.core.metrics()
 

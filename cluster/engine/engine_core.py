@@ -149,12 +149,12 @@ class EngineCore:
             adapter_name=generate.adapter,
             adapter_digest=digest,
         )
-        if self.lora is not None and digest is not None:
+        for branch in request.branches:  # what a range layout reserves at admission
+            self.block_manager.reserve(branch.seq_id, len(ids) + max_tokens)
+        if self.lora is not None and digest is not None:  # released by `_forget_limits`
             self.lora.hold(digest)
             counts = self.recorder.adapter_requests
             counts[generate.adapter] = counts.get(generate.adapter, 0) + 1  # type: ignore[index]
-        for branch in request.branches:  # what a range layout reserves at admission
-            self.block_manager.reserve(branch.seq_id, len(ids) + max_tokens)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -280,7 +280,8 @@ class EngineCore:
         digests = {w.request.adapter_digest for w in step.works} - {None}
         placed, loads = self.lora.assign(digests)  # type: ignore[arg-type]
         step.plan.lora_loads = loads
-        step.plan.lora_drops = self.lora.take_drops()
+        if not step.is_empty:  # else the drops wait for a plan that reaches the workers
+            step.plan.lora_drops = self.lora.take_drops()
         for work, sequence in zip(step.works, step.plan.sequences, strict=True):
             digest = work.request.adapter_digest
             sequence.lora_slot = -1 if digest is None else placed[digest]
@@ -340,7 +341,11 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         step = self.begin_step()
-        output = None if step.is_empty else self.workers.execute(step.plan)
+        try:
+            output = None if step.is_empty else self.workers.execute(step.plan)
+        except ValueError:  # refused: its slot loads may have half run
+            self.invalidate_lora_slots()
+            raise
         outputs = self.finish_step(step, output) + self.resolve_stall(step)
         if not self.has_unfinished():
             self.flush_idle()

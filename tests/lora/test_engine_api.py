@@ -101,3 +101,23 @@ def test_lora_disabled_refuses_an_adapter(tiny_model_dir: pathlib.Path) -> None:
         with pytest.raises(RequestRejected, match="LoRA is not enabled"):
             llm.add_lora(LoRARequest("x", 1, "/nonexistent"))
         assert not llm.engine.has_unfinished()
+
+
+def test_chat_and_flat_settings(
+    tiny_model_dir: pathlib.Path, tiny_adapters: dict[str, pathlib.Path]
+) -> None:
+    """`LLM(enable_lora=True, max_loras=..., max_lora_rank=...)` as vLLM spells it; `chat` with
+    an adapter equals `generate` of the same rendered prompt with it."""
+    a = LoRARequest("all8", 1, str(tiny_adapters["all8"]))
+    messages = [{"role": "user", "content": "Name a colour."}]
+    with LLM(
+        str(tiny_model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, block_size=8,
+        num_device_blocks=64, num_cpu_blocks=8,
+    ) as llm:  # fmt: skip
+        chat = llm.chat(messages, GREEDY, lora_request=a)[0]
+        plain = llm.chat(messages, GREEDY)[0]
+        ids = {"prompt_token_ids": chat.prompt_token_ids}
+        again = llm.generate(ids, GREEDY, lora_request=a)[0]
+        assert chat.outputs[0].token_ids == again.outputs[0].token_ids
+        assert chat.outputs[0].token_ids != plain.outputs[0].token_ids
+        assert [lora.lora_name for lora in llm.list_loras()] == ["all8"]

@@ -113,6 +113,7 @@ def test_remove_while_running_and_add_while_running(
             assert [await t for t in tasks] == expected_a
             assert engine.core.lora is not None
             assert set(engine.core.lora.weights) == {engine.core.lora.digest_of["qv16"]}
+            assert engine.adapter_digests() == {"qv16": engine.core.lora.digest_of["qv16"]}
             assert [lora.lora_name for lora in await engine.list_loras()] == ["qv16"]
             assert with_b == await collect(engine, PROMPTS[3], "qv16")
         finally:
