@@ -97,9 +97,8 @@ class GenerationServer:
         if self.config.lora.enable_lora:
             configured = self.args.configured_adapters()
             registry = registry_handle(context.app_name, configured)
-            keys = self.engine.core.request_keys  # its `adapters` map follows the engine's
             self.adapter_sync = AdapterSync(
-                registry, self.engine, self.replica_id, configured, lambda: keys.adapters
+                registry, self.engine, self.replica_id, configured, self.engine.adapter_digests
             )
             await self.adapter_sync.start()
 
