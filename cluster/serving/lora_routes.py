@@ -101,6 +101,8 @@ def install_lora_routes(
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         authorize_admin(request)
         body = parse_object(await read_body(request, limit), LoadLoRAAdapterRequest)
+        if body.lora_name == adapters.base_model:
+            raise invalid_request(f"'{body.lora_name}' is the base model's name", param="lora_name")
         lora = LoRARequest(body.lora_name, PLACEHOLDER_INT_ID, body.lora_path, adapters.base_model)
         try:
             await adapters.add_lora(lora)

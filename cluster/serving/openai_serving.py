@@ -3,8 +3,10 @@ shapes engine outputs into OpenAI responses and server-sent-event chunks.
 
 Invariants:
 - every refusal the engine makes before generating (prompt too long, `max_tokens` beyond the
-  context, queue full, invalid sampling values) is raised as `OpenAIError` before the first byte
-  of a response, so it gets its HTTP status (400, or 503 with Retry-After);
+  context, queue full, invalid sampling values, a LoRA adapter it no longer serves) is raised as
+  `OpenAIError` before the first byte of a response, so it gets its HTTP status (400, 404
+  `model_not_found`, or 503 with Retry-After);
+- a response names the model it was generated with: the served model, or the adapter's name;
 - an error after streaming began becomes an OpenAI error event, which the `openai` client raises;
 - closing a response stream (client disconnect) closes every engine stream under it, which
   aborts those requests and frees their blocks;

@@ -224,7 +224,7 @@ def load_body(name: Any, path: str) -> dict[str, Any]:
         (LOAD, load_body("a b", "/a/x"), "lora_name", ""),
         (LOAD, load_body(3, "/a/x"), "lora_name", ""),
         (LOAD, b"{not json", None, "not valid JSON"),
-        (LOAD, load_body(BASE, "/a/x"), "lora_path", "base"),
+        (LOAD, load_body(BASE, "/a/x"), "lora_name", "base"),
         (LOAD, load_body("sql", "/a/x"), "lora_path", "already"),
         (LOAD, load_body("m", "/a/malformed"), "lora_path", "not valid JSON"),
         (LOAD, load_body("r", "/a/rank128"), "lora_path", "max_lora_rank"),
