@@ -84,7 +84,7 @@ BAD_CHAT: list[tuple[str, Any]] = [
 @dataclass
 class FuzzResult:
     """Bad inputs sent to one front end and those answered wrongly (not 4xx / not OpenAI's
-    error shape; gRPC: not INVALID_ARGUMENT)."""
+    error shape; gRPC: not INVALID_ARGUMENT, or not NOT_FOUND for an unknown model)."""
 
     front_end: str
     tried: int = 0
@@ -209,10 +209,13 @@ def fuzz_grpc(target: str, examples: int, metadata: tuple[tuple[str, str], ...] 
         corrupt: bytes | None,
         shape: int,
     ) -> None:
+        expected = grpc.StatusCode.INVALID_ARGUMENT
         if corrupt is not None and shape == 0:
             data, what = corrupt, f"corrupt {corrupt[:16]!r}"
         elif shape == 1:
             data, what = prompt.SerializeToString(), f"prompt {prompt}"
+            if prompt.model:  # a model (or LoRA adapter) not served: HTTP's 404
+                expected = grpc.StatusCode.NOT_FOUND
         else:
             request = pb.GenerateRequest(
                 **prompts[kind], sampling=pb.SamplingParameters(**sampling)
@@ -223,7 +226,7 @@ def fuzz_grpc(target: str, examples: int, metadata: tuple[tuple[str, str], ...] 
             list(raw_generate(data, metadata=metadata, timeout=TIMEOUT_S))
             result.wrong.append(f"{what}: OK")
         except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.INVALID_ARGUMENT:
+            if error.code() != expected:
                 result.wrong.append(f"{what}: {error.code()} {error.details()}")
 
     one()
