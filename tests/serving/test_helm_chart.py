@@ -221,3 +221,18 @@ def test_routing_and_kv_autoscaling_follow_the_values(chart: Any) -> None:
     _, changed = serve_config(render(chart, values)).applications[0].deployments
     assert "request_router_config" not in changed.model_fields_set
     assert changed.autoscaling_config["policy"]["policy_kwargs"] == {"target_kv_utilization": 0.6}
+
+
+def test_pods_outlive_the_replicas_shutdown_grace_period(chart: Any) -> None:
+    objects = render(chart)
+    (app,) = serve_config(objects).applications
+    ingress, engine = app.deployments
+    assert engine.graceful_shutdown_timeout_s == 25
+    assert ingress.graceful_shutdown_timeout_s == 30  # outlives the engines
+    assert app.args["shutdown"] == {"grace_s": 25}
+    cluster = objects["RayService"]["spec"]["rayClusterConfig"]
+    (group,) = cluster["workerGroupSpecs"]
+    for pod in (cluster["headGroupSpec"]["template"]["spec"], group["template"]["spec"]):
+        assert pod["terminationGracePeriodSeconds"] == 40
+    with pytest.raises(helm.HelmRenderError, match="terminationGracePeriodSeconds must exceed"):
+        render(chart, {"serve": {"shutdownGraceS": 36}})
