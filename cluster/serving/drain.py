@@ -165,17 +165,18 @@ class DrainGate:
             )
 
     async def until_expired(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
-        """`stream`, which ends with EngineDead once the drain expires (closing `stream`, which
-        cancels its engine call)."""
+        """`stream`, which ends with EngineDead once the drain expires. However this ends (the
+        drain expired, the caller closed it or its task was cancelled, e.g. a client that
+        went away), `stream` is closed before it returns, which cancels its engine call: each
+        item is awaited in a task of its own, and that task is cancelled and awaited first
+        (a generator cannot be closed while another task runs it)."""
         expired = asyncio.ensure_future(self._expired.wait())
+        step: asyncio.Future[T] | None = None
         try:
             while True:
                 step = asyncio.ensure_future(anext(stream))
                 done, _ = await asyncio.wait({step, expired}, return_when=asyncio.FIRST_COMPLETED)
                 if step not in done:
-                    step.cancel()
-                    with contextlib.suppress(BaseException):
-                        await step
                     raise EngineDead(
                         "the server is shutting down: the request did not finish within the "
                         "shutdown grace period"
@@ -187,6 +188,10 @@ class DrainGate:
                 yield item
         finally:
             expired.cancel()
+            if step is not None and not step.done():
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
             await stream.aclose()  # type: ignore[attr-defined]
 
 

@@ -133,3 +133,28 @@ async def _the_gate_reports_its_count_and_follows_the_coordinators_phase() -> No
     assert gate.phase == "draining"
     assert coordinator.in_flight() == (2, 1)
     await gate.close()
+
+
+def test_a_cancelled_consumer_closes_the_engine_stream_at_once() -> None:
+    """A client that goes away cancels the task reading the stream (Serve does, for a gRPC
+    cancel or an HTTP disconnect): the engine call must be closed then, not run to its end."""
+
+    async def scenario() -> None:
+        engine = SlowEngine()
+        gate = DrainGate("replica", None)
+        client = DrainingClient(engine, gate)
+
+        async def consume() -> None:
+            async for _ in client.generate("old"):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        assert engine.closed == 0 and gate.in_flight == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert engine.closed == 1
+        assert gate.in_flight == 0
+
+    asyncio.run(scenario())
