@@ -229,6 +229,7 @@ def test_pods_outlive_the_replicas_shutdown_grace_period(chart: Any) -> None:
     ingress, engine = app.deployments
     assert engine.graceful_shutdown_timeout_s == 25
     assert ingress.graceful_shutdown_timeout_s == 30  # outlives the engines
+    assert engine.health_check_period_s == 2  # a replica with a dead engine goes in ~6 s
     assert app.args["shutdown"] == {"grace_s": 25}
     cluster = objects["RayService"]["spec"]["rayClusterConfig"]
     (group,) = cluster["workerGroupSpecs"]

@@ -64,6 +64,7 @@ tensor-parallel rank, packed onto one node.
           "policy_kwargs" (dict "target_kv_utilization" $auto.targetKvUtilization)))
       "ray_actor_options" (dict "num_cpus" .Values.serve.replicaCpus)
       "graceful_shutdown_timeout_s" $grace
+      "health_check_period_s" .Values.serve.healthCheckPeriodS
       "placement_group_strategy" "STRICT_PACK"
       "placement_group_bundles" $bundles -}}
 {{- if .Values.serve.routing.prefixAware -}}
