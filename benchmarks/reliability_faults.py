@@ -7,7 +7,9 @@ with small requests at a fixed period until serving resumes (and for a while aft
 gap), and reports how every request ended:
 
 - a stream ends `done` ([DONE]), `error` (an error event in OpenAI's shape, then [DONE]),
-  `error_no_done` (the error event, then the connection closed) or `cut` (neither: the goal is 0);
+  `error_no_done` (the error event, then the connection closed) or `cut` (neither, or no 200
+  and no JSON 503: the goal is 0); one still queued at the kill is refused with a JSON 503
+  before it began (`refused_json_503`);
 - a non-stream call gets 200, a JSON 503 in OpenAI's shape (the goal for a failed one), or
   something else (listed).
 
@@ -42,6 +44,8 @@ class FaultResult:
     completed: int = 0
     error_events: int = 0
     error_without_done: int = 0
+    refused_json_503: int = 0
+    """Streams still queued at the kill: refused before they began, with a JSON 503."""
     cut: int = 0
     unary: int = 0
     unary_ok: int = 0
@@ -145,7 +149,9 @@ def kill_under_load(
     result.completed = outcomes.count("done")
     result.error_events = outcomes.count("error")
     result.error_without_done = outcomes.count("error_no_done")
-    result.cut = streams - result.completed - result.error_events - result.error_without_done
+    result.refused_json_503 = outcomes.count("refused_503")
+    ended = result.completed + result.error_events + result.error_without_done
+    result.cut = streams - ended - result.refused_json_503
     result.unary_ok = unary_ends.count("ok")
     result.unary_json_503 = unary_ends.count("json_503")
     result.unary_other = [o for o in unary_ends if o not in ("ok", "json_503")][:5]

@@ -366,7 +366,8 @@ class ShutdownResult:
 
 def stream_outcome(base: str, max_tokens: int, headers: dict[str, str] | None) -> str:
     """'done' ([DONE] seen, no error), 'error' (an OpenAI error event, then [DONE]),
-    'error_no_done' (an error event, then the end), 'cut' (neither) or 'refused' (no 200)."""
+    'error_no_done' (an error event, then the end), 'cut' (neither), 'refused_503' (a 503 in
+    OpenAI's shape before the stream began: it was still queued) or 'refused' (another status)."""
     body = {
         "model": MODEL,
         "prompt": "shutdown",
@@ -380,7 +381,8 @@ def stream_outcome(base: str, max_tokens: int, headers: dict[str, str] | None) -
             "POST", f"{base}/v1/completions", json=body, headers=headers, timeout=120
         ) as response:
             if response.status_code != 200:
-                return "refused"
+                response.read()
+                return "refused_503" if openai_503(response) else "refused"
             for line in response.iter_lines():
                 if line == "data: [DONE]":
                     return "error" if errored else "done"
@@ -399,6 +401,10 @@ def is_error_event(line: str) -> bool:
         return False
     error = event.get("error") if isinstance(event, dict) else None
     return isinstance(error, dict) and bool(error.get("message")) and "type" in error
+
+
+def openai_503(response: httpx.Response) -> bool:
+    return response.status_code == 503 and is_openai_error(response)
 
 
 def late_request(base: str, headers: dict[str, str] | None) -> tuple[bool, bool, str]:
@@ -455,7 +461,7 @@ def shutdown_under_load(
         completed=outcomes.count("done"),
         error_events=outcomes.count("error"),
         error_without_done=outcomes.count("error_no_done"),
-        cut=outcomes.count("cut") + outcomes.count("refused"),
+        cut=len(outcomes) - sum(outcomes.count(k) for k in ("done", "error", "error_no_done")),
         refused_after_signal=int(refused),
         refused_as_json_503=int(json_503),
         late_detail=detail,

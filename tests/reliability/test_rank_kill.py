@@ -43,6 +43,7 @@ def test_a_killed_rank_fails_its_requests_cleanly_and_the_replica_is_replaced(
     assert "of 2" in result.killed
     assert result.cut == 0 and result.error_without_done == 0, result
     assert result.error_events >= 1, result  # 400 tokens each were still running
+    assert result.error_events + result.refused_json_503 + result.completed == 3, result
     assert result.seconds_to_notice is not None and result.seconds_to_notice < 5.0
     assert result.unary_other == [], result
     assert result.unary_ok + result.unary_json_503 == 1
