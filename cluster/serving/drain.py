@@ -43,6 +43,10 @@ SETTLE_S = 1.0
 RETRY_AFTER_S = 5.0
 """What a refused client is told: another replica set (or this one, restarted) may take it."""
 
+SHUTDOWN_MESSAGE = (
+    "the server is shutting down: the request did not finish within the shutdown grace period"
+)
+
 Phase = Literal["serving", "draining", "expired"]
 T = TypeVar("T")
 
@@ -122,6 +126,8 @@ class DrainGate:
         self.phase: Phase = "serving"
         self.in_flight = 0
         self._expired = asyncio.Event()
+        self._awaiting: set[asyncio.Task[Any]] = set()
+        self._interrupted: set[asyncio.Task[Any]] = set()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -148,8 +154,11 @@ class DrainGate:
         if phase != self.phase:
             log.warning("drain: %s -> %s with %d in flight", self.phase, phase, self.in_flight)
         self.phase = phase
-        if phase == "expired":
+        if phase == "expired" and not self._expired.is_set():
             self._expired.set()
+            for task in list(self._awaiting):  # each is suspended in `until_expired`'s await
+                self._interrupted.add(task)
+                task.cancel()
 
     @property
     def problem(self) -> str | None:
@@ -165,33 +174,33 @@ class DrainGate:
             )
 
     async def until_expired(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
-        """`stream`, which ends with EngineDead once the drain expires. However this ends (the
-        drain expired, the caller closed it or its task was cancelled, e.g. a client that
-        went away), `stream` is closed before it returns, which cancels its engine call: each
-        item is awaited in a task of its own, and that task is cancelled and awaited first
-        (a generator cannot be closed while another task runs it)."""
-        expired = asyncio.ensure_future(self._expired.wait())
-        step: asyncio.Future[T] | None = None
+        """`stream`, which ends with EngineDead once the drain expires; `stream` is closed
+        however this ends (which cancels its engine call).
+
+        No task per item: the reading task awaits `stream` directly and is registered while it
+        does, so expiry cancels exactly the tasks suspended in that await (and this turns the
+        cancel back into EngineDead); a reader between items sees the expiry at its next one."""
         try:
             while True:
-                step = asyncio.ensure_future(anext(stream))
-                done, _ = await asyncio.wait({step, expired}, return_when=asyncio.FIRST_COMPLETED)
-                if step not in done:
-                    raise EngineDead(
-                        "the server is shutting down: the request did not finish within the "
-                        "shutdown grace period"
-                    )
+                if self._expired.is_set():
+                    raise EngineDead(SHUTDOWN_MESSAGE)
+                task = asyncio.current_task()  # per item: another task may drive it next
+                assert task is not None
+                self._awaiting.add(task)
                 try:
-                    item = step.result()
+                    item = await anext(stream)
                 except StopAsyncIteration:
                     return
+                except asyncio.CancelledError:
+                    if task not in self._interrupted:
+                        raise  # the reader's own cancellation (its client went away)
+                    self._interrupted.discard(task)
+                    task.uncancel()
+                    raise EngineDead(SHUTDOWN_MESSAGE) from None
+                finally:
+                    self._awaiting.discard(task)
                 yield item
         finally:
-            expired.cancel()
-            if step is not None and not step.done():
-                step.cancel()
-                with contextlib.suppress(BaseException):
-                    await step
             await stream.aclose()  # type: ignore[attr-defined]
 
 

@@ -158,3 +158,17 @@ def test_a_cancelled_consumer_closes_the_engine_stream_at_once() -> None:
         assert gate.in_flight == 0
 
     asyncio.run(scenario())
+
+
+def test_a_reader_between_items_ends_at_its_next_one_once_expired() -> None:
+    async def scenario() -> None:
+        engine = SlowEngine()
+        gate = DrainGate("replica", None)
+        stream = DrainingClient(engine, gate).generate("old")
+        assert await anext(stream) == "old-first"  # the reader now works between items
+        gate.set_phase("expired")
+        with pytest.raises(EngineDead):
+            await anext(stream)
+        assert engine.closed == 1 and gate.in_flight == 0
+
+    asyncio.run(scenario())
