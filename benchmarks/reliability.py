@@ -27,6 +27,10 @@ non-stream requests at a fixed rate, SIGKILL to one process, probes until servin
   server with SIGINT and streams in flight (``shutdown_sigint``);
 - ``rank_kill_tp2``: one rank of a tensor-parallel degree 2 engine (the model must split in
   two: the tiny one does): seconds until the streams were failed, how, seconds to recover.
+
+``replica_kill_2`` and ``rank_kill_tp2`` then stop their idle server with SIGTERM, and
+``idle_stop`` starts one and stops it with SIGINT: exit code, seconds to exit, and whether a
+native stack trace was printed (``*_idle_sigterm``, ``idle_sigint``).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from benchmarks.reliability_probes import (
 from benchmarks.reliability_server import ENGINE, INGRESS, LocalServer, derived_config
 
 FAULTS = ("replica_kill_1", "replica_kill_2", "rank_kill_tp2")
-SCENARIOS = ("edge", *FAULTS)
+SCENARIOS = ("edge", *FAULTS, "idle_stop")
 
 MB = 1024 * 1024
 
@@ -113,10 +117,38 @@ def run_fault(name: str, args: argparse.Namespace) -> dict[str, Any]:
             figures["seconds_to_exit"] = round(down.seconds_to_exit, 1)
             figures.pop("output_tail")
             report["shutdown_sigint"] = figures
+        else:
+            report[f"{name}_idle_sigterm"] = idle_stop(server, signal.SIGTERM)
     finally:
         server.stop()
         server.kill()
     return report
+
+
+def idle_stop(server: LocalServer, signum: int) -> dict[str, Any]:
+    """Signals a server with nothing in flight: exit code, seconds to exit, and whether Ray's
+    native handler printed a stack trace (what SIGTERM did before the runner handled it)."""
+    started = time.monotonic()
+    server.signal(signum)
+    code = server.wait(120)
+    log = server.log_tail(200_000)
+    return {
+        "signal": signal.Signals(signum).name,
+        "exit_code": code,
+        "seconds_to_exit": round(time.monotonic() - started, 1),
+        "native_stack_trace": "SIGTERM received" in log or "Aborted" in log,
+    }
+
+
+def run_idle_stop(args: argparse.Namespace) -> dict[str, Any]:
+    """A server started and stopped with SIGINT (Ctrl-C) with nothing in flight."""
+    config = derived_config(engine=engine_for(args.model), limits=None, engine_deployment=None)
+    server = LocalServer(config, grace_period_s=args.grace_period)
+    server.start()
+    try:
+        return {"idle_sigint": idle_stop(server, signal.SIGINT)}
+    finally:
+        server.kill()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -220,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {json.dumps(fault)}", file=sys.stderr)
             report[f"{name}_server"] = {k: fault.pop(k) for k in ("replicas", "start_s")}
             report.update(fault)
+    if "idle_stop" in chosen:
+        report.update(run_idle_stop(args))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
