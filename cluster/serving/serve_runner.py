@@ -160,13 +160,17 @@ def run_config(config: dict[str, Any], *, grace_s: float, ready_file: str | None
                     handle.write("ready\n")
             while not stop.wait(0.5):
                 pass
-            drained = drain(coordinator, grace_s, signals.hurry)
-            print(
-                f"pagedserve serve: drained in {drained.seconds:.1f} s "
-                f"({drained.in_flight_at_start} in flight at the signal"
-                + (", the rest ended with an error)" if drained.expired else ", all finished)"),
-                flush=True,
-            )
+            try:
+                drained = drain(coordinator, grace_s, signals.hurry)
+            except Exception as error:  # e.g. the coordinator died: stop Serve anyway, exit 0
+                print(f"pagedserve serve: drain failed ({error!r}); stopping now", flush=True)
+            else:
+                print(
+                    f"pagedserve serve: drained in {drained.seconds:.1f} s "
+                    f"({drained.in_flight_at_start} in flight at the signal"
+                    + (", the rest ended with an error)" if drained.expired else ", all finished)"),
+                    flush=True,
+                )
             started = time.monotonic()
             serve.shutdown()
             print(
