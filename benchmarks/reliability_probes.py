@@ -350,18 +350,27 @@ def burst(
 
 @dataclass
 class ShutdownResult:
+    """How a signal with streams in flight went. `error_events`: streams that ended with an
+    OpenAI error event followed by `[DONE]`; `error_without_done`: an error event and no
+    `[DONE]`; `cut`: neither (the connection closed mid-stream)."""
+
     exit_code: int | None
     seconds_to_exit: float
     streams: int
     completed: int
     error_events: int
+    error_without_done: int
     cut: int
     refused_after_signal: int
+    refused_as_json_503: int
+    late_detail: str
     output_tail: str
 
 
 def stream_outcome(base: str, max_tokens: int, headers: dict[str, str] | None) -> str:
-    """'done' ([DONE] seen), 'error' (an OpenAI error event) or 'cut' (neither)."""
+    """'done' ([DONE] seen, no error), 'error' (an OpenAI error event, then [DONE]),
+    'error_no_done' (an error event, then the end), 'cut' (neither), 'refused_503' (a 503 in
+    OpenAI's shape before the stream began: it was still queued) or 'refused' (another status)."""
     body = {
         "model": MODEL,
         "prompt": "shutdown",
@@ -369,27 +378,64 @@ def stream_outcome(base: str, max_tokens: int, headers: dict[str, str] | None) -
         "ignore_eos": True,
         "stream": True,
     }
+    errored = False
     try:
         with httpx.stream(
             "POST", f"{base}/v1/completions", json=body, headers=headers, timeout=120
         ) as response:
             if response.status_code != 200:
-                return "refused"
+                response.read()
+                return "refused_503" if openai_503(response) else "refused"
             for line in response.iter_lines():
                 if line == "data: [DONE]":
-                    return "done"
-                if line.startswith("data: ") and '"error"' in line:
-                    return "error"
+                    return "error" if errored else "done"
+                if line.startswith("data: ") and is_error_event(line):
+                    errored = True
     except httpx.HTTPError:
-        return "cut"
-    return "cut"
+        pass
+    return "error_no_done" if errored else "cut"
+
+
+def is_error_event(line: str) -> bool:
+    """An SSE data line holding an error in OpenAI's shape (message, type, code)."""
+    try:
+        event = json.loads(line.removeprefix("data: "))
+    except ValueError:
+        return False
+    error = event.get("error") if isinstance(event, dict) else None
+    return isinstance(error, dict) and bool(error.get("message")) and "type" in error
+
+
+def openai_503(response: httpx.Response) -> bool:
+    return response.status_code == 503 and is_openai_error(response)
+
+
+def late_request(base: str, headers: dict[str, str] | None) -> tuple[bool, bool, str]:
+    """A non-stream request sent while the server drains: (refused, refused with a JSON 503
+    in OpenAI's shape and Retry-After, what came back)."""
+    body = {"model": MODEL, "prompt": "late", "max_tokens": 2}
+    try:
+        response = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=30)
+    except httpx.HTTPError as error:
+        return True, False, f"{type(error).__name__}: {error}"
+    json_503 = (
+        response.status_code == 503
+        and is_openai_error(response)
+        and "retry-after" in response.headers
+    )
+    return response.status_code != 200, json_503, f"{response.status_code} {response.text[:160]}"
 
 
 def shutdown_under_load(
-    server: Any, signum: int, streams: int, max_tokens: int, headers: dict[str, str] | None
+    server: Any,
+    signum: int,
+    streams: int,
+    max_tokens: int,
+    headers: dict[str, str] | None,
+    exit_timeout_s: float = 120.0,
 ) -> ShutdownResult:
-    """Starts `streams` long streaming requests, signals the server once they run, then counts
-    how each stream ended, whether a request sent after the signal was served, and the exit."""
+    """Starts `streams` streaming requests, signals the server once they run, sends a
+    non-stream request while it drains, then counts how each stream ended and the exit."""
     outcomes: list[str] = []
     threads = [
         threading.Thread(
@@ -403,9 +449,9 @@ def shutdown_under_load(
     signalled = time.perf_counter()
     server.signal(signum)
     time.sleep(1.0)
-    late = stream_outcome(server.base, 2, headers)
+    refused, json_503, detail = late_request(server.base, headers)
     try:
-        code: int | None = server.wait(120)
+        code: int | None = server.wait(exit_timeout_s)
     except Exception:
         code = None
     seconds = time.perf_counter() - signalled
@@ -417,7 +463,10 @@ def shutdown_under_load(
         streams=streams,
         completed=outcomes.count("done"),
         error_events=outcomes.count("error"),
-        cut=outcomes.count("cut"),
-        refused_after_signal=int(late != "done"),
+        error_without_done=outcomes.count("error_no_done"),
+        cut=len(outcomes) - sum(outcomes.count(k) for k in ("done", "error", "error_no_done")),
+        refused_after_signal=int(refused),
+        refused_as_json_503=int(json_503),
+        late_detail=detail,
         output_tail=server.log_tail(1500),
     )

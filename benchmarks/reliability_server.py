@@ -1,9 +1,9 @@
 """A `pagedserve serve` process on localhost for the reliability suite and benchmark.
 
 `LocalServer` writes a Serve config derived from the shipped one (a model, small overrides),
-starts `pagedserve serve --replicas 1` on free ports in its own process group, waits for its
-ready file, and stops it with a signal. It also reads the figures every scenario ends with:
-KV blocks in use (from /metrics) and the RSS of the server's own Ray processes.
+starts `pagedserve serve --replicas N` (1 unless told) on free ports in its own process group,
+waits for its ready file, and stops it with a signal. It also reads the figures every scenario
+ends with: KV blocks in use (from /metrics) and the RSS of the server's own Ray processes.
 
 Invariants: it only ever talks to the server it started (localhost, its own ports), and `stop`
 never leaves that process group running.
@@ -79,6 +79,7 @@ class LocalServer:
 
     config: dict[str, Any]
     grace_period_s: float = 5.0
+    replicas: int = 1
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
@@ -114,7 +115,7 @@ class LocalServer:
             "--grpc-port",
             str(self.grpc_port),
             "--replicas",
-            "1",
+            str(self.replicas),
             "--grace-period",
             str(self.grace_period_s),
             "--ready-file",
@@ -186,6 +187,19 @@ class LocalServer:
             if used == 0 or time.monotonic() > deadline:
                 return used
             time.sleep(0.2)
+
+    def processes(self, title: str) -> list[psutil.Process]:
+        """This server's descendant processes whose command line contains `title` (e.g.
+        "ServeReplica:pagedserve:GenerationServer", "WorkerRank")."""
+        assert self.process is not None
+        found = []
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                if title in " ".join(child.cmdline()):
+                    found.append(child)
+            except psutil.Error:
+                continue
+        return found
 
     def rss_bytes(self) -> dict[str, int]:
         """RSS of this server's engine and ingress replica processes (its descendants only)."""

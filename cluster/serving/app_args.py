@@ -58,6 +58,25 @@ class ApiKeyArgs(BaseModel):
     admin: bool = False
 
 
+DEFAULT_SHUTDOWN_GRACE_S = 25.0
+"""Kubernetes' default termination grace period (30 s) less a margin for stopping Serve and Ray:
+a pod's `terminationGracePeriodSeconds` must exceed the grace period (helm/pagedserve)."""
+
+
+class ShutdownArgs(BaseModel):
+    """What `pagedserve serve` does on SIGINT/SIGTERM (cluster/serving/serve_runner.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    grace_s: float = Field(
+        DEFAULT_SHUTDOWN_GRACE_S,
+        ge=0,
+        le=3600,
+        description="seconds in-flight requests may run on after the signal before they end "
+        "with an error event (new requests are refused at once)",
+    )
+
+
 class ServeAppArgs(BaseModel):
     """The `args` of the Serve application (validated when the app is built)."""
 
@@ -86,6 +105,7 @@ class ServeAppArgs(BaseModel):
     directory: DirectoryArgs = Field(default_factory=DirectoryArgs)
     health: HealthArgs = Field(default_factory=HealthArgs)
     limits: LimitsArgs = Field(default_factory=LimitsArgs)
+    shutdown: ShutdownArgs = Field(default_factory=ShutdownArgs)
     shared_prefixes: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
         description=(

@@ -3,9 +3,10 @@
 `serve` runs the Ray Serve application of `cluster/serving/serve_config.yaml` (the file
 `serve run` takes, shipped inside the package) as `serve run` would, after applying the few
 overrides given as flags, and prints where each API listens. SIGINT and SIGTERM stop it
-gracefully: in-flight requests get `--grace-period` seconds, then Ray shuts down and it exits 0
-(cluster/serving/serve_runner.py). `bench NAME` runs `python -m benchmarks.NAME` with the
-remaining arguments.
+gracefully: new requests are refused, in-flight requests get `--shutdown-grace-s` seconds (else
+the app's `shutdown.grace_s`) to finish before they end with an error event, then Ray shuts down
+and it exits 0 (cluster/serving/serve_runner.py). `bench NAME` runs
+`python -m benchmarks.NAME` with the remaining arguments.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import yaml
 
 from cluster.engine.config import LoRASettings
 from cluster.engine.errors import ConfigError
+from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S
 from cluster.serving.lora_args import parse_module_item
 from cluster.serving.serve_runner import apply_grace_period, run_config
 from workers.config import available_cores
@@ -36,8 +38,6 @@ BENCHMARKS: tuple[str, ...] = (
 )
 """Modules under `benchmarks/` that `pagedserve bench NAME` runs."""
 
-
-DEFAULT_GRACE_PERIOD_S = 20.0
 
 ENGINE_DEPLOYMENT = "GenerationServer"
 """The engine deployment's name in a Serve config (`cluster.serving.engine_server`)."""
@@ -68,11 +68,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="pin the engine deployment to N replicas (autoscaling off); default: from config",
     )
     parser.add_argument(
+        "--shutdown-grace-s",
         "--grace-period",
+        dest="grace_period",
         type=float,
-        default=DEFAULT_GRACE_PERIOD_S,
+        default=None,
         help="seconds in-flight requests may run after SIGINT/SIGTERM before they end with an "
-        f"error (default {DEFAULT_GRACE_PERIOD_S:g})",
+        "error event (default: the app's shutdown.grace_s, "
+        f"{DEFAULT_SHUTDOWN_GRACE_S:g} s unless set)",
     )
     parser.add_argument(
         "--ready-file",
@@ -150,9 +153,8 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
         pin_replicas(config, args.replicas)
     else:
         cap_replicas_to_cores(config, available_cores())
-    if args.grace_period < 0:
-        raise ConfigError(f"--grace-period must be >= 0, got {args.grace_period}")
-    apply_grace_period(config, args.grace_period, ENGINE_DEPLOYMENT)
+    grace_s = resolve_grace_s(config, args.grace_period)
+    apply_grace_period(config, grace_s, ENGINE_DEPLOYMENT)
     try:
         ServeDeploySchema.model_validate(config)
     except Exception as error:  # pydantic's ValidationError, named by Ray's schema
@@ -179,6 +181,34 @@ def apply_lora_flags(config: dict[str, Any], args: argparse.Namespace) -> None:
             app_args["allow_runtime_lora_updating"] = flags["allow_runtime_lora_updating"]
         if section:
             app_args.setdefault("engine", {}).setdefault("lora", {}).update(section)
+
+
+def resolve_grace_s(config: dict[str, Any], flag: float | None) -> float:
+    """The shutdown grace period: the flag when given (written into every app's
+    `shutdown.grace_s`, so the config shows what runs), else the first app's
+    `shutdown.grace_s`, else the default."""
+    if flag is not None:
+        if flag < 0:
+            raise ConfigError(f"--shutdown-grace-s must be >= 0, got {flag}")
+        for app in config.get("applications", []):
+            app.setdefault("args", {}).setdefault("shutdown", {})["grace_s"] = flag
+        return flag
+    for app in config.get("applications", []):
+        grace = ((app.get("args") or {}).get("shutdown") or {}).get("grace_s")
+        if grace is not None:
+            if not isinstance(grace, int | float) or grace < 0:
+                raise ConfigError(f"shutdown.grace_s must be a number >= 0, got {grace!r}")
+            return float(grace)
+    return DEFAULT_SHUTDOWN_GRACE_S
+
+
+def shutdown_grace_s(config: dict[str, Any]) -> float:
+    """The grace period `resolve_serve_config` settled on (the engine deployment's)."""
+    for app in config.get("applications", []):
+        for deployment in app.get("deployments", []):
+            if deployment.get("name") == ENGINE_DEPLOYMENT:
+                return float(deployment["graceful_shutdown_timeout_s"])
+    return DEFAULT_SHUTDOWN_GRACE_S
 
 
 def pin_replicas(config: dict[str, Any], replicas: int) -> None:
@@ -256,7 +286,7 @@ def run_serve(args: argparse.Namespace) -> int:
     for line in describe_endpoints(config):
         print(f"  {line}")
     sys.stdout.flush()
-    return run_config(config, ready_file=args.ready_file)
+    return run_config(config, grace_s=shutdown_grace_s(config), ready_file=args.ready_file)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

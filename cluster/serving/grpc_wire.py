@@ -7,6 +7,9 @@ routes the call to the ingress. grpcio answers a deserializer that raises with U
 that does not parse becomes a `CorruptRequest` instead, which the ingress method refuses with
 INVALID_ARGUMENT (`grpc_validation.parse_or_abort`).
 
+Registering also installs `grpc_proxy_cancel` in the proxy's process: a client's cancel always
+reaches the replica (Serve's proxy lost those that landed while it wrote a message).
+
 Invariant: valid bytes deserialize exactly as the generated code does (same message type).
 """
 
@@ -20,6 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2_grpc
 
+from cluster.serving import grpc_proxy_cancel
 from cluster.serving.grpc_validation import CorruptRequest
 from protos import generation_pb2_grpc
 
@@ -67,6 +71,7 @@ def register_leniently(
     add_servicer: Callable[[Any, Any], None], servicer: Any, server: Any
 ) -> None:
     """Registers what the generated `add_servicer` would, with lenient deserializers."""
+    grpc_proxy_cancel.install()  # this runs in Serve's proxy process
     captured = _Captured()
     add_servicer(servicer, captured)
     for service, handlers in captured.services.items():

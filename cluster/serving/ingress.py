@@ -24,7 +24,10 @@ Invariants:
   `/health` is always open; the OpenAPI schema is at `/openapi.json`;
 - a request that is cancelled (client disconnect, gRPC cancel) closes its engine stream, which
   cancels the call on the engine replica, aborts the request and frees its blocks;
-- an engine replica that dies mid-request ends the request with an error the client can read.
+- an engine replica that dies mid-request ends the request with an error the client can read;
+- on shutdown (`pagedserve serve` got SIGINT/SIGTERM) new requests get a 503 with Retry-After
+  and /health a 503, admitted ones run on until the grace period ends, then end with an error
+  event (`DrainGate`, cluster/serving/drain.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from cluster.engine.generate_request import RequestBuilder
 from cluster.engine.tokenization import PromptRenderer
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.directory_metrics import render_directory
+from cluster.serving.drain import DrainGate, DrainingClient, find_coordinator
 from cluster.serving.engine_server import EngineDescription
 from cluster.serving.frontend import FrontEnd
 from cluster.serving.grpc_service import GenerationRpc, GrpcAbort, GrpcMethods, cache_stats
@@ -179,13 +183,20 @@ class OpenAIIngress(GrpcMethods):
             directory_handle(app_name, settings.max_entries, settings.replica_timeout_s),
             settings.query_timeout_s,
         )
-        self.client = RoutedEngineClient(
+        coordinator = find_coordinator()
+        self.drain = DrainGate(
+            serve.get_replica_context().replica_id.unique_id,
+            None if coordinator is None else coordinator.report.remote,
+        )
+        self.drain.start()
+        routed = RoutedEngineClient(
             engine,
             description.keys,
             self.directory.holdings,
             self.args.limits.queue_timeout_s,
             self.adapters,
         )
+        self.client = DrainingClient(routed, self.drain)
         self.openai = OpenAIServing(self.client, self.frontend, name)
         self.rpc = GenerationRpc(self.client, self.frontend, self.adapters)
         self.created = int(time.time())
@@ -198,8 +209,11 @@ class OpenAIIngress(GrpcMethods):
             await self.metrics_listener.start()
 
     async def __del__(self) -> None:
-        """Serve calls this when it stops the replica: close the metrics port, stop watching
-        the adapter registry."""
+        """Serve calls this when it stops the replica: stop the drain gate, close the metrics
+        port, stop watching the adapter registry."""
+        drain = getattr(self, "drain", None)
+        if drain is not None:
+            await drain.close()
         listener = getattr(self, "metrics_listener", None)  # absent when __init__ failed
         if listener is not None:
             await listener.close()
@@ -221,7 +235,10 @@ class OpenAIIngress(GrpcMethods):
         return build_http_api(self)
 
     async def engine_problem(self) -> str | None:
-        """Why the engines cannot serve now, as one engine replica reports it, or None."""
+        """Why the engines cannot serve now (or this server is shutting down), as one engine
+        replica reports it, or None."""
+        if self.drain.problem is not None:
+            return self.drain.problem
         try:
             problem: str | None = await self.engine.health_report.remote()
         except Exception as error:  # no replica could answer: that is the problem

@@ -240,7 +240,7 @@ class OpenAIServing:
         self, streams: list[Stream], encoder: ChunkEncoder, include_usage: bool
     ) -> AsyncIterator[str]:
         """SSE text: the encoder's chunks, the usage chunk when asked, then `[DONE]`. An engine
-        error mid-stream becomes an OpenAI error event (the client raises it)."""
+        error mid-stream becomes an OpenAI error event (the client raises it), then `[DONE]`."""
         finals: list[RequestOutput] = []
         try:
             async with contextlib.aclosing(merge_streams(streams)) as merged:
@@ -251,6 +251,7 @@ class OpenAIServing:
                         finals.append(output)
         except ENGINE_ERRORS as error:
             yield sse_event(http_error(error).body())
+            yield SSE_DONE  # as vLLM ends a failed stream: clients stop reading at [DONE]
             return
         if include_usage:
             yield sse_event(encoder.usage_chunk(total_usage(finals)))

@@ -1,14 +1,16 @@
 """Runs a Serve config in this process until SIGINT or SIGTERM, then shuts down cleanly: what
 `pagedserve serve` does (`serve run` with a config file, plus a graceful, signal-safe exit).
 
-On the first SIGINT or SIGTERM (what Ctrl-C and Kubernetes send):
-- Serve stops routing new requests to the application's replicas (they are being deleted);
-- every replica waits up to its `graceful_shutdown_timeout_s` for its in-flight requests: the
-  engines for `grace_s` (`--grace-period`), the ingress a little longer, so that a stream still
-  running when its engine replica is stopped ends with an error event in OpenAI's shape (the
-  ingress maps the lost replica to one) rather than being cut;
-- Ray is shut down and the process exits 0, with no native stack trace.
-A second signal while shutting down is ignored (logged): the grace period bounds the wait.
+On the first SIGINT or SIGTERM (what Ctrl-C and Kubernetes send) it drains
+(cluster/serving/drain.py):
+- the ingress replicas refuse new requests with a JSON 503 and Retry-After (gRPC
+  RESOURCE_EXHAUSTED) and /health answers 503, while admitted requests run on;
+- once none is in flight, or after the grace period (`--shutdown-grace-s`, else the app's
+  `shutdown.grace_s`), the requests still running end with an error event in OpenAI's shape
+  followed by `[DONE]` (gRPC UNAVAILABLE), and their engine calls are cancelled;
+- only then are Serve and Ray shut down (Serve's own shutdown stops the HTTP proxies first, which
+  would cut open streams), and the process exits 0 with no native stack trace.
+A second signal while draining ends the requests still running at once; a third is ignored.
 
 Invariant: the only process-wide state is the signal handlers this runner installs while it
 runs; they are restored before it returns.
@@ -24,8 +26,14 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
+
+from cluster.serving.drain import DRAIN_ACTOR_NAME, POLL_PERIOD_S, SETTLE_S, DrainCoordinator
+
+EXPIRE_WAIT_S = 5.0
+"""How long the runner waits for expired requests to end before it stops Serve anyway."""
 
 INGRESS_EXTRA_GRACE_S = 5.0
 """How much longer than the engines an ingress replica may drain: it must outlive them to turn
@@ -44,30 +52,78 @@ def apply_grace_period(config: dict[str, Any], grace_s: float, engine_name: str)
             deployment.setdefault("graceful_shutdown_wait_loop_s", 0.5)
 
 
+@dataclass(frozen=True)
+class StopSignals:
+    """`stop`: set by the first SIGINT or SIGTERM; `hurry`: by the second (end requests now)."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    hurry: threading.Event = field(default_factory=threading.Event)
+
+
 @contextmanager
-def shutdown_requested() -> Iterator[threading.Event]:
-    """An event set by the first SIGINT or SIGTERM while the block runs."""
-    event = threading.Event()
+def shutdown_requested() -> Iterator[StopSignals]:
+    """The signals received while the block runs (see `StopSignals`)."""
+    signals = StopSignals()
 
     def handle(signum: int, _: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if event.is_set():
+        if signals.hurry.is_set():
             print(f"pagedserve serve: {name} again; already shutting down", flush=True)
-            return
-        print(f"pagedserve serve: {name}: draining in-flight requests, then exiting", flush=True)
-        event.set()
+        elif signals.stop.is_set():
+            print(f"pagedserve serve: {name} again: ending in-flight requests now", flush=True)
+            signals.hurry.set()
+        else:
+            print(
+                f"pagedserve serve: {name}: draining in-flight requests, then exiting", flush=True
+            )
+            signals.stop.set()
 
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield event
+        yield signals
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def run_config(config: dict[str, Any], *, ready_file: str | None = None) -> int:
+@dataclass
+class DrainReport:
+    """How a drain went: requests in flight when it began, whether the grace period (or a second
+    signal) had to end some, and how long it took."""
+
+    in_flight_at_start: int = 0
+    expired: bool = False
+    seconds: float = 0.0
+
+
+def drain(coordinator: Any, grace_s: float, hurry: threading.Event) -> DrainReport:
+    """Stops admission, waits until nothing is in flight or `grace_s` passed (or `hurry` is set),
+    then ends what still runs and waits (bounded) until the ingresses report it gone."""
+    import ray
+
+    started = time.monotonic()
+    ray.get(coordinator.begin.remote(grace_s))
+    hurry.wait(2 * POLL_PERIOD_S + 0.1)  # every gate has seen the phase and reported its count
+    report = DrainReport(in_flight_at_start=ray.get(coordinator.in_flight.remote())[0])
+    deadline = started + grace_s
+    while ray.get(coordinator.in_flight.remote())[0] > 0:
+        if hurry.is_set() or time.monotonic() >= deadline:
+            report.expired = True
+            ray.get(coordinator.expire.remote())
+            ended_by = time.monotonic() + EXPIRE_WAIT_S
+            while ray.get(coordinator.in_flight.remote())[0] > 0 and time.monotonic() < ended_by:
+                time.sleep(POLL_PERIOD_S)
+            break
+        hurry.wait(POLL_PERIOD_S)
+    time.sleep(SETTLE_S)  # the front ends write their last bytes
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def run_config(config: dict[str, Any], *, grace_s: float, ready_file: str | None = None) -> int:
     """Deploys `config` (a validated Serve config) on a Ray cluster (RAY_ADDRESS, else a new
-    local one), waits for a signal, shuts down gracefully and returns the exit status (0)."""
+    local one), waits for a signal, drains for up to `grace_s`, shuts down and returns the exit
+    status (0)."""
     import ray
     from ray import serve
     from ray.serve._private import api as serve_api
@@ -83,7 +139,14 @@ def run_config(config: dict[str, Any], *, ready_file: str | None = None) -> int:
     try:
         # After ray.init: Ray's core worker installs a native SIGTERM handler that prints a
         # stack trace and aborts; the Python handlers installed here replace it.
-        with shutdown_requested() as stop:
+        with shutdown_requested() as signals:
+            stop = signals.stop
+            # Before the deploy: every ingress replica finds it when it starts.
+            coordinator = (
+                ray.remote(DrainCoordinator)
+                .options(name=DRAIN_ACTOR_NAME, namespace=SERVE_NAMESPACE, num_cpus=0)
+                .remote()
+            )
             client = serve_api.serve_start(
                 http_options=schema.http_options.model_dump(),
                 proxy_location=schema.proxy_location,
@@ -97,6 +160,17 @@ def run_config(config: dict[str, Any], *, ready_file: str | None = None) -> int:
                     handle.write("ready\n")
             while not stop.wait(0.5):
                 pass
+            try:
+                drained = drain(coordinator, grace_s, signals.hurry)
+            except Exception as error:  # e.g. the coordinator died: stop Serve anyway, exit 0
+                print(f"pagedserve serve: drain failed ({error!r}); stopping now", flush=True)
+            else:
+                print(
+                    f"pagedserve serve: drained in {drained.seconds:.1f} s "
+                    f"({drained.in_flight_at_start} in flight at the signal"
+                    + (", the rest ended with an error)" if drained.expired else ", all finished)"),
+                    flush=True,
+                )
             started = time.monotonic()
             serve.shutdown()
             print(

@@ -140,4 +140,6 @@ def test_sigterm_drains_and_exits_0_without_a_native_stack_trace(server: LocalSe
     assert result.exit_code == 0, result.output_tail
     assert "SIGTERM received" not in result.output_tail
     assert result.seconds_to_exit < 60
-    assert result.refused_after_signal == 1
+    assert result.refused_as_json_503 == 1, result.late_detail
+    assert result.cut == 0 and result.error_without_done == 0, result
+    assert result.completed + result.error_events == 2

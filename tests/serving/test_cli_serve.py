@@ -17,6 +17,7 @@ from cluster.serving.cli_serve import (
     describe_endpoints,
     resolve_serve_config,
     shipped_serve_config,
+    shutdown_grace_s,
 )
 from cluster.serving.engine_server import DEPLOYMENT_NAME
 
@@ -146,3 +147,23 @@ def test_serve_without_replicas_flag_caps_the_engine_by_this_machines_cores() ->
     if available_cores() < 2 * 2:  # "auto" threads: at most one engine below 4 cores
         assert engine["num_replicas"] == 1
         assert "autoscaling_config" not in engine
+
+
+def test_shutdown_grace_comes_from_the_flag_else_the_app_args_else_25_s(tmp_path: Path) -> None:
+    def grace(config: dict[str, object]) -> tuple[float, float]:
+        (app,) = config["applications"]  # type: ignore[misc]
+        timeouts = {d["name"]: d["graceful_shutdown_timeout_s"] for d in app["deployments"]}
+        return timeouts[DEPLOYMENT_NAME], shutdown_grace_s(config)  # type: ignore[arg-type]
+
+    assert grace(resolve_serve_config(_serve_args())) == (25.0, 25.0)
+    flagged = resolve_serve_config(_serve_args("--shutdown-grace-s", "7"))
+    assert grace(flagged) == (7.0, 7.0)
+    assert flagged["applications"][0]["args"]["shutdown"] == {"grace_s": 7.0}
+    assert grace(resolve_serve_config(_serve_args("--grace-period", "3"))) == (3.0, 3.0)
+    shipped = yaml.safe_load(shipped_serve_config().read_text())
+    shipped["applications"][0]["args"]["shutdown"] = {"grace_s": 12}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(shipped))
+    assert grace(resolve_serve_config(_serve_args("--config", str(path)))) == (12.0, 12.0)
+    with pytest.raises(ConfigError, match="shutdown-grace-s"):
+        resolve_serve_config(_serve_args("--shutdown-grace-s", "-1"))

@@ -238,3 +238,19 @@ def test_lora_values_become_the_apps_lora_args(chart: Any) -> None:
     assert args.allow_runtime_lora_updating
     lora = args.engine_config().lora
     assert (lora.enable_lora, lora.max_loras) == (True, 2)
+
+
+def test_pods_outlive_the_replicas_shutdown_grace_period(chart: Any) -> None:
+    objects = render(chart)
+    (app,) = serve_config(objects).applications
+    ingress, engine = app.deployments
+    assert engine.graceful_shutdown_timeout_s == 25
+    assert ingress.graceful_shutdown_timeout_s == 30  # outlives the engines
+    assert engine.health_check_period_s == 2  # a replica with a dead engine goes in ~6 s
+    assert app.args["shutdown"] == {"grace_s": 25}
+    cluster = objects["RayService"]["spec"]["rayClusterConfig"]
+    (group,) = cluster["workerGroupSpecs"]
+    for pod in (cluster["headGroupSpec"]["template"]["spec"], group["template"]["spec"]):
+        assert pod["terminationGracePeriodSeconds"] == 40
+    with pytest.raises(helm.HelmRenderError, match="terminationGracePeriodSeconds must exceed"):
+        render(chart, {"serve": {"shutdownGraceS": 36}})

@@ -71,7 +71,8 @@ def test_a_killed_replica_ends_its_requests_with_readable_errors(killed_base: st
         kill_replica(victim)
         events.extend(line for line in lines if line.startswith("data: "))
         caller.join(timeout=60)
-    last = json.loads(events[-1].removeprefix("data: "))
+    assert events[-1] == "data: [DONE]", events[-3:]  # the stream ends as a client expects
+    last = json.loads(events[-2].removeprefix("data: "))
     assert set(last) == {"error"}, events[-3:]
     assert {"message", "type", "code"} <= set(last["error"]) and last["error"]["message"]
     unary_response = outcome["response"]

@@ -44,7 +44,11 @@ tensor-parallel rank, packed onto one node.
 {{- range until $tp -}}
 {{- $bundles = append $bundles (dict "CPU" $.Values.serve.workerCpus "GPU" 1) -}}
 {{- end -}}
-{{- $args := dict "engine" .Values.engine "served_model_name" .Values.servedModelName -}}
+{{- $grace := .Values.serve.shutdownGraceS -}}
+{{- if ge (float64 $grace) (float64 (sub (int .Values.terminationGracePeriodSeconds) 5)) -}}
+{{- fail "terminationGracePeriodSeconds must exceed serve.shutdownGraceS by more than 5 s (Kubernetes kills the pod when it ends)" -}}
+{{- end -}}
+{{- $args := dict "engine" .Values.engine "served_model_name" .Values.servedModelName "shutdown" (dict "grace_s" $grace) -}}
 {{- if .Values.lora.modules -}}
 {{- $_ := set $args "lora_modules" .Values.lora.modules -}}
 {{- end -}}
@@ -65,6 +69,8 @@ tensor-parallel rank, packed onto one node.
           "policy_function" "cluster.serving.autoscaling:KVPressurePolicy"
           "policy_kwargs" (dict "target_kv_utilization" $auto.targetKvUtilization)))
       "ray_actor_options" (dict "num_cpus" .Values.serve.replicaCpus)
+      "graceful_shutdown_timeout_s" $grace
+      "health_check_period_s" .Values.serve.healthCheckPeriodS
       "placement_group_strategy" "STRICT_PACK"
       "placement_group_bundles" $bundles -}}
 {{- if .Values.serve.routing.prefixAware -}}
@@ -80,6 +86,7 @@ tensor-parallel rank, packed onto one node.
         "min_replicas" (int $ingressScaling.minReplicas)
         "max_replicas" (int $ingressScaling.maxReplicas)
         "target_ongoing_requests" $ingressScaling.targetOngoingRequests)
+      "graceful_shutdown_timeout_s" (addf $grace 5)
       "ray_actor_options" (dict "num_cpus" $ingressScaling.cpus) -}}
 {{- $app := dict
       "name" .Values.serve.appName

@@ -1,0 +1,70 @@
+"""Shutdown under load (issue 13, item 11): `pagedserve serve` started as a subprocess with the
+tiny model, streams in flight, then SIGTERM (what Kubernetes sends) or SIGINT (Ctrl-C).
+
+Either signal must stop new work at once (a JSON 503 with Retry-After), let the streams in
+flight finish within the grace period or else end each with an OpenAI error event and `[DONE]`
+(never cut), shut Ray down and exit 0 within the grace period plus a bound, with no native
+stack trace. Each test starts its own server (about 20 s) and bounds every wait.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from benchmarks.reliability_probes import shutdown_under_load
+from benchmarks.reliability_server import LocalServer, derived_config, tiny_engine
+
+EXIT_BOUND_S = 30.0
+"""Seconds past the grace period the process may take to stop Serve and Ray and exit."""
+
+
+@pytest.fixture
+def start_server(tiny_model_dir: pathlib.Path) -> Iterator[Callable[[float], LocalServer]]:
+    started: list[LocalServer] = []
+
+    def start(grace_s: float) -> LocalServer:
+        config = derived_config(
+            engine=tiny_engine(str(tiny_model_dir)), limits=None, engine_deployment=None
+        )
+        server = LocalServer(config, grace_period_s=grace_s)
+        started.append(server)
+        server.start()
+        return server
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+def test_sigterm_lets_streams_that_fit_the_grace_period_finish_then_exits_0(
+    start_server: Callable[[float], LocalServer],
+) -> None:
+    grace_s = 20.0
+    server = start_server(grace_s)
+    result = shutdown_under_load(server, signal.SIGTERM, streams=3, max_tokens=300, headers=None)
+    assert result.exit_code == 0, result.output_tail
+    assert result.completed == 3, result
+    assert result.cut == 0 and result.error_without_done == 0
+    assert result.refused_as_json_503 == 1, result.late_detail
+    assert result.seconds_to_exit < grace_s + EXIT_BOUND_S
+    assert "SIGTERM received" not in result.output_tail  # Ray's native handler did not run
+    assert "drained in" in result.output_tail
+
+
+def test_sigint_past_the_grace_period_ends_streams_with_an_error_event_then_exits_0(
+    start_server: Callable[[float], LocalServer],
+) -> None:
+    grace_s = 1.0
+    server = start_server(grace_s)
+    result = shutdown_under_load(server, signal.SIGINT, streams=3, max_tokens=500, headers=None)
+    assert result.exit_code == 0, result.output_tail
+    assert result.cut == 0 and result.error_without_done == 0, result
+    assert result.error_events + result.completed == 3
+    assert result.error_events >= 1  # 500 tokens each do not fit in 1 s on this machine
+    assert result.refused_as_json_503 == 1, result.late_detail
+    assert result.seconds_to_exit < grace_s + EXIT_BOUND_S
+    assert "the rest ended with an error" in result.output_tail
