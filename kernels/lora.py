@@ -5,7 +5,8 @@ concatenates) for a batch whose tokens use different adapters (or none):
 
     y[t, rows_p] += B_p[slot_t] @ (A_p[slot_t] @ x[t])      for every projection p of the target
 
-`a` is `[slots, P * R, K]` (P projections, each rank padded to R with zeros) and `b` is
+`a` is `[slots, P * R, K]` (P projections, each rank padded to R with zeros; the workers pass a
+transposed view of `[slots, K, P * R]` storage, which the CPU products read contiguously) and `b` is
 `[slots, P * R, O]`, block-diagonal: projection p's rows `p*R .. p*R + R` hold `B_p^T` in its
 output columns (the projections' outputs concatenated, `widths` giving each one's count) and
 zeros elsewhere, so one product applies every projection of the target (scaling folded in).
