@@ -40,6 +40,7 @@ BATCHES = [
     [2, -1, 2, -1],  # one adapter and the base model
     [3, 0, -1, 1, 0, 3, 1],  # three adapters and the base model, interleaved
     [1, 2, 1, 2, 3],  # a run of slots: the batched products read the buffers as views
+    [3, 1, 1, 3],  # equal groups: no padding row to drop
     [0] * 10 + [1, 3],  # groups too uneven to pad: one by one
     [-1, -1],  # no adapter: nothing to add
 ]
