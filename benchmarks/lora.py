@@ -1,7 +1,7 @@
 """Multi-LoRA decode throughput: one batch of 16 requests with no adapter, one adapter for all,
 and the 16 spread over four adapters, side by side in one run.
 
-`python -m benchmarks.lora --json [--rank 16] [--dtype float32] [--repeats 3]` builds four
+`python -m benchmarks.lora --json [--rank 16] [--dtype float32] [--threads 1]` builds four
 random PEFT-format adapters (rank `--rank` on all seven projections, written as PEFT writes
 them), serves SmolLM2-135M-Instruct with `enable_lora=True, max_loras=4`, and for each mode
 admits 16 requests (the same 16 prompts), runs them until every one is decoding, then times
@@ -144,7 +144,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: on a shared machine, spinning threads of a busy pool "
+        "make single steps take seconds)",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     result = measure(args.rank, args.dtype, args.steps, args.repeats)
     print(json.dumps(result, indent=None if args.json else 2))
 

@@ -5,7 +5,8 @@ concatenates) for a batch whose tokens use different adapters (or none):
 
     y[t, rows_p] += B_p[slot_t] @ (A_p[slot_t] @ x[t])      for every projection p of the target
 
-`a` is `[slots, P * R, K]` (P projections, each rank padded to R with zeros) and `b` is
+`a` is `[slots, P * R, K]` (P projections, each rank padded to R with zeros; the workers pass a
+transposed view of `[slots, K, P * R]` storage, which the CPU products read contiguously) and `b` is
 `[slots, P * R, O]`, block-diagonal: projection p's rows `p*R .. p*R + R` hold `B_p^T` in its
 output columns (the projections' outputs concatenated, `widths` giving each one's count) and
 zeros elsewhere, so one product applies every projection of the target (scaling folded in).
@@ -43,9 +44,10 @@ class LoRAIndices:
     `slots`: `[T]` int64 (-1: base model). `groups`: `(slot, start, stop)` runs of the adapted
     tokens in slot order. `gather`: `[G * n]` token index of each padded group row (padding
     rows repeat a valid token; their results are dropped), None when every token uses one slot.
-    `rows`: for each adapted token in slot order, its padded row; `order`: those tokens' indices
-    into the batch. `group_slots`: `[G]` the groups' slots (None: they are `lo, lo + 1, ...`, a
-    view of the slot buffers needs no copy). `padded`: False when the groups run one by one."""
+    `rows`: for each adapted token in slot order, its padded row (None when no group is padded:
+    the rows are the tokens in order); `order`: those tokens' indices into the batch.
+    `group_slots`: `[G]` the groups' slots (None: they are `lo, lo + 1, ...`, a view of the slot
+    buffers needs no copy). `padded`: False when the groups run one by one."""
 
     slots: torch.Tensor
     groups: tuple[tuple[int, int, int], ...]
@@ -90,11 +92,12 @@ def prepare_indices(slots: torch.Tensor) -> LoRAIndices | None:
         gather_list.extend(members + [members[0]] * (width - len(members)))
     contiguous = group_slots == list(range(group_slots[0], group_slots[0] + len(group_slots)))
     device = slots.device
+    unpadded = len(rows) == len(groups) * width
     return LoRAIndices(
         slots,
         tuple(groups),
         torch.tensor(gather_list, dtype=torch.int64, device=device),
-        torch.tensor(rows, dtype=torch.int64, device=device),
+        None if unpadded else torch.tensor(rows, dtype=torch.int64, device=device),
         order,
         None if contiguous else values,
         width,
@@ -150,8 +153,10 @@ def _add_lora_batched(
         y.addmm_(shrunk[0], b[indices.lo])
         return
     delta = torch.bmm(shrunk, _group_weights(b, indices)).view(count * width, y.shape[1])
-    assert indices.rows is not None and indices.order is not None
-    y.index_add_(0, indices.order, delta.index_select(0, indices.rows))
+    assert indices.order is not None
+    if indices.rows is not None:
+        delta = delta.index_select(0, indices.rows)
+    y.index_add_(0, indices.order, delta)
 
 
 def _add_lora_groups(

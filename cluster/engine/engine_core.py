@@ -16,10 +16,11 @@ from block_manager import CacheIdentity, CacheKey
 from cluster.engine.cache_keys import CacheKeyFactory, RequestKeys
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
-from cluster.engine.errors import ConfigError, EngineOverloaded, InvalidAdapter, RequestRejected
+from cluster.engine.engine_lora import EngineAdapters
+from cluster.engine.errors import ConfigError, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.kv_layouts import LayoutRecorder, build_kv_manager
-from cluster.engine.lora_manager import LoRAManager, lora_disabled
+from cluster.engine.lora_manager import LoRAManager
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics, MetricsRecorder
 from cluster.engine.output_processor import StopLimits, apply_sampled_token
@@ -84,14 +85,12 @@ class EngineCore:
             )
         )
         self.request_keys = RequestKeys(cache_keys, config.cache.block_size)
-        self.lora = LoRAManager(config.lora) if config.lora.enable_lora else None
-        if self.lora is not None:
-            self.request_keys.adapters = self.lora.digest_of  # one map: keys follow the names
+        self.adapters = EngineAdapters(config.lora, self.workers, self.request_keys)
         self.scheduler = Scheduler(
             sched,
             self.block_manager,
             PreemptionCostModel(kv_bytes_per_block=info.kv_bytes_per_block),
-            max_loras=config.lora.max_loras if self.lora is not None else None,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
         self.limits = StopLimits(frozenset(info.eos_token_ids), self.max_model_len)
         self.recorder = MetricsRecorder()
@@ -123,7 +122,7 @@ class EngineCore:
             )
         params = generate.params
         ids = generate.token_ids
-        digest = self._adapter_digest(generate.adapter)
+        digest = self.adapters.digest_for(generate.adapter)
         self._check_fits(ids, params)
         cache_key = self.cache_key_for(generate)
         max_tokens = self.max_model_len - len(ids)
@@ -151,58 +150,37 @@ class EngineCore:
         )
         for branch in request.branches:  # what a range layout reserves at admission
             self.block_manager.reserve(branch.seq_id, len(ids) + max_tokens)
-        if self.lora is not None and digest is not None:  # released by `_forget_limits`
-            self.lora.hold(digest)
-            counts = self.recorder.adapter_requests
-            counts[generate.adapter] = counts.get(generate.adapter, 0) + 1  # type: ignore[index]
+        self.adapters.admit(request)  # released by `_forget_limits`
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
 
-    def _adapter_digest(self, name: str | None) -> str | None:
-        """The weights digest of the adapter a request names (None: the base model). Raises
-        RequestRejected when LoRA is off, AdapterNotFound for a name not loaded."""
-        if name is None:
-            return None
-        if self.lora is None:
-            raise lora_disabled(name)
-        return self.lora.resolve(name)
+    # --- adapters (see `EngineAdapters`) ----------------------------------------------------
 
-    # --- adapters ------------------------------------------------------------------------------
-
-    def _lora_manager(self, name: str) -> LoRAManager:
-        if self.lora is None:
-            raise lora_disabled(name)
-        return self.lora
+    @property
+    def lora(self) -> LoRAManager | None:
+        """The adapter bookkeeping (None: LoRA off)."""
+        return self.adapters.manager
 
     def load_lora_weights(self, lora: LoRARequest) -> AdapterSummary | None:
-        """Loads the adapter on every rank (blocking; safe beside a running step, it touches
-        only the ranks' CPU stores). None when the name is already served from that path.
-        Raises InvalidAdapter naming the problem (nothing served changes) or RequestRejected
-        when LoRA is off. Call `register_lora` with the result on the engine's thread."""
-        manager = self._lora_manager(lora.lora_name)
-        if not manager.check_new(lora):
-            return None
-        try:
-            return self.workers.add_lora(lora.lora_path)
-        except ValueError as error:
-            raise InvalidAdapter(f"adapter {lora.lora_name!r}: {error}") from None
+        """Loads on every rank, thread-safe beside a step; then `register_lora` (see
+        `EngineAdapters.load_weights`)."""
+        return self.adapters.load_weights(lora)
 
     def register_lora(self, lora: LoRARequest, summary: AdapterSummary | None) -> None:
-        """Serves `lora` under its name (after `load_lora_weights`)."""
-        if summary is not None:
-            self._lora_manager(lora.lora_name).register(lora, summary)
+        self.adapters.register(lora, summary)
 
     def add_lora(self, lora: LoRARequest) -> None:
-        """`load_lora_weights` then `register_lora`, in this thread."""
+        """Loads and serves the adapter, in this thread. Raises InvalidAdapter naming the
+        problem, RequestRejected when LoRA is off."""
         self.register_lora(lora, self.load_lora_weights(lora))
 
     def remove_lora(self, lora_name: str) -> None:
         """Stops serving the name; requests running with it finish (see `LoRAManager`)."""
-        self._lora_manager(lora_name).remove(lora_name)
+        self.adapters.remove(lora_name)
 
     def list_loras(self) -> list[LoRARequest]:
-        return [] if self.lora is None else self.lora.list()
+        return self.adapters.list()
 
     def cache_key_for(self, generate: GenerateRequest) -> CacheKey:
         """The key the request's blocks are cached under (see `RequestKeys.key_for`)."""
@@ -261,8 +239,7 @@ class EngineCore:
     def begin_step(self) -> SchedulerStep:
         step = self.scheduler.schedule()
         bm = self.block_manager
-        if self.lora is not None:
-            self._place_adapters(step)
+        self.adapters.place(step)
         if not step.is_empty:
             step.plan.decommit = bm.take_decommits()
         if self.config.scheduler.check_integrity:
@@ -273,23 +250,9 @@ class EngineCore:
         self.layout_recorder.observe(bm.usage(), running)
         return step
 
-    def _place_adapters(self, step: SchedulerStep) -> None:
-        """Slots for the step's adapters: slot loads and CPU drops into the plan, each
-        sequence's slot into its work (the scheduler's works and the plan's are in one order)."""
-        assert self.lora is not None
-        digests = {w.request.adapter_digest for w in step.works} - {None}
-        placed, loads = self.lora.assign(digests)  # type: ignore[arg-type]
-        step.plan.lora_loads = loads
-        if not step.is_empty:  # else the drops wait for a plan that reaches the workers
-            step.plan.lora_drops = self.lora.take_drops()
-        for work, sequence in zip(step.works, step.plan.sequences, strict=True):
-            digest = work.request.adapter_digest
-            sequence.lora_slot = -1 if digest is None else placed[digest]
-
     def invalidate_lora_slots(self) -> None:
         """After a refused plan: its slot loads may have half run; load again on next use."""
-        if self.lora is not None:
-            self.lora.invalidate_slots()
+        self.adapters.invalidate_slots()
 
     def finish_step(self, step: SchedulerStep, output: StepOutput | None) -> list[RequestOutput]:
         """Applies the workers' output (None for an empty plan); outputs of touched requests."""
@@ -316,9 +279,7 @@ class EngineCore:
                 if request.request_id in broken:
                     continue
                 self.recorder.num_generated_tokens += 1
-                if request.adapter_name is not None:
-                    tokens = self.recorder.adapter_tokens
-                    tokens[request.adapter_name] = tokens.get(request.adapter_name, 0) + 1
+                self.adapters.on_token(request)
                 touched[request.request_id] = request
                 try:
                     if apply_sampled_token(request, branch, sampled, self.limits):
@@ -455,10 +416,10 @@ class EngineCore:
             kv_bytes_to_cpu=(pressure.swap_out_blocks + tier.demoted_blocks) * kv_bytes,
             kv_bytes_to_device=(pressure.swap_in_blocks + tier.promoted_blocks) * kv_bytes,
             swap_checksum_failures=rec.swap_checksum_failures,
-            adapter_requests_total=dict(rec.adapter_requests),
-            adapter_generation_tokens_total=dict(rec.adapter_tokens),
-            adapter_loads_total=0 if self.lora is None else self.lora.counters.loads,
-            adapter_evictions_total=0 if self.lora is None else self.lora.counters.evictions,
+            adapter_requests_total=dict(self.adapters.counts.requests),
+            adapter_generation_tokens_total=dict(self.adapters.counts.tokens),
+            adapter_loads_total=self.adapters.loads,
+            adapter_evictions_total=self.adapters.evictions,
         )
 
     def shutdown(self) -> None:
@@ -522,9 +483,7 @@ class EngineCore:
         on its adapter's weights (once: the digest is cleared)."""
         for branch in request.branches:
             self.block_manager.forget(branch.seq_id)
-        if self.lora is not None and request.adapter_digest is not None:
-            self.lora.release(request.adapter_digest)
-            request.adapter_digest = None
+        self.adapters.release(request)
 
     def _complete(self, request: Request, now: float) -> None:
         self._forget_limits(request)

@@ -25,7 +25,6 @@ Policy and invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.engine.config import LoRASettings
@@ -208,6 +207,3 @@ def lora_disabled(name: str) -> RequestRejected:
         f"adapter {name!r} was asked for but LoRA is not enabled on this engine "
         "(start it with enable_lora=True)"
     )
-
-
-LoadAdapter = Callable[[str], AdapterSummary]

@@ -99,8 +99,6 @@ class MetricsRecorder:
     swap_checksum_failures: int = 0
     num_aborted_requests: int = 0
     num_failed_requests: int = 0
-    adapter_requests: dict[str, int] = field(default_factory=dict)
-    adapter_tokens: dict[str, int] = field(default_factory=dict)
 
     def observe_pressure(self, pressure: PressureSnapshot) -> None:
         if pressure.token_slots_allocated == 0:

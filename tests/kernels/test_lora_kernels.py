@@ -28,6 +28,7 @@ def _case(slots: list[int], dtype: torch.dtype, seed: int = 0) -> tuple[torch.Te
     for p in range(fused):  # slot 1 holds a rank-5 adapter
         a[1, p * rank + 5 : (p + 1) * rank] = 0
         b[1, p * rank + 5 : (p + 1) * rank] = 0
+    a = a.transpose(1, 2).contiguous().transpose(1, 2)  # strided, as the workers' slots give it
     x = torch.randn(len(slots), inputs, generator=generator)
     y = torch.randn(len(slots), sum(WIDTHS), generator=generator)
     index = torch.tensor(slots, dtype=torch.int64)
@@ -39,6 +40,7 @@ BATCHES = [
     [2, -1, 2, -1],  # one adapter and the base model
     [3, 0, -1, 1, 0, 3, 1],  # three adapters and the base model, interleaved
     [1, 2, 1, 2, 3],  # a run of slots: the batched products read the buffers as views
+    [3, 1, 1, 3],  # equal groups: no padding row to drop
     [0] * 10 + [1, 3],  # groups too uneven to pad: one by one
     [-1, -1],  # no adapter: nothing to add
 ]

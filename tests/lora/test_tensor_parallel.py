@@ -71,3 +71,57 @@ def test_tp2_equals_tp1_with_adapters(
     assert tokens_2 == tokens_1
     for ours, theirs in zip(logits_2, logits_1, strict=True):
         torch.testing.assert_close(ours, theirs, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_async_engine_over_ray_serves_adapters(
+    ray_cluster: None, tiny_model_dir: pathlib.Path, tiny_adapters: dict[str, pathlib.Path]
+) -> None:
+    """The engine on two Ray ranks: `add_lora` reaches both, and a batch mixing two adapters
+    and the base model gives the tokens the in-process engine gives."""
+    import asyncio
+
+    from cluster.engine.async_engine import AsyncEngine
+    from cluster.engine.llm import LLM
+    from cluster.engine.lora_request import LoRARequest
+    from cluster.engine.sampling_params import SamplingParams
+    from tests.cluster.tiny_engine import tiny_config
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    loras = [
+        LoRARequest("all8", 1, str(tiny_adapters["all8"])),
+        LoRARequest("rs4", 2, str(tiny_adapters["rs4"])),
+        None,
+    ]
+    prompts = ["The quick brown fox", "Paged attention", "1 2 3"]
+    lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
+    with LLM(config=tiny_config(tiny_model_dir, lora=lora)) as llm:
+        expected = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, greedy, lora_request=loras)
+        ]
+
+    async def scenario() -> list[list[int]]:
+        config = tiny_config(
+            tiny_model_dir, lora=lora, parallel={"backend": "ray", "tensor_parallel_size": 2}
+        )
+        engine = await AsyncEngine.create(config)
+        try:
+            for adapter in loras[:2]:
+                assert adapter is not None
+                await engine.add_lora(adapter)
+
+            async def one(prompt: str, adapter: LoRARequest | None) -> list[int]:
+                name = None if adapter is None else adapter.lora_name
+                final = None
+                async for output in engine.generate(
+                    engine.request_builder.build(prompt, greedy, adapter=name)
+                ):
+                    final = output
+                assert final is not None
+                return final.outputs[0].token_ids
+
+            calls = [one(p, a) for p, a in zip(prompts, loras, strict=True)]
+            return list(await asyncio.gather(*calls))
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(scenario()) == expected

@@ -34,7 +34,7 @@ class LoRAStep:
         add_lora(
             y,
             x,
-            self.slots.a[target][layer],
+            self.slots.shrink_weights(target, layer),
             self.slots.b[target][layer],
             self.slots.targets[target].widths,
             self.indices,
@@ -47,7 +47,7 @@ class LoRAStep:
         add_lora(
             y,
             x_shard,
-            self.slots.a[target][layer],
+            self.slots.shrink_weights(target, layer),
             self.slots.b[target][layer],
             self.slots.targets[target].widths,
             self.indices,

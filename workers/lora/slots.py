@@ -3,8 +3,10 @@
 For each fused target (`qkv`, `o`, `gate_up`, `down`, see `workers.lora.shard`) two tensors
 cover every layer and every slot:
 
-- `a[target]`: `[layers, max_loras, P * max_rank, in_local]` (P projections fused in the
-  target, projection p's A in rows `p * max_rank ..`);
+- `a[target]`: `[layers, max_loras, in_local, P * max_rank]`, A transposed (P projections fused
+  in the target, projection p's A^T in columns `p * max_rank ..`): the shrink multiplies the
+  inputs by it as stored (`shrink_weights` gives the `[slots, P * max_rank, in]` view the
+  kernels take);
 - `b[target]`: `[layers, max_loras, P * max_rank, out_local]`, block-diagonal: projection p's
   `B^T` (scaling folded in) in rows `p * max_rank ..` and in the output columns the base layer
   gives that projection (their outputs concatenated), zeros elsewhere.
@@ -52,7 +54,7 @@ class LoRASlots:
         for name, target in self.targets.items():
             ranks = len(target.projections) * max_rank
             self.a[name] = torch.zeros(
-                layers, max_loras, ranks, target.local_inputs, dtype=dtype, device=device
+                layers, max_loras, target.local_inputs, ranks, dtype=dtype, device=device
             )
             self.b[name] = torch.zeros(
                 layers, max_loras, ranks, sum(target.widths), dtype=dtype, device=device
@@ -70,6 +72,10 @@ class LoRASlots:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
 
+    def shrink_weights(self, target: str, layer: int) -> torch.Tensor:
+        """`[slots, P * max_rank, in_local]`: the layer's A of every slot (a transposed view)."""
+        return self.a[target][layer].transpose(1, 2)
+
     def clear(self, slot: int) -> None:
         for name in self.targets:
             self.a[name][:, slot].zero_()
@@ -85,6 +91,6 @@ class LoRASlots:
         for (layer, projection), (a, b) in shard.pairs.items():
             name, index, row = self.where[projection]
             first = index * self.max_rank
-            self.a[name][layer, slot, first : first + r].copy_(a)
+            self.a[name][layer, slot, :, first : first + r].copy_(a.t())
             self.b[name][layer, slot, first : first + r, row : row + b.shape[0]].copy_(b.t())
         self.contents[slot] = shard.digest
