@@ -50,9 +50,12 @@ def test_streams_deltas_and_abort_frees_everything(tiny_model_dir: pathlib.Path)
 
 @pytest.fixture
 def ray_cluster() -> object:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    started = not ray.is_initialized()  # reuse the session cluster tests/serving starts
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
-    ray.shutdown()
+    if started:
+        ray.shutdown()
 
 
 def test_async_engine_with_tensor_parallel_two(
