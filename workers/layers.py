@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.checkpoint import CheckpointReader
+from workers.lm_head import ScreenedHead
 from workers.parallel import TensorParallel, even_range
 
 
@@ -139,10 +140,18 @@ class VocabParallelEmbedding(torch.nn.Module):
     `embed` looks up its own rows, zeroes the others, and all-reduces; `logits` (the LM head,
     sharing or not the embedding weight) computes its rows' logits and all-gathers, trimmed to
     `vocab_size`.
+
+    With `screened` (a float32 LM head of a reduced-precision model), `load` also builds a
+    `ScreenedHead` and `logits` computes through it: bfloat16 speed, float32 top logits.
     """
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        screened: bool = False,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
@@ -153,6 +162,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.weight = torch.nn.Parameter(
             torch.zeros(rows_per_rank, hidden_size, dtype=dtype), requires_grad=False
         )
+        self.screened = screened
+        self.screen: ScreenedHead | None = None
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -163,10 +174,17 @@ class VocabParallelEmbedding(torch.nn.Module):
         return self.tp.all_reduce(vectors)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        if self.screen is None:
+            local = F.linear(hidden, self.weight)
+        else:
+            local = self.screen.logits(hidden)
+            if local.shape[1] < self.weight.shape[0]:  # this rank's padding rows: zero logits
+                local = F.pad(local, (0, self.weight.shape[0] - local.shape[1]))
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
 
     def load(self, reader: CheckpointReader, name: str) -> None:
         rows = self.stop - self.start
         weight = reader.read(name, (self.vocab_size, self.hidden_size), 0, self.start, self.stop)
         self.weight[:rows].copy_(weight)
+        if self.screened:
+            self.screen = ScreenedHead.of(self.weight[:rows])

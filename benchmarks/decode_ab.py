@@ -1,0 +1,121 @@
+"""Side-by-side A/B of CPU decode-step variants of the bfloat16 SmolLM2 forward, one process.
+
+`python -m benchmarks.decode_ab --json [--batches 1,16,32] [--prompt-len 192] [--rounds 7]`
+builds one in-process `WorkerGroup` per variant (the same weights and shapes), prefills each
+batch, then times `--steps` decode steps per variant in turn, round after round (interleaved, so
+both see the same machine load). Reported per batch: each variant's median step time and decode
+tokens/s, and `ratio_over_<first>` = the median over rounds of (first's time / this one's time),
+which is robust to load that changes between rounds.
+
+Variants:
+- `screened`: the shipped bfloat16 model (LM head screened in bfloat16, refined in float32).
+- `float32_head`: the same model with the plain float32 LM head (screening switched off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.workers import OurRunner
+from workers import WorkerConfig, WorkerGroup
+
+
+def _plain_float32_head(group: WorkerGroup) -> None:
+    """Switch the screening off (the LM head then runs `F.linear` on its float32 weights)."""
+    model = group._local.model  # a benchmark-only reach into the in-process rank
+    model.lm_head.screen = None
+
+
+VARIANTS: dict[str, Callable[[WorkerGroup], None]] = {
+    "screened": lambda group: None,
+    "float32_head": _plain_float32_head,
+}
+
+
+def run(
+    variants: list[str], batches: list[int], prompt_len: int, steps: int, rounds: int
+) -> dict[str, object]:
+    """Per batch: median step ms and tokens/s per variant, and each one's speed ratio."""
+    blocks_per_seq = -(-(prompt_len + steps + 1) // 16)  # rounds rewrite the same positions
+    blocks = max(batches) * blocks_per_seq + 8
+    groups = {}
+    for name in variants:
+        config = WorkerConfig(
+            backend="local", dtype="bfloat16", num_device_blocks=blocks, num_cpu_blocks=1
+        )
+        groups[name] = WorkerGroup(config)
+        VARIANTS[name](groups[name])
+    results: dict[str, object] = {}
+    try:
+        for batch in batches:
+            runners = {
+                n: OurRunner(g, batch, prompt_len, blocks_per_seq) for n, g in groups.items()
+            }
+            for runner in runners.values():
+                runner.prefill()
+                runner.decode(1)  # warm-up
+            times: dict[str, list[float]] = {n: [] for n in variants}
+            for _ in range(rounds):
+                for name, runner in runners.items():
+                    began = time.perf_counter()
+                    runner.decode(steps)
+                    times[name].append((time.perf_counter() - began) / steps)
+            first = variants[0]
+            row: dict[str, object] = {}
+            for name in variants:
+                median = statistics.median(times[name])
+                row[name] = {
+                    "step_ms": round(median * 1e3, 2),
+                    "tokens_per_s": round(batch / median, 1),
+                }
+                if name != first:
+                    ratios = [a / b for a, b in zip(times[first], times[name], strict=True)]
+                    row[name][f"ratio_over_{first}"] = round(statistics.median(ratios), 3)
+            results[f"batch_{batch}"] = row
+            print(f"batch {batch} done", file=sys.stderr, flush=True)
+    finally:
+        for group in groups.values():
+            group.shutdown()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--variants", default="float32_head,screened")
+    parser.add_argument("--batches", default="1,16,32")
+    parser.add_argument("--prompt-len", type=int, default=192)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    report = {
+        "torch_threads": torch.get_num_threads(),
+        "prompt_len": args.prompt_len,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "results": run(
+            variants,
+            [int(b) for b in args.batches.split(",")],
+            args.prompt_len,
+            args.steps,
+            args.rounds,
+        ),
+    }
+    print(json.dumps(report, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()
