@@ -94,12 +94,15 @@ def _attend_decodes(
     v_flat: torch.Tensor,
     buffers: tuple[torch.Tensor, torch.Tensor],
     group: DecodeGroup,
+    key_bias: torch.Tensor | None,
     geometry: tuple[int, int, int, int],
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
 ) -> None:
-    """One gather per cache and one SDPA call for every decode of ``group``; fills its rows."""
+    """One gather per cache and one SDPA call for every decode of ``group``; fills its rows.
+
+    ``key_bias`` is the group's key mask already in the query's dtype (None: no mask)."""
     block_size, num_kv_heads, group_size, head_dim = geometry
     seqs, count = group.num_seqs, group.block_ids.shape[0]
     shape = (seqs, group.width * block_size, num_kv_heads, head_dim)
@@ -112,10 +115,8 @@ def _attend_decodes(
     q = q.reshape(seqs, num_kv_heads, group_size, head_dim)
     if sliding_window is not None:
         bias = _window_bias(group, block_size, sliding_window, query.dtype)
-    elif group.key_bias is not None:
-        bias = group.key_bias.to(query.dtype)
     else:
-        bias = None
+        bias = key_bias
     attended = F.scaled_dot_product_attention(
         q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias, scale=scale
     ).reshape(seqs, num_kv_heads * group_size, head_dim)
@@ -140,9 +141,13 @@ def paged_attention(
     geometry = (block_size, num_kv_heads, group_size, head_dim)
     k_flat = k_cache.reshape(k_cache.shape[0], -1)  # a view: a layer's cache is contiguous
     v_flat = v_cache.reshape(v_cache.shape[0], -1)
-    buffers = metadata.workspace.buffers(k_cache)
-    for group in metadata.decode_groups:
-        _attend_decodes(query, k_flat, v_flat, buffers, group, geometry, scale, sliding_window, out)
+    workspace = metadata.workspace
+    buffers = workspace.buffers(k_cache)
+    for index, group in enumerate(metadata.decode_groups):
+        bias = workspace.key_bias(index, group, query.dtype)
+        _attend_decodes(
+            query, k_flat, v_flat, buffers, group, bias, geometry, scale, sliding_window, out
+        )
     for chunk in metadata.prefills:
         q_len, context_len, start = chunk.query_len, chunk.context_len, chunk.start
         first_query = context_len - q_len
