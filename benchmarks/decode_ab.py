@@ -7,9 +7,10 @@ both see the same machine load). Reported per batch: each variant's median step 
 tokens/s, and `ratio_over_<first>` = the median over rounds of (first's time / this one's time),
 which is robust to load that changes between rounds.
 
-Variants:
-- `screened`: the shipped bfloat16 model (LM head screened in bfloat16, refined in float32).
-- `float32_head`: the same model with the plain float32 LM head (screening switched off).
+Variants (round 3's changes switched off one by one on the shipped bfloat16 model):
+- `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked).
+- `unpacked`: the same with every `DenseMatmul`'s packed copy dropped (plain `F.linear`).
+- `round2`: unpacked and the plain float32 LM head (screening off): round 2's forward.
 """
 
 from __future__ import annotations
@@ -25,17 +26,31 @@ import torch
 
 from benchmarks.workers import OurRunner
 from workers import WorkerConfig, WorkerGroup
+from workers.dense_matmul import DenseMatmul
 
 
-def _plain_float32_head(group: WorkerGroup) -> None:
-    """Switch the screening off (the LM head then runs `F.linear` on its float32 weights)."""
+def _unpacked(group: WorkerGroup) -> None:
+    """Drop every packed weight (the linear layers and the LM head's screen run `F.linear`)."""
     model = group._local.model  # a benchmark-only reach into the in-process rank
-    model.lm_head.screen = None
+    for module in model.modules():
+        matmul = getattr(module, "matmul", None)
+        if isinstance(matmul, DenseMatmul):
+            matmul.packed = None
+    screen = getattr(model.lm_head, "screen", None)
+    if screen is not None:
+        screen.screen_matmul.packed = None
+
+
+def _round2(group: WorkerGroup) -> None:
+    """Unpacked, and the LM head back to `F.linear` on its float32 weights."""
+    _unpacked(group)
+    group._local.model.lm_head.screen = None
 
 
 VARIANTS: dict[str, Callable[[WorkerGroup], None]] = {
-    "screened": lambda group: None,
-    "float32_head": _plain_float32_head,
+    "shipped": lambda group: None,
+    "unpacked": _unpacked,
+    "round2": _round2,
 }
 
 
@@ -89,7 +104,7 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--variants", default="float32_head,screened")
+    parser.add_argument("--variants", default="round2,unpacked,shipped")
     parser.add_argument("--batches", default="1,16,32")
     parser.add_argument("--prompt-len", type=int, default=192)
     parser.add_argument("--steps", type=int, default=4)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.checkpoint import CheckpointReader
+from workers.dense_matmul import DenseMatmul
 from workers.lm_head import ScreenedHead
 from workers.parallel import TensorParallel, even_range
 
@@ -49,7 +50,8 @@ class ColumnParallelLinear(torch.nn.Module):
     """y = x W^T (+ b) where W stacks this rank's row segments of one or more checkpoint tensors.
 
     Fusing (q, k, v) or (gate, up) into one matmul is a matter of listing several segments.
-    The output stays sharded (no collective).
+    The output stays sharded (no collective). The product runs through `self.matmul` (a
+    `DenseMatmul` over `self.weight`, packed by the model once loaded).
     """
 
     def __init__(
@@ -67,9 +69,10 @@ class ColumnParallelLinear(torch.nn.Module):
             if bias
             else None
         )
+        self.matmul = DenseMatmul(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         row = 0
@@ -96,7 +99,9 @@ class ColumnParallelLinear(torch.nn.Module):
 
 
 class RowParallelLinear(torch.nn.Module):
-    """y = all_reduce(x_shard W_shard^T) (+ b): this rank owns input columns `[start, stop)`."""
+    """y = all_reduce(x_shard W_shard^T) (+ b): this rank owns input columns `[start, stop)`.
+
+    The local product runs through `self.matmul` (see `ColumnParallelLinear`)."""
 
     def __init__(
         self,
@@ -121,9 +126,10 @@ class RowParallelLinear(torch.nn.Module):
             if bias
             else None
         )
+        self.matmul = DenseMatmul(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
     def load(self, reader: CheckpointReader, name: str) -> None:

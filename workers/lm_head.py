@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.dense_matmul import DenseMatmul
+
 CHUNK = 64
 """Vocabulary rows that share one column-wise maximum of |W| in the bound."""
 
@@ -45,12 +47,14 @@ class ScreenedHead:
 
     ``screen``: the weight in bfloat16, zero-padded to whole chunks; ``column_max``:
     ``[chunks, hidden]`` float32, the maximum of |W| over each chunk's rows, slightly inflated
-    (so the bound stays an upper bound after its own float32 rounding).
+    (so the bound stays an upper bound after its own float32 rounding); ``screen_matmul``: the
+    product with ``screen`` (prepacked for oneDNN where possible).
     """
 
     weight: torch.Tensor
     screen: torch.Tensor
     column_max: torch.Tensor
+    screen_matmul: DenseMatmul
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> ScreenedHead:
@@ -64,7 +68,9 @@ class ScreenedHead:
         magnitude = torch.zeros(padded, hidden, dtype=torch.float32, device=weight.device)
         magnitude[:rows] = weight.abs()
         column_max = magnitude.view(-1, CHUNK, hidden).amax(1) * (1 + 2.0**-20)
-        return cls(weight, screen, column_max)
+        screen_matmul = DenseMatmul(screen)
+        screen_matmul.pack()
+        return cls(weight, screen, column_max, screen_matmul)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` of float32 ``hidden`` ``[rows, hidden]`` (see the
@@ -77,7 +83,7 @@ class ScreenedHead:
         hidden = hidden.to(torch.float32)
         rows, vocab = hidden.shape[0], self.weight.shape[0]
         chunks = self.column_max.shape[0]
-        estimate = F.linear(hidden.to(torch.bfloat16), self.screen).to(torch.float32)
+        estimate = self.screen_matmul(hidden.to(torch.bfloat16)).to(torch.float32)
         by_chunk = estimate.view(rows, chunks, CHUNK)
         high = by_chunk.amax(-1)  # (aminmax is ~30x slower here); padding columns are zeros
         if chunks * CHUNK != vocab:  # they must not set the floor of the last chunk, though

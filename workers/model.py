@@ -233,3 +233,6 @@ class CausalLM(torch.nn.Module):
             self.lm_head.load(reader, "lm_head.weight")
         elif self.lm_head is not self.embed_tokens:
             self.lm_head.load(reader, "model.embed_tokens.weight")
+        for module in self.modules():  # the weights are final: prepack them where it pays
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.matmul.pack()
