@@ -8,23 +8,28 @@ tokens/s, and `ratio_over_<first>` = the median over rounds of (first's time / t
 which is robust to load that changes between rounds.
 
 Variants (round 3's changes switched off one by one on the shipped bfloat16 model):
-- `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked).
-- `unpacked`: the same with every `DenseMatmul`'s packed copy dropped (plain `F.linear`).
-- `round2`: unpacked and the plain float32 LM head (screening off): round 2's forward.
+- `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked,
+  decode attention by `_all_heads`).
+- `sdpa_decode`: the same, decode attention by SDPA on the gathered buffers (round 2's kernel).
+- `unpacked`: `sdpa_decode` with every `DenseMatmul`'s packed copy dropped (plain `F.linear`).
+- `round2`: `unpacked` with the plain float32 LM head (screening off): round 2's forward.
+The SDPA variants swap `kernels.torch_cpu._folds` for the duration of their own steps only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from benchmarks.workers import OurRunner
+from kernels import torch_cpu
 from workers import WorkerConfig, WorkerGroup
 from workers.dense_matmul import DenseMatmul
 
@@ -49,9 +54,25 @@ def _round2(group: WorkerGroup) -> None:
 
 VARIANTS: dict[str, Callable[[WorkerGroup], None]] = {
     "shipped": lambda group: None,
+    "sdpa_decode": lambda group: None,
     "unpacked": _unpacked,
     "round2": _round2,
 }
+SDPA_DECODE = ("sdpa_decode", "unpacked", "round2")
+
+
+@contextlib.contextmanager
+def _decode_kernel(name: str) -> Iterator[None]:
+    """Round 2's SDPA decode attention while variant `name`'s steps run (if it asks for it)."""
+    if name not in SDPA_DECODE:
+        yield
+        return
+    folds = torch_cpu._folds
+    torch_cpu._folds = lambda cache_dtype, num_kv_heads, num_seqs: False  # benchmark-only
+    try:
+        yield
+    finally:
+        torch_cpu._folds = folds
 
 
 def run(
@@ -73,15 +94,17 @@ def run(
             runners = {
                 n: OurRunner(g, batch, prompt_len, blocks_per_seq) for n, g in groups.items()
             }
-            for runner in runners.values():
-                runner.prefill()
-                runner.decode(1)  # warm-up
+            for name, runner in runners.items():
+                with _decode_kernel(name):
+                    runner.prefill()
+                    runner.decode(1)  # warm-up
             times: dict[str, list[float]] = {n: [] for n in variants}
             for _ in range(rounds):
                 for name, runner in runners.items():
-                    began = time.perf_counter()
-                    runner.decode(steps)
-                    times[name].append((time.perf_counter() - began) / steps)
+                    with _decode_kernel(name):
+                        began = time.perf_counter()
+                        runner.decode(steps)
+                        times[name].append((time.perf_counter() - began) / steps)
             first = variants[0]
             row: dict[str, object] = {}
             for name in variants:
@@ -104,7 +127,7 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--variants", default="round2,unpacked,shipped")
+    parser.add_argument("--variants", default="round2,unpacked,sdpa_decode,shipped")
     parser.add_argument("--batches", default="1,16,32")
     parser.add_argument("--prompt-len", type=int, default=192)
     parser.add_argument("--steps", type=int, default=4)
