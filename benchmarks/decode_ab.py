@@ -1,6 +1,7 @@
 """Side-by-side A/B of CPU decode-step variants of the bfloat16 SmolLM2 forward, one process.
 
-`python -m benchmarks.decode_ab --json [--batches 1,16,32] [--prompt-len 192] [--rounds 7]`
+`python -m benchmarks.decode_ab --json [--batches 1,16,32] [--prompt-len 192] [--rounds 7]
+[--threads 1] [--prefill]`
 builds one in-process `WorkerGroup` per variant (the same weights and shapes), prefills each
 batch, then times `--steps` decode steps per variant in turn, round after round (interleaved, so
 both see the same machine load). Reported per batch: each variant's median step time and decode
@@ -76,9 +77,15 @@ def _decode_kernel(name: str) -> Iterator[None]:
 
 
 def run(
-    variants: list[str], batches: list[int], prompt_len: int, steps: int, rounds: int
+    variants: list[str],
+    batches: list[int],
+    prompt_len: int,
+    steps: int,
+    rounds: int,
+    prefill: bool = False,
 ) -> dict[str, object]:
-    """Per batch: median step ms and tokens/s per variant, and each one's speed ratio."""
+    """Per batch: median step ms and tokens/s per variant, and each one's speed ratio (with
+    `prefill`, the same for a prefill of the whole batch each round)."""
     blocks_per_seq = -(-(prompt_len + steps + 1) // 16)  # rounds rewrite the same positions
     blocks = max(batches) * blocks_per_seq + 8
     groups = {}
@@ -99,9 +106,14 @@ def run(
                     runner.prefill()
                     runner.decode(1)  # warm-up
             times: dict[str, list[float]] = {n: [] for n in variants}
+            prefills: dict[str, list[float]] = {n: [] for n in variants}
             for _ in range(rounds):
                 for name, runner in runners.items():
                     with _decode_kernel(name):
+                        if prefill:
+                            began = time.perf_counter()
+                            runner.prefill()
+                            prefills[name].append(time.perf_counter() - began)
                         began = time.perf_counter()
                         runner.decode(steps)
                         times[name].append((time.perf_counter() - began) / steps)
@@ -116,6 +128,15 @@ def run(
                 if name != first:
                     ratios = [a / b for a, b in zip(times[first], times[name], strict=True)]
                     row[name][f"ratio_over_{first}"] = round(statistics.median(ratios), 3)
+                if prefill:
+                    seconds = statistics.median(prefills[name])
+                    row[name]["prefill_tokens_per_s"] = round(batch * prompt_len / seconds, 1)
+                    if name != first:
+                        ratios = [
+                            a / b for a, b in zip(prefills[first], prefills[name], strict=True)
+                        ]
+                        ratio = round(statistics.median(ratios), 3)
+                        row[name][f"prefill_ratio_over_{first}"] = ratio
             results[f"batch_{batch}"] = row
             print(f"batch {batch} done", file=sys.stderr, flush=True)
     finally:
@@ -133,6 +154,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--prefill", action="store_true", help="also time a prefill per round")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = args.variants.split(",")
@@ -150,6 +172,7 @@ def main() -> None:
             args.prompt_len,
             args.steps,
             args.rounds,
+            args.prefill,
         ),
     }
     print(json.dumps(report, indent=None if args.json else 2))
