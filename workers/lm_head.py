@@ -38,7 +38,7 @@ UNIT_ROUNDOFF = 2.0**-8
 """bfloat16's unit roundoff (8 significant bits, round to nearest)."""
 
 ABSOLUTE_SLACK = 1e-6
-"""Added to every bound: covers bfloat16 subnormals and the bound's own float32 rounding."""
+"""Added to every bound: covers bfloat16 subnormals (the relative terms cover float32 rounding)."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +89,12 @@ class ScreenedHead:
         if chunks * CHUNK != vocab:  # they must not set the floor of the last chunk, though
             high[:, -1] = estimate[:, (chunks - 1) * CHUNK : vocab].amax(1)
         u = UNIT_ROUNDOFF
-        accumulate = hidden.shape[1] * 2.0**-24
-        scale = (2 * u + u * u + accumulate * (1 + u) ** 2) * (1 + 2.0**-20)
+        accumulate = hidden.shape[1] * 2.0**-24  # float32 sums of `hidden` terms: relative error
+        scale = (2 * u + u * u + accumulate * (1 + u) ** 2) * (1 + 2 * accumulate)
         largest = torch.maximum(high.amax(1), -estimate.amin(1)).unsqueeze(1)  # max |estimate|
-        bound = (hidden.abs() @ self.column_max.T).mul_(scale)
-        bound += largest * (u * (1 + u) * (1 + 2.0**-20)) + ABSOLUTE_SLACK  # [rows, chunks]
+        bound = (hidden.abs() @ self.column_max.T).mul_(scale)  # a float32 sum: inflated above
+        # output rounding, plus the float32 rounding of `high -/+ bound` near `largest`
+        bound += largest * (u * (1 + u) + 2.0**-20) + ABSOLUTE_SLACK  # [rows, chunks]
         best_lower = (high - bound).amax(1, keepdim=True)
         near = torch.nonzero((high + bound >= best_lower).any(0)).view(-1)
         inside = by_chunk.index_select(1, near) + bound.index_select(1, near).unsqueeze(-1)
