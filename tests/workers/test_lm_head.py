@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.layers import VocabParallelEmbedding
 from workers.lm_head import CHUNK, ScreenedHead
+from workers.parallel import TensorParallel
 
 
 def _weights(vocab: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,3 +57,44 @@ def test_screened_batch_of_one_and_near_ties_in_bfloat16() -> None:
 def test_screened_head_rejects_reduced_weights() -> None:
     with pytest.raises(ValueError, match="float32"):
         ScreenedHead.of(torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
+class _OneShardOfTwo(TensorParallel):
+    """Rank 1 of 2 whose gather returns its own shard (no process group needed)."""
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+class _Reader:
+    """A `CheckpointReader` stand-in serving one tensor's row range."""
+
+    def __init__(self, full: torch.Tensor) -> None:
+        self.full = full
+
+    def read(
+        self, name: str, shape: tuple[int, ...], dim: int = 0, start: int = 0, stop: int = -1
+    ) -> torch.Tensor:
+        assert tuple(self.full.shape) == shape
+        return self.full.narrow(dim, start, stop - start)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_screened_vocab_parallel_head_matches_its_float32_shard(world: int) -> None:
+    """The LM head of a reduced model screens after `load`; a rank whose shard is padded (vocab
+    not divisible by the ranks) returns zero logits for its padding rows, as the plain head."""
+    vocab, hidden = CHUNK * 7 + 5, 48
+    full, states = _weights(vocab, hidden, seed=world)
+    tp = _OneShardOfTwo(rank=1, world_size=2) if world == 2 else TensorParallel()
+    head = VocabParallelEmbedding(vocab, hidden, tp, torch.float32, screened=True)
+    head.load(_Reader(full), "lm_head.weight")  # type: ignore[arg-type]
+    assert head.screen is not None
+    plain = F.linear(states, head.weight)
+    got = head.logits(states)
+    if world == 2:  # rank 1 owns rows [rows_per_rank, vocab) and pads the rest with zeros
+        rows = vocab - head.start
+        assert got.shape == (states.shape[0], head.weight.shape[0])
+        assert torch.equal(got[:, rows:], torch.zeros_like(got[:, rows:]))
+        plain, got = plain[:, :rows], got[:, :rows]
+    assert torch.equal(got.argmax(1), plain.argmax(1))
+    torch.testing.assert_close(got.amax(1), plain.amax(1), rtol=1e-6, atol=1e-5)
