@@ -4,10 +4,12 @@ Works from a ``PreparedAttention`` (``kernels.metadata``): the per-step gather i
 write slots are computed once and every layer reuses them. Decodes are attended in a handful of
 batched calls: the decode sequences, sorted by context length, are cut into groups whose padded
 gather stays bounded (``DECODE_GROUP_TOKENS``); one ``index_select`` per cache gathers a group's
-blocks into a reused ``[seqs, width * block_size, H_kv, D]`` buffer and one
-``scaled_dot_product_attention`` call attends with a key mask, GQA folded into the query rows
-(``[seqs, H_kv, group, D]``) so no K/V head is ever repeated. A prefill chunk (several query
-tokens) gathers its own blocks and attends with one causal SDPA call.
+blocks into a reused ``[seqs, width * block_size, H_kv, D]`` buffer; then either two ``bmm``
+calls over that buffer as it lies (``_all_heads``: bfloat16, few KV heads, at least
+``FOLDED_MIN_SEQS`` sequences) or one ``scaled_dot_product_attention`` call with a key mask, GQA
+folded into the query rows (``[seqs, H_kv, group, D]``). Neither repeats or copies a K/V head.
+A prefill chunk (several query tokens) gathers its own blocks and attends with one causal SDPA
+call.
 """
 
 from __future__ import annotations
