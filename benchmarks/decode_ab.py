@@ -1,7 +1,8 @@
-"""Side-by-side A/B of CPU decode-step variants of the bfloat16 SmolLM2 forward, one process.
+"""Side-by-side A/B of CPU decode-step variants of the SmolLM2 forward (bfloat16 unless
+`--dtype`), in one process.
 
 `python -m benchmarks.decode_ab --json [--batches 1,16,32] [--prompt-len 192] [--rounds 7]
-[--threads 1] [--prefill]`
+[--threads 1] [--prefill] [--dtype bfloat16|float32] [--variants round2,unpacked,...]`
 builds one in-process `WorkerGroup` per variant (the same weights and shapes), prefills each
 batch, then times `--steps` decode steps per variant in turn, round after round (interleaved, so
 both see the same machine load). Reported per batch: each variant's median step time and decode
@@ -15,6 +16,8 @@ Variants (round 3's changes switched off one by one on the shipped bfloat16 mode
 - `unpacked`: `sdpa_decode` with every `DenseMatmul`'s packed copy dropped (plain `F.linear`).
 - `round2`: `unpacked` with the plain float32 LM head (screening off): round 2's forward.
 The SDPA variants swap `kernels.torch_cpu._folds` for the duration of their own steps only.
+With `--dtype float32` only `shipped` (packed) and `unpacked` differ: float32 has no screened head
+and no folded attention.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ def run(
     steps: int,
     rounds: int,
     prefill: bool = False,
+    dtype: str = "bfloat16",
 ) -> dict[str, object]:
     """Per batch: median step ms and tokens/s per variant, and each one's speed ratio (with
     `prefill`, the same for a prefill of the whole batch each round)."""
@@ -91,7 +95,7 @@ def run(
     groups = {}
     for name in variants:
         config = WorkerConfig(
-            backend="local", dtype="bfloat16", num_device_blocks=blocks, num_cpu_blocks=1
+            backend="local", dtype=dtype, num_device_blocks=blocks, num_cpu_blocks=1
         )
         groups[name] = WorkerGroup(config)
         VARIANTS[name](groups[name])
@@ -155,6 +159,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--prefill", action="store_true", help="also time a prefill per round")
+    parser.add_argument("--dtype", default="bfloat16", help="the model's dtype (all variants)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = args.variants.split(",")
@@ -162,6 +167,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
     report = {
+        "dtype": args.dtype,
         "torch_threads": torch.get_num_threads(),
         "prompt_len": args.prompt_len,
         "steps": args.steps,
@@ -173,6 +179,7 @@ def main() -> None:
             args.steps,
             args.rounds,
             args.prefill,
+            args.dtype,
         ),
     }
     print(json.dumps(report, indent=None if args.json else 2))

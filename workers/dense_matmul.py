@@ -1,18 +1,20 @@
-"""The dense product `x W^T` of the linear layers, over a oneDNN-prepacked weight where it pays.
+"""The dense product `x W^T` of the linear layers, over a oneDNN-prepacked weight.
 
 `F.linear` on bfloat16 CPU tensors hands the plain `[out, in]` weight to oneDNN, which reorders
 it into its blocked layout on every call: for a decode step that is a second pass over every
 weight byte. `DenseMatmul.pack()` does that reorder once (`mkldnn._reorder_linear_weight`) and
 calls then run `mkldnn._linear_pointwise` on the packed copy: the same oneDNN kernel, the same
-result, one pass. Measured side by side on SmolLM2-135M's layer shapes: 1.2-1.8x (see
-benchmarks/README.md, Round 3).
+result, one pass. float32 weights are packed the same way (oneDNN's float32 kernel on the packed
+copy instead of MKL's sgemm: equal up to float32 summation order, 1.35-1.6x decode and 1.65-1.85x
+prefill for SmolLM2 here). Measured side by side: benchmarks/README.md, Round 3.
 
-Invariants: `__call__` returns what `F.linear(x, weight, bias)` returns, in `x`'s dtype; the
-packed copy is a snapshot taken by the last `pack()`, so whoever changes the weight in place
-afterwards must call `pack()` again (the model packs once, at the end of its `load`). Only
-bfloat16 CPU weights with oneDNN bfloat16 support are packed; every other weight, input dtype or
-device takes `F.linear`. The plain weight stays where it is (loading, tensor-parallel slicing
-and any later per-layer step, e.g. an adapter added after the base product, keep reading it).
+Invariants: `__call__` returns what `F.linear(x, weight, bias)` returns, in `x`'s dtype (bitwise
+in bfloat16, to float32 rounding in float32); the packed copy is a snapshot taken by the last
+`pack()`, so whoever changes the weight in place afterwards must call `pack()` again (the model
+packs once, at the end of its `load`). Only bfloat16 (with oneDNN bfloat16 support) and float32
+CPU weights are packed, and only inputs of the weight's dtype use the packed copy; everything
+else takes `F.linear`. The plain weight stays where it is (loading, tensor-parallel slicing and
+any later per-layer step, e.g. an adapter added after the base product, keep reading it).
 """
 
 from __future__ import annotations
@@ -25,14 +27,13 @@ PACK_BATCH_HINT = 16
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `weight` is a 2-d bfloat16 CPU tensor this torch build can prepack for oneDNN."""
-    return (
-        weight.dim() == 2
-        and weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    """Whether `weight` is a 2-d bfloat16 or float32 CPU tensor this torch build can prepack for
+    oneDNN."""
+    if weight.dim() != 2 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class DenseMatmul:
@@ -50,6 +51,6 @@ class DenseMatmul:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        if self.packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu":
             return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")

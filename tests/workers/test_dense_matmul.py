@@ -1,4 +1,5 @@
-"""`DenseMatmul`: the prepacked product equals `F.linear`, and falls back where it cannot pack."""
+"""`DenseMatmul`: the prepacked product equals `F.linear` (bitwise in bfloat16, to float32 rounding
+in float32), and falls back where it cannot pack."""
 
 from __future__ import annotations
 
@@ -42,12 +43,28 @@ def test_pack_snapshots_the_weight_until_packed_again() -> None:
     assert float(matmul(x)[0, 0]) == 16.0
 
 
-def test_float32_weights_and_inputs_take_f_linear() -> None:
-    weight = torch.randn(12, 10)
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this build")
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_packed_float32_product_matches_f_linear(rows: int) -> None:
+    """float32 weights are packed too (oneDNN's float32 kernel): equal to float32 rounding."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=generator)
+    bias = torch.randn(96, generator=generator)
+    x = torch.randn(rows, 80, generator=generator)
+    matmul = DenseMatmul(weight)
+    matmul.pack()
+    assert matmul.packed is not None
+    got = matmul(x, bias)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_float16_weights_take_f_linear() -> None:
+    weight = torch.randn(12, 10).half()
     matmul = DenseMatmul(weight)
     matmul.pack()
     assert matmul.packed is None
-    x = torch.randn(3, 10)
+    x = torch.randn(3, 10).half()
     assert torch.equal(matmul(x), F.linear(x, weight))
 
 
