@@ -39,7 +39,8 @@ from workers.dense_matmul import DenseMatmul
 
 
 def _unpacked(group: WorkerGroup) -> None:
-    """Drop every packed weight (the linear layers and the LM head's screen run `F.linear`)."""
+    """Drop every packed weight (the linear layers, the LM head's screen or, in float32, the
+    head itself run `F.linear`)."""
     model = group._local.model  # a benchmark-only reach into the in-process rank
     for module in model.modules():
         matmul = getattr(module, "matmul", None)
@@ -48,6 +49,7 @@ def _unpacked(group: WorkerGroup) -> None:
     screen = getattr(model.lm_head, "screen", None)
     if screen is not None:
         screen.screen_matmul.packed = None
+    model.lm_head.head_matmul.packed = None
 
 
 def _round2(group: WorkerGroup) -> None:

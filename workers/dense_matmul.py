@@ -5,8 +5,9 @@ it into its blocked layout on every call: for a decode step that is a second pas
 weight byte. `DenseMatmul.pack()` does that reorder once (`mkldnn._reorder_linear_weight`) and
 calls then run `mkldnn._linear_pointwise` on the packed copy: the same oneDNN kernel, the same
 result, one pass. float32 weights are packed the same way (oneDNN's float32 kernel on the packed
-copy instead of MKL's sgemm: equal up to float32 summation order, 1.35-1.6x decode and 1.65-1.85x
-prefill for SmolLM2 here). Measured side by side: benchmarks/README.md, Round 3.
+copy instead of MKL's sgemm: equal up to float32 summation order; with the float32 LM head
+packed as well, 1.5-1.9x decode and 1.7-2x prefill for SmolLM2 here). Measured side by side:
+benchmarks/README.md, Round 3.
 
 Invariants: `__call__` returns what `F.linear(x, weight, bias)` returns, in `x`'s dtype (bitwise
 in bfloat16, to float32 rounding in float32); the packed copy is a snapshot taken by the last

@@ -149,6 +149,8 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     With `screened` (a float32 LM head of a reduced-precision model), `load` also builds a
     `ScreenedHead` and `logits` computes through it: bfloat16 speed, float32 top logits.
+    Otherwise `logits` runs `head_matmul` (a `DenseMatmul`, which the model packs for its LM
+    head only, so an embedding that is not the head keeps one copy of its weight).
     """
 
     def __init__(
@@ -170,6 +172,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         )
         self.screened = screened
         self.screen: ScreenedHead | None = None
+        self.head_matmul = DenseMatmul(self.weight)  # packed by the model when it is the head
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -181,7 +184,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.screen is None:
-            local = F.linear(hidden, self.weight)
+            local = self.head_matmul(hidden)
         else:
             local = self.screen.logits(hidden)
             if local.shape[1] < self.weight.shape[0]:  # this rank's padding rows: zero logits

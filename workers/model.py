@@ -236,3 +236,5 @@ class CausalLM(torch.nn.Module):
         for module in self.modules():  # the weights are final: prepack them where it pays
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.matmul.pack()
+        if self.lm_head.screen is None:  # float32: the head's plain product, packed
+            self.lm_head.head_matmul.pack()

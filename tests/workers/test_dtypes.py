@@ -50,3 +50,15 @@ def test_half_precision_logits_stay_close_to_float32(
         assert model.lm_head.screen is not None  # the reduced modes' screened float32 head
     finally:
         group.shutdown()
+
+
+def test_float32_model_packs_its_linears_and_lm_head(tiny_group: WorkerGroup) -> None:
+    """The exact mode packs every linear and its (unscreened) LM head where oneDNN can."""
+    model = tiny_group._local.model
+    matmuls = [
+        m.matmul for m in model.modules() if isinstance(getattr(m, "matmul", None), DenseMatmul)
+    ]
+    packable = can_pack(matmuls[0].weight)
+    assert all((m.packed is not None) == packable for m in matmuls)
+    assert model.lm_head.screen is None
+    assert (model.lm_head.head_matmul.packed is not None) == packable
