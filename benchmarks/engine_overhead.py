@@ -82,7 +82,7 @@ def measure(num_seqs: int = 64, prompt_len: int = 200, steps: int = 300) -> dict
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for index in range(num_seqs):
         prompt = [FIRST_TOKEN + (index * 31 + t) % 20000 for t in range(prompt_len)]
-        engine.add_request({"prompt_token_ids": prompt}, params)
+        engine.add_request(engine.request_builder.build({"prompt_token_ids": prompt}, params))
     while len(scheduler.running) < num_seqs or scheduler.waiting:
         engine.step()
     for _ in range(5):  # every prompt is computed: steady decode from here

@@ -63,15 +63,29 @@ class PrefillChunk:
 
 
 class GatherWorkspace:
-    """Gather buffers reused by every layer of one step (layers run one after another).
+    """Gather buffers and converted key masks reused by every layer of one step (layers run one
+    after another).
 
     A buffer per (dtype, device, block shape) is allocated on first use and kept: the same
     allocation for every layer stays in the CPU cache instead of being page-faulted in again.
+    A decode group's float32 key bias is converted to the query's dtype once per step, not once
+    per layer (the conversion of its strided view cost more than the gather of a small group).
     """
 
     def __init__(self, rows: int) -> None:
         self.rows = rows
         self._buffers: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._biases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def key_bias(self, index: int, group: DecodeGroup, dtype: torch.dtype) -> torch.Tensor | None:
+        """``group.key_bias`` (decode group ``index`` of this step) in ``dtype``, contiguous."""
+        if group.key_bias is None:
+            return None
+        found = self._biases.get((index, dtype))
+        if found is None:
+            found = group.key_bias.to(dtype).contiguous()
+            self._biases[(index, dtype)] = found
+        return found
 
     def buffers(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two ``[rows, block_numel]`` buffers (K and V) matching ``cache``'s blocks."""

@@ -4,10 +4,12 @@ Works from a ``PreparedAttention`` (``kernels.metadata``): the per-step gather i
 write slots are computed once and every layer reuses them. Decodes are attended in a handful of
 batched calls: the decode sequences, sorted by context length, are cut into groups whose padded
 gather stays bounded (``DECODE_GROUP_TOKENS``); one ``index_select`` per cache gathers a group's
-blocks into a reused ``[seqs, width * block_size, H_kv, D]`` buffer and one
-``scaled_dot_product_attention`` call attends with a key mask, GQA folded into the query rows
-(``[seqs, H_kv, group, D]``) so no K/V head is ever repeated. A prefill chunk (several query
-tokens) gathers its own blocks and attends with one causal SDPA call.
+blocks into a reused ``[seqs, width * block_size, H_kv, D]`` buffer; then either two ``bmm``
+calls over that buffer as it lies (``_all_heads``: bfloat16, few KV heads, at least
+``FOLDED_MIN_SEQS`` sequences) or one ``scaled_dot_product_attention`` call with a key mask, GQA
+folded into the query rows (``[seqs, H_kv, group, D]``). Neither repeats or copies a K/V head.
+A prefill chunk (several query tokens) gathers its own blocks and attends with one causal SDPA
+call.
 """
 
 from __future__ import annotations
@@ -88,18 +90,72 @@ def _window_bias(
     return bias.masked_fill_(~visible, float("-inf"))
 
 
+FOLDED_MAX_KV_HEADS = 4
+"""Decode groups of bfloat16 caches with at most this many KV heads attend with `_all_heads`
+(it does `H_kv` times the useful products)..."""
+
+FOLDED_MIN_SEQS = 4
+"""...when they hold at least this many sequences (below, SDPA's fixed cost is lower)."""
+
+
+def _all_heads(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention by two plain ``bmm`` calls on the gathered buffers, no copy of K or V.
+
+    ``q`` ``[seqs, H_kv, group, D]``; ``keys``/``values`` ``[seqs, T, H_kv, D]`` (contiguous, as
+    gathered); ``bias`` float32 ``[seqs, 1, 1, T]`` or None. Each sequence's keys are one
+    contiguous ``[T * H_kv, D]`` matrix, so every query head is multiplied against every KV head
+    (``H_kv`` times the useful work, on matrices oneDNN handles well) and the matching
+    ``H_kv`` diagonal blocks are kept; likewise for the values. Softmax runs in float32 over
+    the products (rounded to the cache dtype by ``bmm``). Returns ``[seqs, H_kv * group, D]``.
+    SDPA on the same buffers reads K and V through strided head views: 1.3x slower here.
+    """
+    seqs, num_kv_heads, group, head_dim = q.shape
+    keys_len = keys.shape[1]
+    rows = num_kv_heads * group
+    products = torch.bmm(q.reshape(seqs, rows, head_dim), keys.view(seqs, -1, head_dim).mT)
+    scores = products.view(seqs, num_kv_heads, group, keys_len, num_kv_heads)
+    scores = scores.diagonal(dim1=1, dim2=4).permute(0, 3, 1, 2).to(torch.float32)
+    scores.mul_(scale)
+    if bias is not None:
+        scores += bias
+    weights = torch.softmax(scores, -1).to(q.dtype).view(seqs, rows, keys_len)
+    mixed = torch.bmm(weights, values.view(seqs, keys_len, -1))
+    mixed = mixed.view(seqs, num_kv_heads, group, num_kv_heads, head_dim)
+    return mixed.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(seqs, rows, head_dim)
+
+
+def _folds(cache_dtype: torch.dtype, num_kv_heads: int, num_seqs: int) -> bool:
+    """Whether a decode group attends with ``_all_heads`` rather than SDPA (measured: 1.1-1.3x
+    at 4-32 sequences of SmolLM2's 3 KV heads, 0.6-0.8x at 1-2)."""
+    return (
+        cache_dtype == torch.bfloat16
+        and num_kv_heads <= FOLDED_MAX_KV_HEADS
+        and num_seqs >= FOLDED_MIN_SEQS
+    )
+
+
 def _attend_decodes(
     query: torch.Tensor,
     k_flat: torch.Tensor,
     v_flat: torch.Tensor,
     buffers: tuple[torch.Tensor, torch.Tensor],
     group: DecodeGroup,
+    key_bias: torch.Tensor | None,
     geometry: tuple[int, int, int, int],
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
 ) -> None:
-    """One gather per cache and one SDPA call for every decode of ``group``; fills its rows."""
+    """One gather per cache and one attention call for every decode of ``group``; fills its rows.
+
+    ``key_bias`` is the group's key mask already in the dtype the call wants (None: no mask):
+    float32 for ``_all_heads`` (bfloat16 caches with few KV heads), the query's for SDPA."""
     block_size, num_kv_heads, group_size, head_dim = geometry
     seqs, count = group.num_seqs, group.block_ids.shape[0]
     shape = (seqs, group.width * block_size, num_kv_heads, head_dim)
@@ -110,15 +166,18 @@ def _attend_decodes(
     else:
         q = query.index_select(0, group.rows)
     q = q.reshape(seqs, num_kv_heads, group_size, head_dim)
+    folded = _folds(keys.dtype, num_kv_heads, seqs)
     if sliding_window is not None:
-        bias = _window_bias(group, block_size, sliding_window, query.dtype)
-    elif group.key_bias is not None:
-        bias = group.key_bias.to(query.dtype)
+        dtype = torch.float32 if folded else query.dtype
+        bias = _window_bias(group, block_size, sliding_window, dtype)
     else:
-        bias = None
-    attended = F.scaled_dot_product_attention(
-        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias, scale=scale
-    ).reshape(seqs, num_kv_heads * group_size, head_dim)
+        bias = key_bias
+    if folded:
+        attended = _all_heads(q, keys, values, bias, scale)
+    else:
+        attended = F.scaled_dot_product_attention(
+            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias, scale=scale
+        ).reshape(seqs, num_kv_heads * group_size, head_dim)
     if group.row_range is not None:
         out[group.row_range[0] : group.row_range[1]] = attended
     else:
@@ -140,9 +199,14 @@ def paged_attention(
     geometry = (block_size, num_kv_heads, group_size, head_dim)
     k_flat = k_cache.reshape(k_cache.shape[0], -1)  # a view: a layer's cache is contiguous
     v_flat = v_cache.reshape(v_cache.shape[0], -1)
-    buffers = metadata.workspace.buffers(k_cache)
-    for group in metadata.decode_groups:
-        _attend_decodes(query, k_flat, v_flat, buffers, group, geometry, scale, sliding_window, out)
+    workspace = metadata.workspace
+    buffers = workspace.buffers(k_cache)
+    for index, group in enumerate(metadata.decode_groups):
+        folded = _folds(k_cache.dtype, num_kv_heads, group.num_seqs)
+        bias = workspace.key_bias(index, group, torch.float32 if folded else query.dtype)
+        _attend_decodes(
+            query, k_flat, v_flat, buffers, group, bias, geometry, scale, sliding_window, out
+        )
     for chunk in metadata.prefills:
         q_len, context_len, start = chunk.query_len, chunk.context_len, chunk.start
         first_query = context_len - q_len

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from workers.checkpoint import CheckpointReader
+from workers.dense_matmul import DenseMatmul
+from workers.lm_head import ScreenedHead
 from workers.parallel import TensorParallel, even_range
 
 
@@ -48,7 +50,8 @@ class ColumnParallelLinear(torch.nn.Module):
     """y = x W^T (+ b) where W stacks this rank's row segments of one or more checkpoint tensors.
 
     Fusing (q, k, v) or (gate, up) into one matmul is a matter of listing several segments.
-    The output stays sharded (no collective).
+    The output stays sharded (no collective). The product runs through `self.matmul` (a
+    `DenseMatmul` over `self.weight`, packed by the model once loaded).
     """
 
     def __init__(
@@ -66,9 +69,10 @@ class ColumnParallelLinear(torch.nn.Module):
             if bias
             else None
         )
+        self.matmul = DenseMatmul(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         row = 0
@@ -95,7 +99,9 @@ class ColumnParallelLinear(torch.nn.Module):
 
 
 class RowParallelLinear(torch.nn.Module):
-    """y = all_reduce(x_shard W_shard^T) (+ b): this rank owns input columns `[start, stop)`."""
+    """y = all_reduce(x_shard W_shard^T) (+ b): this rank owns input columns `[start, stop)`.
+
+    The local product runs through `self.matmul` (see `ColumnParallelLinear`)."""
 
     def __init__(
         self,
@@ -120,9 +126,10 @@ class RowParallelLinear(torch.nn.Module):
             if bias
             else None
         )
+        self.matmul = DenseMatmul(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
     def load(self, reader: CheckpointReader, name: str) -> None:
@@ -139,10 +146,20 @@ class VocabParallelEmbedding(torch.nn.Module):
     `embed` looks up its own rows, zeroes the others, and all-reduces; `logits` (the LM head,
     sharing or not the embedding weight) computes its rows' logits and all-gathers, trimmed to
     `vocab_size`.
+
+    With `screened` (a float32 LM head of a reduced-precision model), `load` also builds a
+    `ScreenedHead` and `logits` computes through it: bfloat16 speed, float32 top logits.
+    Otherwise `logits` runs `head_matmul` (a `DenseMatmul`, which the model packs for its LM
+    head only, so an embedding that is not the head keeps one copy of its weight).
     """
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        screened: bool = False,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
@@ -153,6 +170,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.weight = torch.nn.Parameter(
             torch.zeros(rows_per_rank, hidden_size, dtype=dtype), requires_grad=False
         )
+        self.screened = screened
+        self.screen: ScreenedHead | None = None
+        self.head_matmul = DenseMatmul(self.weight)  # packed by the model when it is the head
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -163,10 +183,17 @@ class VocabParallelEmbedding(torch.nn.Module):
         return self.tp.all_reduce(vectors)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        if self.screen is None:
+            local = self.head_matmul(hidden)
+        else:
+            local = self.screen.logits(hidden)
+            if local.shape[1] < self.weight.shape[0]:  # this rank's padding rows: zero logits
+                local = F.pad(local, (0, self.weight.shape[0] - local.shape[1]))
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
 
     def load(self, reader: CheckpointReader, name: str) -> None:
         rows = self.stop - self.start
         weight = reader.read(name, (self.vocab_size, self.hidden_size), 0, self.start, self.stop)
         self.weight[:rows].copy_(weight)
+        if self.screened:
+            self.screen = ScreenedHead.of(self.weight[:rows])

@@ -199,7 +199,9 @@ class CausalLM(torch.nn.Module):
     In float32 every tensor is float32. In a reduced dtype (bfloat16, float16) the layers' weights
     and matmuls are in that dtype, but the residual stream between layers, the final norm and the
     LM head (its own float32 copy of the weights, even when tied to the embedding) stay float32:
-    rounding errors do not accumulate over the layers and the logits are not rounded.
+    rounding errors do not accumulate over the layers and the logits are not rounded. That LM
+    head screens in bfloat16 and recomputes in float32 every logit that could be a row's
+    maximum (`workers.lm_head.ScreenedHead`), so its greedy choice is the float32 head's.
     """
 
     def __init__(self, spec: ModelSpec, tp: TensorParallel, dtype: torch.dtype) -> None:
@@ -216,7 +218,9 @@ class CausalLM(torch.nn.Module):
         self.lm_head = (
             self.embed_tokens
             if spec.tie_word_embeddings and not self.reduced
-            else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, head_dtype)
+            else VocabParallelEmbedding(
+                spec.vocab_size, spec.hidden_size, tp, head_dtype, screened=self.reduced
+            )
         )
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
 
@@ -255,3 +259,8 @@ class CausalLM(torch.nn.Module):
             self.lm_head.load(reader, "lm_head.weight")
         elif self.lm_head is not self.embed_tokens:
             self.lm_head.load(reader, "model.embed_tokens.weight")
+        for module in self.modules():  # the weights are final: prepack them where it pays
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.matmul.pack()
+        if self.lm_head.screen is None:  # float32: the head's plain product, packed
+            self.lm_head.head_matmul.pack()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import kernels
-from kernels import reference
+from kernels import reference, torch_cpu
+from kernels.metadata import prepare_attention
 from tests.kernels.cases import (
     BLOCK_SIZES,
     DTYPES,
@@ -88,3 +89,63 @@ def test_cpu_other_head_dims_match_reference(head_dim: int) -> None:
     )
     got, expected = _both(case, window=11)
     assert_close(got, expected, torch.float32)
+
+
+def _folded_groups(case: AttentionCase) -> list[bool]:
+    """Per decode group of the case's prepared metadata: whether it takes `_all_heads`."""
+    prepared = prepare_attention(
+        case.cu_query_lens,
+        case.context_lens,
+        case.block_tables,
+        num_blocks=case.k_cache.shape[0],
+        block_size=case.k_cache.shape[1],
+    )
+    num_kv_heads = case.k_cache.shape[2]
+    return [
+        torch_cpu._folds(case.k_cache.dtype, num_kv_heads, group.num_seqs)
+        for group in prepared.decode_groups
+    ]
+
+
+RAGGED_DECODES = [(16, 1), (17, 1), (31, 1), (32, 1), (33, 1), (1, 1), (47, 1), (40, 1)]
+"""Contexts on, one past and one short of block boundaries, a one-token context: one group."""
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 4, 64), (4, 1, 128), (2, 2, 32)]
+)
+@pytest.mark.parametrize("window", [None, 9])
+def test_cpu_folded_decodes_match_reference(
+    num_kv_heads: int, group: int, head_dim: int, window: int | None
+) -> None:
+    """bfloat16 decode groups of >= FOLDED_MIN_SEQS sequences (ragged contexts, partial last
+    blocks, GQA, MQA and MHA, sliding window) attend by `_all_heads`, within tolerance."""
+    case = make_case(
+        RAGGED_DECODES,
+        block_size=16,
+        head_dim=head_dim,
+        group=group,
+        dtype=torch.bfloat16,
+        num_kv_heads=num_kv_heads,
+        seed=num_kv_heads * 10 + group,
+    )
+    assert any(_folded_groups(case))
+    got, expected = _both(case, window=window)
+    assert_close(got, expected, torch.bfloat16)
+
+
+def test_cpu_folded_and_sdpa_decodes_mixed_with_prefills() -> None:
+    """A step with a prefill chunk, a folded decode group and a small SDPA decode group."""
+    lengths = [(40, 12), *RAGGED_DECODES, (200, 1), (190, 0)]
+    case = make_case(lengths, block_size=16, head_dim=64, group=3, dtype=torch.bfloat16, seed=3)
+    folded = _folded_groups(case)
+    assert True in folded and False in folded
+    got, expected = _both(case)
+    assert_close(got, expected, torch.bfloat16)
+
+
+def test_cpu_many_kv_heads_or_float_caches_keep_sdpa() -> None:
+    assert not torch_cpu._folds(torch.bfloat16, torch_cpu.FOLDED_MAX_KV_HEADS + 1, 16)
+    assert not torch_cpu._folds(torch.float32, 3, 16)
+    assert not torch_cpu._folds(torch.bfloat16, 3, torch_cpu.FOLDED_MIN_SEQS - 1)
+    assert torch_cpu._folds(torch.bfloat16, 3, torch_cpu.FOLDED_MIN_SEQS)

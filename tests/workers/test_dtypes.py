@@ -13,6 +13,7 @@ import torch
 
 from tests.workers.paged_runner import greedy_generate
 from workers import WorkerConfig, WorkerGroup
+from workers.dense_matmul import DenseMatmul, can_pack
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -38,5 +39,26 @@ def test_half_precision_logits_stay_close_to_float32(
         spread = float(reference.max() - reference.min())
         assert float((logits - reference).abs().max()) <= 0.02 * spread
         assert logits.dtype == torch.float32
+        model = group._local.model
+        matmuls = [
+            m.matmul for m in model.modules() if isinstance(getattr(m, "matmul", None), DenseMatmul)
+        ]
+        assert len(matmuls) == 4 * len(model.layers)
+        # bfloat16 layers are prepacked wherever oneDNN can (float16 ones never are)
+        packable = dtype == "bfloat16" and can_pack(matmuls[0].weight)
+        assert all((m.packed is not None) == packable for m in matmuls)
+        assert model.lm_head.screen is not None  # the reduced modes' screened float32 head
     finally:
         group.shutdown()
+
+
+def test_float32_model_packs_its_linears_and_lm_head(tiny_group: WorkerGroup) -> None:
+    """The exact mode packs every linear and its (unscreened) LM head where oneDNN can."""
+    model = tiny_group._local.model
+    matmuls = [
+        m.matmul for m in model.modules() if isinstance(getattr(m, "matmul", None), DenseMatmul)
+    ]
+    packable = can_pack(matmuls[0].weight)
+    assert all((m.packed is not None) == packable for m in matmuls)
+    assert model.lm_head.screen is None
+    assert (model.lm_head.head_matmul.packed is not None) == packable
