@@ -101,6 +101,24 @@ def unary_outcome(base: str, max_tokens: int) -> str:
     return f"{response.status_code} {response.text[:120]}"
 
 
+def health_after_kill(base: str, wait_s: float = 5.0, period_s: float = 0.1) -> str:
+    """`/health`'s first answer other than 200 within `wait_s` of a kill (the replica learns of
+    a dead rank only when its step in flight fails, which on a loaded machine takes a moment),
+    else its last answer."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            health = httpx.get(f"{base}/health", timeout=10)
+            answer = f"{health.status_code} {health.text[:120]}"
+            if health.status_code != 200:
+                return answer
+        except httpx.HTTPError as error:
+            answer = type(error).__name__
+        if time.monotonic() >= deadline:
+            return answer
+        time.sleep(period_s)
+
+
 def kill_under_load(
     server: Any,
     kill: Callable[[Any], str],
@@ -134,14 +152,16 @@ def kill_under_load(
     time.sleep(1.0)
     result.killed = kill(server)
     killed_at = time.monotonic()
-    try:
-        health = httpx.get(f"{server.base}/health", timeout=10)
-        result.health_after_kill = f"{health.status_code} {health.text[:120]}"
-    except httpx.HTTPError as error:
-        result.health_after_kill = f"{type(error).__name__}"
+
+    def watch_health() -> None:
+        result.health_after_kill = health_after_kill(server.base)
+
+    health_watch = threading.Thread(target=watch_health)  # beside the probes: no gap hidden
+    health_watch.start()
     probe(server.base, result, killed_at, probe_period_s, probe_for_s, resume_timeout_s)
     for thread in threads:
         thread.join(resume_timeout_s)
+    health_watch.join(30.0)
     errors = [at for outcome, at in ends if outcome in ("error", "error_no_done")]
     if errors:
         result.seconds_to_notice = round(min(errors) - killed_at, 3)
