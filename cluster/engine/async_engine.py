@@ -26,13 +26,13 @@ down in a worker thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
 
 from block_manager import BlockEvent, PressureSnapshot
+from cluster.engine.background import cancel_and_wait
 from cluster.engine.client import EngineHealth
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
@@ -245,11 +245,8 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         """Stops the step loop and the workers (in a worker thread: it waits on Ray)."""
         self._shut_down = True
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-            self._loop_task = None
+        await cancel_and_wait(self._loop_task)
+        self._loop_task = None
         await asyncio.to_thread(self.core.shutdown)
 
     # --- the step loop --------------------------------------------------------------------

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from cluster.engine.background import cancel_and_wait
 from cluster.engine.errors import EngineDead, EngineOverloaded
 
 DRAIN_ACTOR_NAME = "pagedserve-drain"
@@ -135,11 +136,8 @@ class DrainGate:
             self._task = asyncio.get_running_loop().create_task(self._watch())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _watch(self) -> None:
         assert self._report is not None

@@ -33,6 +33,7 @@ from typing import Any
 import ray
 
 from block_manager import BlockEvent, PressureSnapshot, TierPressure
+from cluster.engine.background import cancel_and_wait
 from cluster.serving.directory_index import (
     DirectoryIndex,
     DirectoryStats,
@@ -181,10 +182,7 @@ class DirectoryPublisher:
             self.needs_snapshot = True
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.directory.drop.remote(self.replica), timeout=2.0)
 

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 
+from cluster.engine.background import cancel_and_wait
 from cluster.engine.errors import AdapterNotFound, EngineDead, InvalidAdapter
 from cluster.engine.lora_request import LoRARequest
 from cluster.serving.lora_registry import AdapterSet, RegistryPort
@@ -66,10 +67,7 @@ class AdapterService:
         self._task = asyncio.get_running_loop().create_task(self._watch())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def _see(self, state: AdapterSet) -> None:
         if state.epoch != self.view.epoch or state.version >= self.view.version:

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from cluster.engine.background import cancel_and_wait
 from cluster.engine.errors import AdapterNotFound, InvalidAdapter, RequestRejected
 from cluster.engine.lora_request import LoRARequest
 from cluster.serving.lora_registry import AdapterSet, ApplyReport, RegistryPort
@@ -122,10 +123,7 @@ class AdapterSync:
                 await asyncio.sleep(RETRY_S)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(2.0):
                 await self.registry.leave(self.replica)
