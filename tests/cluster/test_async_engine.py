@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import pathlib
 
-import pytest
-import ray
-
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
@@ -46,16 +43,6 @@ def test_streams_deltas_and_abort_frees_everything(tiny_model_dir: pathlib.Path)
         await engine.shutdown()
 
     asyncio.run(scenario())
-
-
-@pytest.fixture
-def ray_cluster() -> object:
-    started = not ray.is_initialized()  # reuse the session cluster tests/serving starts
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def test_async_engine_with_tensor_parallel_two(

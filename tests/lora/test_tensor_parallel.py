@@ -5,10 +5,8 @@ intermediate is all-reduced. Logits within 1e-4 (the TP tests' tolerance), token
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterator
 
 import pytest
-import ray
 import torch
 
 from tests.workers.paged_runner import greedy_generate
@@ -17,16 +15,6 @@ from workers.plan import LoRASlotLoad
 
 LOGITS_ATOL = 1e-4
 PROMPTS = [[1, 5, 77, 300, 12, 9, 4000], [1, 42, 42, 7, 19], [1, 8, 1000, 3]]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _run(group: WorkerGroup, adapters: list[pathlib.Path]) -> tuple[list[list[int]], list]:

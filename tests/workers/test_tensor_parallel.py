@@ -25,16 +25,6 @@ LOGITS_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tp2_group(
     ray_cluster: None, tiny_model_dir: pathlib.Path, weights_cache: pathlib.Path
 ) -> Iterator[WorkerGroup]:
