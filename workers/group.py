@@ -3,7 +3,9 @@
 Backend "ray": one Ray actor per rank, joined in a torch.distributed group, each in a bundle of
 its own: the caller's placement group's when it runs in one (a Serve replica), else a group the
 WorkerGroup creates and removes (see `workers.placement`).
-Backend "local": one in-process rank (TP = 1), for tests and offline use.
+Backend "local": one in-process rank (TP = 1), for tests, offline use and CPU serving; every
+torch call it makes (load, steps, adapters, shutdown) runs on the rank's one thread
+(`workers.rank_thread`: OpenMP teams of several calling threads fight for the cores).
 
 Every step sends the same plan to every rank (one `ray.put` when there are several, so it is
 serialized once); rank 0's `StepOutput` comes back. The group keeps the last and mean per-step
@@ -29,6 +31,7 @@ from workers.parallel import check_tensor_parallel
 from workers.placement import RankPlacement, place_ranks
 from workers.plan import StepOutput, StepPlan
 from workers.rank import WorkerRank
+from workers.rank_thread import RankThread
 from workers.weights_digest import default_cache_root
 
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -103,17 +106,28 @@ class WorkerGroup:
         self.model_info = _model_info(config, description, max_model_len)
         self.overhead = CallOverhead()
         self._local: WorkerRank | None = None
+        self._rank_thread: RankThread | None = None
         self._actors: list[Any] = []
         self.placement: RankPlacement | None = None
         args = (config, description, str(cache_root))
         if config.backend == "local":
             cuda = torch.cuda.is_available() and config.device != "cpu"
             device = "cuda" if cuda or config.device == "cuda" else "cpu"
-            self._local = WorkerRank(*args, 0, 1, device, max_model_len)
-            self._local.load()
-            self.num_device_blocks = self._local.measure_device_blocks()
-            self.num_cpu_blocks = self._local.cpu_blocks()
-            self._local.allocate(self.num_device_blocks, self.num_cpu_blocks)
+            # The rank thread starts with the builder's torch thread count (OpenMP keeps one
+            # per thread); the rank sets `num_threads` on it when the config asks for a count.
+            threads = torch.get_num_threads()
+            self._rank_thread = thread = RankThread(
+                initializer=lambda: torch.set_num_threads(threads)
+            )
+            try:
+                self._local = local = thread.call(WorkerRank, *args, 0, 1, device, max_model_len)
+                thread.call(local.load)
+                self.num_device_blocks = thread.call(local.measure_device_blocks)
+                self.num_cpu_blocks = thread.call(local.cpu_blocks)
+                thread.call(local.allocate, self.num_device_blocks, self.num_cpu_blocks)
+            except BaseException:
+                self.shutdown()
+                raise
         else:
             try:
                 self._start_actors(args, max_model_len)
@@ -168,7 +182,8 @@ class WorkerGroup:
         on Ray, queued behind the step each rank is running). Raises ValueError naming the
         problem, on every rank alike (the same validation), with nothing loaded changed."""
         if self._local is not None:
-            return self._local.add_lora(path)
+            assert self._rank_thread is not None
+            return self._rank_thread.call(self._local.add_lora, path)
         import ray
 
         try:
@@ -193,7 +208,10 @@ class WorkerGroup:
         """`execute`, plus rank 0's float32 logits of the sampled rows (for tests and tools)."""
         began = time.perf_counter()
         if self._local is not None:
-            output, logits = self._local.execute_with_logits(plan, keep_logits)
+            assert self._rank_thread is not None
+            output, logits = self._rank_thread.call(
+                self._local.execute_with_logits, plan, keep_logits
+            )
         else:
             import ray
 
@@ -208,7 +226,8 @@ class WorkerGroup:
         """`execute`, awaitable: the event loop keeps running while the ranks work."""
         began = time.perf_counter()
         if self._local is not None:
-            output = await asyncio.to_thread(self._local.execute, plan)
+            assert self._rank_thread is not None
+            output = await self._rank_thread.call_async(self._local.execute, plan)
         else:
             import ray
 
@@ -222,8 +241,12 @@ class WorkerGroup:
     def shutdown(self) -> None:
         """Stop every rank and release the placement group (idempotent)."""
         if self._local is not None:
-            self._local.shutdown()
+            assert self._rank_thread is not None
+            self._rank_thread.call(self._local.shutdown)
             self._local = None
+        if self._rank_thread is not None:
+            self._rank_thread.close()
+            self._rank_thread = None
         if self._actors:
             import ray
 
