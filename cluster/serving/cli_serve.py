@@ -85,6 +85,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    parser.add_argument(
+        "--ray-dashboard",
+        action="store_true",
+        help="start Ray's dashboard (:8265) with the local cluster; off by default, since its "
+        "processes take CPU from the forward pass (no effect with RAY_ADDRESS set)",
+    )
     add_lora_arguments(parser)
 
 
@@ -286,7 +292,12 @@ def run_serve(args: argparse.Namespace) -> int:
     for line in describe_endpoints(config):
         print(f"  {line}")
     sys.stdout.flush()
-    return run_config(config, grace_s=shutdown_grace_s(config), ready_file=args.ready_file)
+    return run_config(
+        config,
+        grace_s=shutdown_grace_s(config),
+        ready_file=args.ready_file,
+        ray_dashboard=args.ray_dashboard,
+    )
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

@@ -120,10 +120,24 @@ def drain(coordinator: Any, grace_s: float, hurry: threading.Event) -> DrainRepo
     return report
 
 
-def run_config(config: dict[str, Any], *, grace_s: float, ready_file: str | None = None) -> int:
+def cluster_options(address: str, ray_dashboard: bool) -> dict[str, Any]:
+    """`ray.init` options beyond the address: a new local cluster (`address` "local") gets the
+    dashboard only when asked; an existing cluster is joined as it is."""
+    return {"include_dashboard": ray_dashboard} if address == "local" else {}
+
+
+def run_config(
+    config: dict[str, Any],
+    *,
+    grace_s: float,
+    ready_file: str | None = None,
+    ray_dashboard: bool = False,
+) -> int:
     """Deploys `config` (a validated Serve config) on a Ray cluster (RAY_ADDRESS, else a new
     local one), waits for a signal, drains for up to `grace_s`, shuts down and returns the exit
-    status (0)."""
+    status (0). A new local cluster starts without Ray's dashboard unless `ray_dashboard`: its
+    dozen processes wake every few milliseconds, and each wake-up stalls a forward pass whose
+    threads fill the cores (15-20 % slower decode steps on 2 cores, benchmarks/README.md)."""
     import ray
     from ray import serve
     from ray.serve._private import api as serve_api
@@ -135,7 +149,9 @@ def run_config(config: dict[str, Any], *, grace_s: float, ready_file: str | None
     address = os.environ.get("RAY_ADDRESS") or "local"
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=address, namespace=SERVE_NAMESPACE)
+        ray.init(
+            address=address, namespace=SERVE_NAMESPACE, **cluster_options(address, ray_dashboard)
+        )
     try:
         # After ray.init: Ray's core worker installs a native SIGTERM handler that prints a
         # stack trace and aborts; the Python handlers installed here replace it.

@@ -167,3 +167,14 @@ def test_shutdown_grace_comes_from_the_flag_else_the_app_args_else_25_s(tmp_path
     assert grace(resolve_serve_config(_serve_args("--config", str(path)))) == (12.0, 12.0)
     with pytest.raises(ConfigError, match="shutdown-grace-s"):
         resolve_serve_config(_serve_args("--shutdown-grace-s", "-1"))
+
+
+def test_a_new_local_cluster_starts_without_rays_dashboard_unless_asked() -> None:
+    from cluster.serving.serve_runner import cluster_options
+
+    assert _serve_args().ray_dashboard is False
+    assert _serve_args("--ray-dashboard").ray_dashboard is True
+    assert cluster_options("local", ray_dashboard=False) == {"include_dashboard": False}
+    assert cluster_options("local", ray_dashboard=True) == {"include_dashboard": True}
+    # an existing cluster (RAY_ADDRESS) is joined as it is
+    assert cluster_options("ray://head:10001", ray_dashboard=False) == {}
