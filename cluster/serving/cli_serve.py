@@ -35,6 +35,7 @@ BENCHMARKS: tuple[str, ...] = (
     "serving",
     "layouts",
     "vs_llamacpp",
+    "engine_replay",
 )
 """Modules under `benchmarks/` that `pagedserve bench NAME` runs."""
 
