@@ -41,6 +41,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenization import RenderedPrompt
+from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.cli_serve import shipped_serve_config
 from workers.group import WorkerGroup
 from workers.plan import StepOutput, StepPlan
@@ -60,8 +61,9 @@ class StepLog:
 
 
 def shipped_engine_config() -> EngineConfig:
+    """The engine a replica of the shipped config builds (its first application's args)."""
     config = yaml.safe_load(shipped_serve_config().read_text())
-    return EngineConfig.build(config["applications"][0]["args"]["engine"])
+    return ServeAppArgs.model_validate(config["applications"][0]["args"]).engine_config()
 
 
 def step_caller(

@@ -3,9 +3,10 @@
 Backend "ray": one Ray actor per rank, joined in a torch.distributed group, each in a bundle of
 its own: the caller's placement group's when it runs in one (a Serve replica), else a group the
 WorkerGroup creates and removes (see `workers.placement`).
-Backend "local": one in-process rank (TP = 1), for tests, offline use and CPU serving; every
-torch call it makes (load, steps, adapters, shutdown) runs on the rank's one thread
-(`workers.rank_thread`: OpenMP teams of several calling threads fight for the cores).
+Backend "local": one in-process rank (TP = 1), for tests, offline use and CPU serving; its
+load, steps and shutdown run on the rank's one thread (`workers.rank_thread`: OpenMP teams of
+several calling threads fight for the cores). Adapter files are read on a second thread with
+one torch thread (no OpenMP team), so a load overlaps the steps instead of stalling them.
 
 Every step sends the same plan to every rank (one `ray.put` when there are several, so it is
 serialized once); rank 0's `StepOutput` comes back. The group keeps the last and mean per-step
@@ -106,19 +107,21 @@ class WorkerGroup:
         self.model_info = _model_info(config, description, max_model_len)
         self.overhead = CallOverhead()
         self._local: WorkerRank | None = None
-        self._rank_thread: RankThread | None = None
+        # Local backend only (a RankThread starts its thread on first use). The rank thread
+        # starts with the builder's torch thread count (OpenMP keeps one per thread); the rank
+        # sets `num_threads` on it when the config asks for a count.
+        threads = torch.get_num_threads()
+        self._rank_thread = RankThread(initializer=lambda: torch.set_num_threads(threads))
+        self._loader_thread = RankThread(
+            "pagedserve-rank0-loader", initializer=lambda: torch.set_num_threads(1)
+        )
         self._actors: list[Any] = []
         self.placement: RankPlacement | None = None
         args = (config, description, str(cache_root))
         if config.backend == "local":
             cuda = torch.cuda.is_available() and config.device != "cpu"
             device = "cuda" if cuda or config.device == "cuda" else "cpu"
-            # The rank thread starts with the builder's torch thread count (OpenMP keeps one
-            # per thread); the rank sets `num_threads` on it when the config asks for a count.
-            threads = torch.get_num_threads()
-            self._rank_thread = thread = RankThread(
-                initializer=lambda: torch.set_num_threads(threads)
-            )
+            thread = self._rank_thread
             try:
                 self._local = local = thread.call(WorkerRank, *args, 0, 1, device, max_model_len)
                 thread.call(local.load)
@@ -179,11 +182,11 @@ class WorkerGroup:
 
     def add_lora(self, path: str) -> AdapterSummary:
         """Every rank reads its slice of the PEFT adapter at `path` into CPU memory (blocking;
-        on Ray, queued behind the step each rank is running). Raises ValueError naming the
+        in process on the loader thread, while steps go on; on Ray, queued behind the step each
+        rank is running). Raises ValueError naming the
         problem, on every rank alike (the same validation), with nothing loaded changed."""
         if self._local is not None:
-            assert self._rank_thread is not None
-            return self._rank_thread.call(self._local.add_lora, path)
+            return self._loader_thread.call(self._local.add_lora, path)
         import ray
 
         try:
@@ -208,7 +211,6 @@ class WorkerGroup:
         """`execute`, plus rank 0's float32 logits of the sampled rows (for tests and tools)."""
         began = time.perf_counter()
         if self._local is not None:
-            assert self._rank_thread is not None
             output, logits = self._rank_thread.call(
                 self._local.execute_with_logits, plan, keep_logits
             )
@@ -226,7 +228,6 @@ class WorkerGroup:
         """`execute`, awaitable: the event loop keeps running while the ranks work."""
         began = time.perf_counter()
         if self._local is not None:
-            assert self._rank_thread is not None
             output = await self._rank_thread.call_async(self._local.execute, plan)
         else:
             import ray
@@ -240,13 +241,11 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Stop every rank and release the placement group (idempotent)."""
+        self._loader_thread.close()  # an adapter read in flight finishes first
         if self._local is not None:
-            assert self._rank_thread is not None
             self._rank_thread.call(self._local.shutdown)
             self._local = None
-        if self._rank_thread is not None:
-            self._rank_thread.close()
-            self._rank_thread = None
+        self._rank_thread.close()
         if self._actors:
             import ray
 

@@ -75,7 +75,8 @@ def test_every_torch_call_of_a_local_rank_runs_on_one_thread(
     tiny_model_dir: pathlib.Path, weights_cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Load, synchronous steps from two different threads and awaited steps all run on the
-    rank's own thread, with the caller's torch thread count (one OpenMP team, not one per
+    rank's own thread, with the caller's torch thread count (adapter reads on another thread,
+    with one torch thread) (one OpenMP team, not one per
     calling thread: measured 1.6-1.9x slower decode steps otherwise)."""
     from workers import WorkerGroup
     from workers.rank import WorkerRank
@@ -91,7 +92,7 @@ def test_every_torch_call_of_a_local_rank_runs_on_one_thread(
 
         return wrapper
 
-    for name in ("load", "allocate", "execute", "execute_with_logits", "shutdown"):
+    for name in ("load", "allocate", "execute", "execute_with_logits", "add_lora", "shutdown"):
         monkeypatch.setattr(WorkerRank, name, recording(name))
     config = WorkerConfig(
         model=str(tiny_model_dir),
@@ -119,10 +120,18 @@ def test_every_torch_call_of_a_local_rank_runs_on_one_thread(
         other.submit(group.execute, StepPlan(2, [SequenceWork(0, [8], 3, 1, [], 1)])).result()
         callers.add(other.submit(threading.get_ident).result())
     asyncio.run(group.execute_async(StepPlan(3, [SequenceWork(0, [9], 4, 1, [1], 1)])))
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        group.add_lora("/no/adapter")
     group.shutdown()
+    # adapter files are read beside the steps, on one torch thread (no second OpenMP team)
+    (adapter_thread, adapter_torch_threads) = next(
+        (ident, count) for name, ident, count in seen if name == "add_lora"
+    )
+    seen = [entry for entry in seen if entry[0] != "add_lora"]
+    assert adapter_torch_threads == 1
     names = [name for name, _, _ in seen]
     assert names[:2] == ["load", "allocate"] and names[-1] == "shutdown"
     assert names.count("execute") + names.count("execute_with_logits") >= 3
     threads = {ident for _, ident, _ in seen}
-    assert len(threads) == 1 and threads.isdisjoint(callers)
+    assert len(threads) == 1 and threads.isdisjoint(callers | {adapter_thread})
     assert {count for _, _, count in seen} == {torch.get_num_threads()}
