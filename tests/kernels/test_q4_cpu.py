@@ -1,0 +1,167 @@
+"""The CPU 4-bit kernel (`kernels.q4_cpu`) against plain torch: the exact recovery of GGUF Q4_1
+blocks from dequantized float32 weights, and products equal to float32 (float64 as the oracle)
+over the dequantized weights, in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kernels import q4_cpu
+from kernels.q4_cpu import Q4Weight, q4_matmul
+
+
+def cpu_flags() -> list[str]:
+    """This machine's CPU feature flags (empty where /proc/cpuinfo does not exist)."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    return next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
+
+
+def cpu_has_avx512() -> bool:
+    return "avx512f" in cpu_flags() and "avx512bw" in cpu_flags()
+
+
+needs_kernel = pytest.mark.skipif(not cpu_has_avx512(), reason="the kernel needs AVX-512")
+
+
+def gguf_q4_1(rows: int, cols: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """(GGUF Q4_1 blocks, their float32 dequantization) of a random matrix, by the gguf package."""
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    values *= np.random.default_rng(seed + 1).uniform(0.01, 3.0, (rows, 1)).astype(np.float32)
+    blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1)
+    dequantized = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1)
+    return blocks, torch.from_numpy(np.ascontiguousarray(dequantized, dtype=np.float32))
+
+
+def test_kernel_is_built_wherever_the_cpu_runs_it() -> None:
+    """pip builds the library at install time; a missing build on an AVX-512 machine is a
+    failure here, not a silent fallback to the dense product."""
+    assert q4_cpu.available() == cpu_has_avx512()
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1, 32), (7, 96), (96, 576), (130, 1536)])
+def test_recover_finds_gguf_q4_1_blocks_exactly(rows: int, cols: int) -> None:
+    blocks, dequantized = gguf_q4_1(rows, cols, seed=rows)
+    recovered = Q4Weight.recover(dequantized)
+    assert recovered is not None
+    assert recovered.shape == (rows, cols)
+    assert torch.equal(recovered.dequantize(), dequantized)
+    # the same codes and scales the file holds: per block fp16 d, fp16 m, 16 code bytes
+    raw = blocks.reshape(rows, cols // 32, 20)
+    scales = raw[:, :, 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+    mins = raw[:, :, 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+    assert torch.equal(recovered.mins, torch.from_numpy(mins))
+    nonconstant = recovered.scales != 0
+    assert torch.equal(recovered.scales[nonconstant], torch.from_numpy(scales)[nonconstant])
+    codes = torch.from_numpy(raw[:, :, 4:].reshape(rows, cols // 2).copy())
+    block_nonconstant = nonconstant.repeat_interleave(16, dim=1)
+    assert torch.equal(recovered.codes[block_nonconstant], codes[block_nonconstant])
+
+
+def test_recover_handles_constant_and_zero_blocks() -> None:
+    weight = torch.zeros(3, 64)
+    weight[1, :32] = 0.5
+    weight[2, 32:] = -1.25
+    recovered = Q4Weight.recover(weight)
+    assert recovered is not None
+    assert torch.equal(recovered.dequantize(), weight)
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [
+        torch.randn(8, 64),  # dense float32 weights: no 4-bit form
+        torch.randn(8, 48),  # width not a multiple of 32
+        torch.randn(8, 64).bfloat16(),  # not float32
+        torch.full((2, 32), float("nan")),
+    ],
+    ids=["random", "width", "dtype", "nan"],
+)
+def test_recover_refuses_what_has_no_exact_4_bit_form(weight: torch.Tensor) -> None:
+    assert Q4Weight.recover(weight) is None
+
+
+def test_recover_refuses_a_matrix_exact_only_in_its_first_row() -> None:
+    _, dequantized = gguf_q4_1(4, 64, seed=3)
+    dequantized[2, 5] += 1e-3
+    assert Q4Weight.recover(dequantized) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (6, 64), (130, 576)])
+def test_float32_product_equals_float32_matmul_over_the_dequantized_weights(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    _, dequantized = gguf_q4_1(out_features, in_features, seed=out_features + rows)
+    weight = Q4Weight.recover(dequantized)
+    assert weight is not None
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    got = q4_matmul(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    exact = x.double() @ dequantized.double().T
+    # float32 summation: error below K * eps * sum |x||w| per output
+    bound = in_features * 2**-23 * (x.double().abs() @ dequantized.double().abs().T)
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 4, 6])
+def test_bfloat16_product_is_the_float32_product_rounded(rows: int) -> None:
+    """bfloat16 inputs are widened exactly and the float32 result rounded once (nearest even):
+    the weights are the exact float32 ones, not rounded to bfloat16."""
+    _, dequantized = gguf_q4_1(64, 576, seed=rows)
+    weight = Q4Weight.recover(dequantized)
+    assert weight is not None
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = q4_matmul(x, weight)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 64)
+    assert torch.equal(got, q4_matmul(x.float(), weight).bfloat16())
+    exact = x.double() @ dequantized.double().T
+    summation = 576 * 2**-23 * (x.double().abs() @ dequantized.double().abs().T)
+    assert bool(((got.double() - exact).abs() <= exact.abs() * 2**-8 + summation).all())
+
+
+@needs_kernel
+def test_product_keeps_leading_dimensions_and_reads_strided_inputs() -> None:
+    _, dequantized = gguf_q4_1(40, 64, seed=9)
+    weight = Q4Weight.recover(dequantized)
+    assert weight is not None
+    x = torch.randn(2, 3, 128)[..., ::2]
+    got = q4_matmul(x, weight)
+    assert got.shape == (2, 3, 40)
+    torch.testing.assert_close(got, x @ dequantized.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_product_does_not_depend_on_the_thread_count() -> None:
+    """Each output is one thread's fixed-order sum, so 1 and 2 threads give the same bits."""
+    _, dequantized = gguf_q4_1(96, 576, seed=5)
+    weight = Q4Weight.recover(dequantized)
+    assert weight is not None
+    x = torch.randn(3, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = q4_matmul(x, weight)
+        torch.set_num_threads(2)
+        two = q4_matmul(x, weight)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_bad_inputs_raise_before_the_kernel_runs() -> None:
+    _, dequantized = gguf_q4_1(8, 64, seed=1)
+    weight = Q4Weight.recover(dequantized)
+    assert weight is not None
+    with pytest.raises(ValueError, match="width"):
+        q4_matmul(torch.randn(2, 32), weight)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        q4_matmul(torch.randn(2, 64).half(), weight)
