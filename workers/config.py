@@ -52,6 +52,11 @@ class WorkerConfig:
     the cores this process may run on, shared among the TP ranks (`cpu_threads`); None leaves
     torch's setting alone (Ray sets OMP_NUM_THREADS from an actor's num_cpus, often 1)."""
 
+    quantized_decode: bool = True
+    """CPU ranks: layers loaded from GGUF Q4_1 blocks keep them as 4-bit codes and multiply
+    decode batches (<= 4 rows) with them: the exact checkpoint weights, a quarter of bfloat16's
+    memory traffic. Off: every product uses the `dtype` weights."""
+
     max_loras: int = 0
     """LoRA device slots per rank (0: LoRA off, no slot memory allocated)."""
     max_lora_rank: int = 64

@@ -1,4 +1,4 @@
-"""The dense product `x W^T` of the linear layers, over a oneDNN-prepacked weight.
+"""The product `x W^T` of the linear layers: a oneDNN-prepacked weight, or 4-bit codes for decode.
 
 `F.linear` on bfloat16 CPU tensors hands the plain `[out, in]` weight to oneDNN, which reorders
 it into its blocked layout on every call: for a decode step that is a second pass over every
@@ -9,10 +9,23 @@ copy instead of MKL's sgemm: equal up to float32 summation order; with the float
 packed as well, 1.5-1.9x decode and 1.7-2x prefill for SmolLM2 here). Measured side by side:
 benchmarks/README.md, Round 3.
 
-Invariants: `__call__` returns what `F.linear(x, weight, bias)` returns, in `x`'s dtype (bitwise
-in bfloat16, to float32 rounding in float32); the packed copy is a snapshot taken by the last
+Decode batches read every weight for a few rows, so there the product is bound by reading the
+weights. A layer whose float32 checkpoint values are exactly GGUF Q4_1 blocks (a model loaded from
+a Q4_1 file) is handed those values once (`adopt_exact_source`) and keeps them as 4-bit codes
+(`kernels.q4_cpu`: 0.75 bytes per weight with its scales, against 2 in bfloat16); calls of at
+most `Q4_MAX_ROWS[dtype]` rows multiply those (benchmarks/README.md, Round 5). They compute over
+the checkpoint's exact float32 weights: in float32 the packed product up to summation order, in
+bfloat16 a more exact one than the packed bfloat16 weight gives (the weights are not rounded,
+the sums are float32, the result is rounded once), so a bfloat16 model's decode rows are closer
+to float32 than its larger batches.
+
+Invariants: `__call__` returns, in `x`'s dtype, what `F.linear(x, weight, bias)` returns (bitwise
+in bfloat16, to float32 rounding in float32), or for a call on the 4-bit copy what
+`F.linear(x.float(), source, bias)` returns rounded to `x`'s dtype (to float32 rounding, the
+bias added in `x`'s dtype); the packed copy is a snapshot taken by the last
 `pack()`, so whoever changes the weight in place afterwards must call `pack()` again (the model
-packs once, at the end of its `load`). Only bfloat16 (with oneDNN bfloat16 support) and float32
+packs once, at the end of its `load`); `pack()` keeps the 4-bit copy only while it still rounds
+to the weight, bit for bit. Only bfloat16 (with oneDNN bfloat16 support) and float32
 CPU weights are packed, and only inputs of the weight's dtype use the packed copy; everything
 else takes `F.linear`. The plain weight stays where it is (loading, tensor-parallel slicing and
 any later per-layer step, e.g. an adapter added after the base product, keep reading it).
@@ -20,11 +33,21 @@ any later per-layer step, e.g. an adapter added after the base product, keep rea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 import torch.nn.functional as F
 
+from kernels import q4_cpu
+
 PACK_BATCH_HINT = 16
 """The batch size oneDNN is told to expect when it picks the packed layout (decode batches)."""
+
+Q4_MAX_ROWS: Mapping[torch.dtype, int] = MappingProxyType({torch.bfloat16: 4, torch.float32: 16})
+"""Calls of at most this many rows (per input dtype) use the 4-bit copy: where it beats the
+packed weight on this project's reference CPU (bfloat16: 1.3-1.4x at 1-4 rows, level at 8;
+float32: 1.1-3.4x at 1-16 rows, level at 32)."""
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -43,15 +66,36 @@ class DenseMatmul:
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
         self.packed: torch.Tensor | None = None
+        self.q4: q4_cpu.Q4Weight | None = None
+        self.quantized_decode = True
+        """Whether `adopt_exact_source` may keep a 4-bit copy (the model's setting)."""
+
+    def adopt_exact_source(self, source: torch.Tensor) -> None:
+        """Keep `source` (the float32 values the weight was loaded from) as 4-bit codes if it is
+        exactly Q4_1 blocks and the kernel runs here; otherwise keep nothing."""
+        usable = self.quantized_decode and self.weight.device.type == "cpu"
+        usable = usable and source.shape == self.weight.shape and q4_cpu.available()
+        usable = usable and self.weight.dtype in Q4_MAX_ROWS
+        self.q4 = q4_cpu.Q4Weight.recover(source) if usable else None
 
     def pack(self) -> None:
-        """Snapshot the weight into oneDNN's layout (a no-op where `can_pack` is false)."""
+        """Snapshot the weight into oneDNN's layout (a no-op where `can_pack` is false), and drop
+        a 4-bit copy that no longer rounds to the weight."""
         self.packed = None
         if can_pack(self.weight):
             weight = self.weight.detach().contiguous()
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        if self.q4 is not None:
+            rounded = self.q4.dequantize().to(self.weight.dtype)
+            if not torch.equal(rounded, self.weight.detach()):
+                self.q4 = None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu":
+        if x.device.type != "cpu" or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, bias)
+        if self.q4 is not None and x.numel() <= Q4_MAX_ROWS.get(x.dtype, 0) * x.shape[-1]:
+            y = q4_cpu.q4_matmul(x, self.q4)
+            return y if bias is None else y + bias
+        if self.packed is None:
             return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")

@@ -76,6 +76,7 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         row = 0
+        sources = []
         for segment in self.segments:
             count = segment.stop - segment.start
             weight = reader.read(
@@ -86,6 +87,7 @@ class ColumnParallelLinear(torch.nn.Module):
                 segment.stop,
             )
             self.weight[row : row + count].copy_(weight)
+            sources.append(weight)
             if self.bias is not None:
                 bias = reader.read(
                     f"{prefix}{segment.name}.bias",
@@ -96,6 +98,7 @@ class ColumnParallelLinear(torch.nn.Module):
                 )
                 self.bias[row : row + count].copy_(bias)
             row += count
+        self.matmul.adopt_exact_source(torch.cat(sources) if len(sources) > 1 else sources[0])
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -135,7 +138,9 @@ class RowParallelLinear(torch.nn.Module):
     def load(self, reader: CheckpointReader, name: str) -> None:
         start, stop = self.columns
         full = (self.output_size, self.input_size)
-        self.weight.copy_(reader.read(f"{name}.weight", full, 1, start, stop))
+        weight = reader.read(f"{name}.weight", full, 1, start, stop)
+        self.weight.copy_(weight)
+        self.matmul.adopt_exact_source(weight)
         if self.bias is not None:
             self.bias.copy_(reader.read(f"{name}.bias", (self.output_size,)))
 

@@ -73,8 +73,10 @@ def load_model_shard(
     dtype: torch.dtype,
     device: torch.device,
     cache_root: pathlib.Path,
+    quantized_decode: bool = True,
 ) -> CausalLM:
-    """Rank `tp.rank`'s shard of the model on `device` in `dtype`, weights loaded."""
+    """Rank `tp.rank`'s shard of the model on `device` in `dtype`, weights loaded
+    (`quantized_decode`: see `CausalLM`)."""
     if is_gguf(description.path):
         files = [
             ensure_dequantized_cache(
@@ -84,7 +86,7 @@ def load_model_shard(
     else:
         files = safetensors_files(description.path)
     with torch.device(device):
-        model = CausalLM(description.spec, tp, dtype)
+        model = CausalLM(description.spec, tp, dtype, quantized_decode)
     with CheckpointReader(files) as checkpoint:
         model.load(checkpoint)
     return model.eval()

@@ -202,9 +202,19 @@ class CausalLM(torch.nn.Module):
     rounding errors do not accumulate over the layers and the logits are not rounded. That LM
     head screens in bfloat16 and recomputes in float32 every logit that could be a row's
     maximum (`workers.lm_head.ScreenedHead`), so its greedy choice is the float32 head's.
+
+    With `quantized_decode` (on CPU), layers whose checkpoint values are exactly GGUF Q4_1 blocks
+    also keep them as 4-bit codes and multiply decode-sized calls with them
+    (`workers.dense_matmul`).
     """
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        quantized_decode: bool = True,
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.tp = tp
@@ -223,6 +233,9 @@ class CausalLM(torch.nn.Module):
             )
         )
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.matmul.quantized_decode = quantized_decode
 
     @torch.inference_mode()
     def forward(

@@ -120,6 +120,7 @@ class WorkerRank:
             self.config.torch_dtype,
             self.device,
             pathlib.Path(self.cache_root),
+            self.config.quantized_decode,
         )
         if self.config.max_loras > 0:
             self.lora = RankLoRA(

@@ -31,6 +31,12 @@ class ModelSettings(_Section):
     max_model_len: int | None = Field(None, gt=0, description="default: the model's context")
     seed: int = Field(0, ge=0, description="seed of requests that do not give one (with a counter)")
     weights_cache_dir: str | None = None
+    quantized_decode: bool = Field(
+        True,
+        description="CPU: decode batches (<= 4 rows) multiply GGUF Q4_1 weights as 4-bit codes "
+        "with a native kernel (the exact checkpoint weights, a quarter of bfloat16's memory "
+        "traffic); off: every product uses the dtype's dequantized weights",
+    )
 
 
 class CacheSettings(_Section):
@@ -250,6 +256,7 @@ class EngineConfig(_Section):
             verify_swaps=self.cache.verify_swaps,
             device=self.parallel.device,
             num_threads=self.parallel.num_threads,
+            quantized_decode=self.model.quantized_decode,
             max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
             max_lora_rank=self.lora.max_lora_rank,
         )

@@ -5,6 +5,10 @@ float32 parity test allows; the bound it keeps is on decisions. Teacher-forced o
 path (every step feeds HF's previous token, so one early flip cannot cascade), our greedy token
 must equal HF's at every step, except at steps where HF's top-2 logit margin is below
 `NEAR_TIE` (a near tie that float32 itself only barely decides). Ten prompts, 24 steps each.
+
+Run twice: all ten prompts decoding together (10 rows per step: the packed bfloat16 weights), and
+in groups of at most 4 (decode-sized calls: the 4-bit copy of the Q4_1 weights, exact in float32,
+where the CPU kernel runs; `workers.dense_matmul`).
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
+import torch
 import transformers
 
+from kernels import q4_cpu
 from tests.workers.paged_runner import GREEDY, chat_prompt_ids, hf_greedy, scattered_tables
 from workers import (
     SequenceWork,
@@ -23,6 +29,7 @@ from workers import (
     WorkerGroup,
     load_tokenizer,
 )
+from workers.dense_matmul import Q4_MAX_ROWS, DenseMatmul
 
 NEW_TOKENS = 24
 NEAR_TIE = 0.1
@@ -90,15 +97,27 @@ def teacher_forced_argmax(
     return chosen
 
 
+@pytest.mark.parametrize(
+    "group_size", [len(CHATS), Q4_MAX_ROWS[torch.bfloat16]], ids=["packed", "decode_rows"]
+)
 def test_bfloat16_greedy_matches_hf_float32_except_near_ties(
     bf16_group: WorkerGroup,
     smollm2_hf: transformers.PreTrainedModel,
     tiny_model_dir: pathlib.Path,
+    group_size: int,
 ) -> None:
+    matmuls = [m for m in bf16_group._local.model.modules() if hasattr(m, "matmul")]
+    assert matmuls and all(isinstance(m.matmul, DenseMatmul) for m in matmuls)
+    # every linear layer of the Q4_1 file keeps its 4-bit copy wherever the kernel runs
+    assert all((m.matmul.q4 is not None) == q4_cpu.available() for m in matmuls)
     tokenizer = load_tokenizer(str(tiny_model_dir))
     prompts = chat_prompt_ids(tokenizer, CHATS)
     references = [hf_greedy(smollm2_hf, prompt, NEW_TOKENS) for prompt in prompts]
-    ours = teacher_forced_argmax(bf16_group, prompts, [tokens for tokens, _ in references])
+    forced = [tokens for tokens, _ in references]
+    ours = []
+    for start in range(0, len(prompts), group_size):
+        stop = start + group_size
+        ours += teacher_forced_argmax(bf16_group, prompts[start:stop], forced[start:stop])
     flips = []
     for i, ((tokens, logits), chosen) in enumerate(zip(references, ours, strict=True)):
         top2 = logits.topk(2, dim=-1).values

@@ -5,6 +5,9 @@ Q/K un-permutation are checked too). Four chat prompts are prefilled in one batc
 together for 32 greedy tokens through block tables scattered over the pool; the tokens must equal
 `generate(do_sample=False)` and every step's logits must lie within 2e-3 (float32, 30 layers;
 observed differences are about 1e-4).
+
+The prefill runs on the packed float32 weights, the decode steps (4 rows) on the 4-bit copy of
+the Q4_1 weights wherever the CPU kernel runs (`workers.dense_matmul`): both paths are held to HF.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 import torch
 import transformers
 
+from kernels import q4_cpu
 from tests.workers.paged_runner import chat_prompt_ids, greedy_generate, hf_greedy
 from workers import WorkerConfig, WorkerGroup, load_tokenizer
 
@@ -43,6 +47,8 @@ def test_chat_prompts_match_hf_generate(
     smollm2_hf: transformers.PreTrainedModel,
     tiny_model_dir: pathlib.Path,
 ) -> None:
+    matmuls = [m.matmul for m in smollm2_group._local.model.modules() if hasattr(m, "matmul")]
+    assert matmuls and all((m.q4 is not None) == q4_cpu.available() for m in matmuls)
     # The tiny model directory holds SmolLM2's tokenizer as built by load_tokenizer("default").
     tokenizer = load_tokenizer(str(tiny_model_dir))
     prompts = chat_prompt_ids(tokenizer, CHATS)
