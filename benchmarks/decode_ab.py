@@ -3,20 +3,24 @@
 
 `python -m benchmarks.decode_ab --json [--batches 1,16,32] [--prompt-len 192] [--rounds 7]
 [--threads 1] [--prefill] [--dtype bfloat16|float32] [--variants round2,unpacked,...]`
-builds one in-process `WorkerGroup` per variant (the same weights and shapes), prefills each
-batch, then times `--steps` decode steps per variant in turn, round after round (interleaved, so
-both see the same machine load). Reported per batch: each variant's median step time and decode
-tokens/s, and `ratio_over_<first>` = the median over rounds of (first's time / this one's time),
-which is robust to load that changes between rounds.
+builds one in-process `WorkerGroup`, prefills each batch, then times `--steps` decode steps per
+variant in turn, round after round (interleaved, so all see the same machine load), switching
+the model to each variant for its own steps only (`_variant`). One group, so one rank thread and
+one OpenMP team, as served: a group per variant would keep a team per rank thread alive, and with
+more OpenMP threads than cores libgomp stops spinning at barriers for all of them, which slowed
+every variant 1.6-1.8x (benchmarks/README.md, Round 5). Reported per batch: each variant's
+median step time and decode tokens/s, and `ratio_over_<first>` = the median over rounds of
+(first's time / this one's time), which is robust to load that changes between rounds.
 
 Variants (round 3's changes switched off one by one on the shipped bfloat16 model):
 - `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked,
-  decode attention by `_all_heads`).
-- `sdpa_decode`: the same, decode attention by SDPA on the gathered buffers (round 2's kernel).
+  decode attention by `_all_heads`, calls of at most 4 rows on the 4-bit copy of a Q4_1 model's
+  weights).
+- `dense`: the same without the 4-bit copies (every linear on the packed weight: round 4).
+- `sdpa_decode`: `dense` with decode attention by SDPA on the gathered buffers (round 2's kernel).
 - `unpacked`: `sdpa_decode` with every `DenseMatmul`'s packed copy dropped (plain `F.linear`).
 - `round2`: `unpacked` with the plain float32 LM head (screening off): round 2's forward.
-The SDPA variants swap `kernels.torch_cpu._folds` for the duration of their own steps only.
-With `--dtype float32` only `shipped` (packed) and `unpacked` differ: float32 has no screened head
+With `--dtype float32` only `shipped`, `dense` and `unpacked` differ: float32 has no screened head
 and no folded attention.
 """
 
@@ -28,7 +32,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -38,47 +42,48 @@ from workers import WorkerConfig, WorkerGroup
 from workers.dense_matmul import DenseMatmul
 
 
-def _unpacked(group: WorkerGroup) -> None:
-    """Drop every packed weight (the linear layers, the LM head's screen or, in float32, the
-    head itself run `F.linear`)."""
-    model = group._local.model  # a benchmark-only reach into the in-process rank
-    for module in model.modules():
-        matmul = getattr(module, "matmul", None)
-        if isinstance(matmul, DenseMatmul):
-            matmul.packed = None
-    screen = getattr(model.lm_head, "screen", None)
-    if screen is not None:
-        screen.screen_matmul.packed = None
-    model.lm_head.head_matmul.packed = None
-
-
-def _round2(group: WorkerGroup) -> None:
-    """Unpacked, and the LM head back to `F.linear` on its float32 weights."""
-    _unpacked(group)
-    group._local.model.lm_head.screen = None
-
-
-VARIANTS: dict[str, Callable[[WorkerGroup], None]] = {
-    "shipped": lambda group: None,
-    "sdpa_decode": lambda group: None,
-    "unpacked": _unpacked,
-    "round2": _round2,
-}
-SDPA_DECODE = ("sdpa_decode", "unpacked", "round2")
+def _matmuls(group: WorkerGroup) -> list[DenseMatmul]:
+    """Every `DenseMatmul` of the in-process rank's model (a benchmark-only reach into it)."""
+    model = group._local.model
+    found = [
+        m.matmul for m in model.modules() if isinstance(getattr(m, "matmul", None), DenseMatmul)
+    ]
+    found.append(model.lm_head.head_matmul)
+    if model.lm_head.screen is not None:
+        found.append(model.lm_head.screen.screen_matmul)
+    return found
 
 
 @contextlib.contextmanager
-def _decode_kernel(name: str) -> Iterator[None]:
-    """Round 2's SDPA decode attention while variant `name`'s steps run (if it asks for it)."""
-    if name not in SDPA_DECODE:
-        yield
-        return
+def _variant(group: WorkerGroup, name: str) -> Iterator[None]:
+    """The model as variant `name` while its steps run, restored afterwards (see the module
+    doc): 4-bit copies dropped (all but `shipped`), packed weights dropped (`unpacked`,
+    `round2`), the plain float32 LM head (`round2`), SDPA decode attention (`SDPA_DECODE`)."""
+    model = group._local.model
+    matmuls = _matmuls(group)
+    saved = [(m.packed, m.q4) for m in matmuls]
+    screen = model.lm_head.screen
     folds = torch_cpu._folds
-    torch_cpu._folds = lambda cache_dtype, num_kv_heads, num_seqs: False  # benchmark-only
     try:
+        for matmul in matmuls:
+            if name in ("dense", "sdpa_decode", "unpacked", "round2"):
+                matmul.q4 = None
+            if name in ("unpacked", "round2"):
+                matmul.packed = None
+        if name == "round2":
+            model.lm_head.screen = None
+        if name in SDPA_DECODE:
+            torch_cpu._folds = lambda cache_dtype, num_kv_heads, num_seqs: False
         yield
     finally:
+        for matmul, (packed, q4) in zip(matmuls, saved, strict=True):
+            matmul.packed, matmul.q4 = packed, q4
+        model.lm_head.screen = screen
         torch_cpu._folds = folds
+
+
+VARIANTS = ("shipped", "dense", "sdpa_decode", "unpacked", "round2")
+SDPA_DECODE = ("sdpa_decode", "unpacked", "round2")
 
 
 def run(
@@ -94,28 +99,27 @@ def run(
     `prefill`, the same for a prefill of the whole batch each round)."""
     blocks_per_seq = -(-(prompt_len + steps + 1) // 16)  # rounds rewrite the same positions
     blocks = max(batches) * blocks_per_seq + 8
-    groups = {}
-    for name in variants:
-        config = WorkerConfig(
-            backend="local", dtype=dtype, num_device_blocks=blocks, num_cpu_blocks=1
-        )
-        groups[name] = WorkerGroup(config)
-        VARIANTS[name](groups[name])
+    config = WorkerConfig(
+        backend="local",
+        dtype=dtype,
+        num_device_blocks=blocks,
+        num_cpu_blocks=1,
+        num_threads=torch.get_num_threads(),
+    )
+    group = WorkerGroup(config)
     results: dict[str, object] = {}
     try:
         for batch in batches:
-            runners = {
-                n: OurRunner(g, batch, prompt_len, blocks_per_seq) for n, g in groups.items()
-            }
-            for name, runner in runners.items():
-                with _decode_kernel(name):
-                    runner.prefill()
+            runner = OurRunner(group, batch, prompt_len, blocks_per_seq)
+            runner.prefill()
+            for name in variants:
+                with _variant(group, name):
                     runner.decode(1)  # warm-up
             times: dict[str, list[float]] = {n: [] for n in variants}
             prefills: dict[str, list[float]] = {n: [] for n in variants}
             for _ in range(rounds):
-                for name, runner in runners.items():
-                    with _decode_kernel(name):
+                for name in variants:
+                    with _variant(group, name):
                         if prefill:
                             began = time.perf_counter()
                             runner.prefill()
@@ -146,8 +150,7 @@ def run(
             results[f"batch_{batch}"] = row
             print(f"batch {batch} done", file=sys.stderr, flush=True)
     finally:
-        for group in groups.values():
-            group.shutdown()
+        group.shutdown()
     return results
 
 
