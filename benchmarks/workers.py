@@ -5,8 +5,9 @@
   shapes (prompt of `--prompt-len` tokens per sequence; decode with that much context, HF using
   its own KV cache), interleaved and best of `--repeats` after a warm-up, and `ratio` = ours / HF;
 - with `--compare-dtypes float32,bfloat16`: our decode and prefill tokens/s in each dtype on the
-  same shapes (`--compare-batches`, context `--prompt-len`), interleaved, best of `--repeats`, and
-  each dtype's ratio over the first (`dtype_comparison`), then the rest is skipped;
+  same shapes (`--compare-batches`, context `--prompt-len`), one dtype after the other (one live
+  group at a time, see `dtype_comparison`), best of `--repeats`, and each dtype's ratio over the
+  first (`dtype_comparison`), then the rest is skipped;
 - the Ray call overhead per step in microseconds: round trip of `WorkerGroup.execute` through one
   Ray actor minus the time the rank spent on the step, for an empty plan and a batch-8 decode.
 """
@@ -134,37 +135,43 @@ def _pair(ours: float, hf: float) -> dict[str, float]:
 def dtype_comparison(
     dtypes: list[str], batches: list[int], prompt_len: int, steps: int, repeats: int
 ) -> dict[str, Any]:
-    """Our prefill and decode tokens/s per dtype, interleaved on the same shapes; `ratio` is
-    each dtype's tokens/s over the first dtype's."""
+    """Our prefill and decode tokens/s per dtype on the same shapes; `ratio` is each dtype's
+    tokens/s over the first dtype's. One dtype's group at a time (shut down before the next):
+    two live groups keep two rank threads with an OpenMP team each, and with more OpenMP threads
+    than cores libgomp stops spinning at barriers for both, which slows both 1.6-1.8x
+    (benchmarks/README.md, Round 5)."""
     blocks_per_seq = -(-(prompt_len + steps + 1) // 16)
     blocks = max(batches) * blocks_per_seq + 8
-    groups = {
-        dtype: WorkerGroup(
-            WorkerConfig(backend="local", dtype=dtype, num_device_blocks=blocks, num_cpu_blocks=1)
+    times: dict[tuple[int, str], dict[str, list[float]]] = {}
+    for dtype in dtypes:
+        config = WorkerConfig(
+            backend="local",
+            dtype=dtype,
+            num_device_blocks=blocks,
+            num_cpu_blocks=1,
+            num_threads=torch.get_num_threads(),
         )
-        for dtype in dtypes
-    }
+        group = WorkerGroup(config)
+        try:
+            for batch in batches:
+                runner = OurRunner(group, batch, prompt_len, blocks_per_seq)
+                phases: dict[str, list[float]] = {"prefill": [], "decode": []}
+                for _ in range(repeats + 1):
+                    phases["prefill"].append(_seconds(runner.prefill))
+                    phases["decode"].append(_seconds(lambda r=runner: r.decode(steps)))
+                times[(batch, dtype)] = phases
+        finally:
+            group.shutdown()
     results: dict[str, Any] = {}
     for batch in batches:
-        runners = {d: OurRunner(g, batch, prompt_len, blocks_per_seq) for d, g in groups.items()}
-        times: dict[str, dict[str, list[float]]] = {
-            d: {"prefill": [], "decode": []} for d in dtypes
-        }
-        for _ in range(repeats + 1):
-            for dtype, runner in runners.items():
-                times[dtype]["prefill"].append(_seconds(runner.prefill))
-                times[dtype]["decode"].append(_seconds(lambda r=runner: r.decode(steps)))
         row: dict[str, Any] = {}
         for phase, tokens in (("prefill", batch * prompt_len), ("decode", batch * steps)):
-            rates = {d: tokens / min(times[d][phase][1:]) for d in dtypes}
+            rates = {d: tokens / min(times[(batch, d)][phase][1:]) for d in dtypes}
             row[phase] = {
                 **{f"{d}_tokens_per_s": round(r, 1) for d, r in rates.items()},
                 **{f"{d}_ratio": round(rates[d] / rates[dtypes[0]], 3) for d in dtypes[1:]},
             }
         results[f"batch_{batch}"] = row
-        print(f"batch {batch} done", file=sys.stderr, flush=True)
-    for group in groups.values():
-        group.shutdown()
     return results
 
 
