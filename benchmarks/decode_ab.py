@@ -36,9 +36,9 @@ from collections.abc import Iterator
 
 import torch
 
-from benchmarks.workers import OurRunner
+from benchmarks.workers import OurRunner, local_group
 from kernels import torch_cpu
-from workers import WorkerConfig, WorkerGroup
+from workers import WorkerGroup
 from workers.dense_matmul import DenseMatmul
 
 
@@ -99,14 +99,7 @@ def run(
     `prefill`, the same for a prefill of the whole batch each round)."""
     blocks_per_seq = -(-(prompt_len + steps + 1) // 16)  # rounds rewrite the same positions
     blocks = max(batches) * blocks_per_seq + 8
-    config = WorkerConfig(
-        backend="local",
-        dtype=dtype,
-        num_device_blocks=blocks,
-        num_cpu_blocks=1,
-        num_threads=torch.get_num_threads(),
-    )
-    group = WorkerGroup(config)
+    group = local_group(blocks, dtype)
     results: dict[str, object] = {}
     try:
         for batch in batches:

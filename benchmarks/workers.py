@@ -38,6 +38,19 @@ def _seconds(run: Callable[[], object]) -> float:
     return time.perf_counter() - began
 
 
+def local_group(blocks: int, dtype: str = "float32") -> WorkerGroup:
+    """An in-process group of SmolLM2 with `blocks` KV blocks, whose rank runs the caller's
+    torch thread count."""
+    config = WorkerConfig(
+        backend="local",
+        dtype=dtype,
+        num_device_blocks=blocks,
+        num_cpu_blocks=1,
+        num_threads=torch.get_num_threads(),
+    )
+    return WorkerGroup(config)
+
+
 class OurRunner:
     """Prefill and decode steps of `batch` sequences on a local `WorkerGroup`."""
 
@@ -98,7 +111,11 @@ def _hf_decode_seconds(model: transformers.PreTrainedModel, ids: torch.Tensor, s
 def throughput(
     group: WorkerGroup, hf: transformers.PreTrainedModel, prompt_len: int, steps: int, repeats: int
 ) -> dict[str, Any]:
-    """Prefill and decode tokens/s for both implementations at every batch size."""
+    """Prefill and decode tokens/s for both implementations at every batch size. HF runs on our
+    rank's thread (a benchmark-only reach into the group): a second thread running torch would
+    keep a second OpenMP team alive, and with more OpenMP threads than cores libgomp stops
+    spinning at barriers for both sides (benchmarks/README.md, Round 5)."""
+    on_rank = group._rank_thread.call
     blocks_per_seq = -(-(prompt_len + steps + 1) // group.config.block_size)
     results: dict[str, Any] = {"prefill": {}, "decode": {}}
     for batch in BATCHES:
@@ -109,9 +126,9 @@ def throughput(
         ours_prefill, hf_prefill, ours_decode, hf_decode = [], [], [], []
         for _ in range(repeats + 1):  # interleaved, so both sides see the same machine load
             ours_prefill.append(_seconds(ours.prefill))
-            hf_prefill.append(_seconds(lambda ids=ids: _hf_prefill(hf, ids)))
+            hf_prefill.append(_seconds(lambda ids=ids: on_rank(_hf_prefill, hf, ids)))
             ours_decode.append(_seconds(lambda ours=ours: ours.decode(steps)))
-            hf_decode.append(_hf_decode_seconds(hf, ids, steps))
+            hf_decode.append(on_rank(_hf_decode_seconds, hf, ids, steps))
         best = [min(times[1:]) for times in (ours_prefill, hf_prefill, ours_decode, hf_decode)]
         prefill_tokens, decode_tokens = batch * prompt_len, batch * steps
         print(f"batch {batch} done", file=sys.stderr, flush=True)
@@ -144,14 +161,7 @@ def dtype_comparison(
     blocks = max(batches) * blocks_per_seq + 8
     times: dict[tuple[int, str], dict[str, list[float]]] = {}
     for dtype in dtypes:
-        config = WorkerConfig(
-            backend="local",
-            dtype=dtype,
-            num_device_blocks=blocks,
-            num_cpu_blocks=1,
-            num_threads=torch.get_num_threads(),
-        )
-        group = WorkerGroup(config)
+        group = local_group(blocks, dtype)
         try:
             for batch in batches:
                 runner = OurRunner(group, batch, prompt_len, blocks_per_seq)
@@ -233,11 +243,13 @@ def main() -> None:
         print(json.dumps(report, indent=None if args.json else 2))
         return
     blocks = 32 * -(-(args.prompt_len + args.decode_steps + 1) // 16) + 8
-    group = WorkerGroup(WorkerConfig(backend="local", num_device_blocks=blocks, num_cpu_blocks=1))
+    group = local_group(blocks)
     path = resolve_model_path("default")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    hf = group._rank_thread.call(  # on the rank's thread, as every HF call below
+        lambda: transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+    )
     report: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to float32)",
         "device": "cpu",
