@@ -59,8 +59,10 @@ class Q4Weight:
         """The exact block form of a float32 matrix, or None where it has none.
 
         Per block the minimum is the block's smallest weight (code 0) and the scale is
-        `(max - min) / 15` rounded to float16, as Q4_1 stores it (or a float16 neighbour, or
-        unrounded, whichever reproduces the block); the codes are then the rounded quotients.
+        `(max - min) / 15` rounded to float16, as Q4_1 stores it (or a float16 neighbour,
+        whichever reproduces the block); the codes are then the rounded quotients. Scales are
+        float16 values, so `scale * q` is exact in float32 and the kernel's fused multiply-add
+        rounds each weight exactly as `dequantize` does.
         The first row is tried alone first, so a matrix of another form costs one row.
         """
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % BLOCK:
@@ -91,7 +93,6 @@ def _solve_blocks(
         nearest.to(torch.float32),
         torch.nextafter(nearest, torch.full_like(nearest, float("inf"))).to(torch.float32),
         torch.nextafter(nearest, torch.zeros_like(nearest)).to(torch.float32),
-        spans / CODE_MAX,
     ]
     offsets = blocks - mins[:, :, None]
     scales = torch.zeros_like(mins)

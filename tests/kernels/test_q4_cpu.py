@@ -111,6 +111,18 @@ def test_float32_product_equals_float32_matmul_over_the_dequantized_weights(
 
 
 @needs_kernel
+def test_kernel_reads_each_weight_exactly_as_dequantize_gives_it() -> None:
+    """One-hot rows pick single weights out of the product (the other terms are exact zeros):
+    the kernel's fused multiply-add gives every weight bit for bit as `dequantize` does."""
+    _, dequantized = gguf_q4_1(50, 128, seed=4)
+    weight = Q4Weight.recover(dequantized)
+    assert weight is not None
+    for columns in (range(0, 4), range(30, 34), range(124, 128), [5, 77, 90]):
+        picks = torch.eye(128)[list(columns)]
+        assert torch.equal(q4_matmul(picks, weight), weight.dequantize()[:, list(columns)].T)
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 4, 6])
 def test_bfloat16_product_is_the_float32_product_rounded(rows: int) -> None:
     """bfloat16 inputs are widened exactly and the float32 result rounded once (nearest even):
