@@ -32,6 +32,14 @@ def test_yaml_then_flags_override(tmp_path: pathlib.Path) -> None:
     assert worker.block_size == 8 and worker.num_device_blocks == 100
 
 
+def test_quantized_decode_is_on_by_default_and_reaches_the_workers(tmp_path: pathlib.Path) -> None:
+    assert parse([]).to_worker_config().quantized_decode is True
+    assert parse(["--no-quantized-decode"]).to_worker_config().quantized_decode is False
+    path = tmp_path / "engine.yaml"
+    path.write_text("model:\n  quantized_decode: false\n")
+    assert parse(["--config", str(path)]).to_worker_config().quantized_decode is False
+
+
 @pytest.mark.parametrize(
     ("argv", "field"),
     [

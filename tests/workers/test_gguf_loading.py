@@ -3,6 +3,8 @@
 A tiny random Llama is written as GGUF (Q/K permuted like llama.cpp, matrices quantized), then
 both our workers and HF load that same file: greedy tokens identical and logits within 1e-4.
 The second start reads the dequantized cache (keyed by the weights digest) instead of the GGUF.
+A Q4_1 file's layers also keep their 4-bit codes (where the CPU kernel runs), and the decode steps
+here (1 row, float32) multiply those: the same bound against HF holds.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from kernels import q4_cpu
 from tests.tiny_model import SEED
 from tests.workers.gguf_writer import write_llama_gguf
 from tests.workers.paged_runner import greedy_generate, hf_greedy
@@ -60,6 +63,12 @@ def test_quantized_gguf_matches_hf_gguf_loader(
         cache_stamps.append(cached.stat().st_mtime_ns)
         try:
             assert group.model_info.quantization == f"gguf:{matrix_type.name}", start
+            model = group._local.model
+            copies = [m.matmul.q4 for m in model.modules() if hasattr(m, "matmul")]
+            if matrix_type == Q.Q4_1:
+                assert all((q4 is not None) == q4_cpu.available() for q4 in copies), start
+            elif matrix_type in (Q.F16, Q.F32):
+                assert all(q4 is None for q4 in copies), start
             prompt = [5, 9, 200, 17, 3, 44, 128]
             run = greedy_generate(group, [prompt], 6, seed=2)
             tokens, logits = hf_greedy(reference, prompt, 6)
