@@ -126,7 +126,6 @@ Q4_TARGET void strip_product(const float* x, int64_t M, int64_t K, int64_t N, in
   }
 }
 
-
 }  // namespace
 
 extern "C" {
