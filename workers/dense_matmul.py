@@ -70,13 +70,19 @@ class DenseMatmul:
         self.quantized_decode = True
         """Whether `adopt_exact_source` may keep a 4-bit copy (the model's setting)."""
 
-    def adopt_exact_source(self, source: torch.Tensor) -> None:
-        """Keep `source` (the float32 values the weight was loaded from) as 4-bit codes if it is
-        exactly Q4_1 blocks and the kernel runs here; otherwise keep nothing."""
+    def adopt_exact_source(self, *row_blocks: torch.Tensor) -> None:
+        """Keep the float32 values the weight was loaded from (its rows, in one or more
+        consecutive blocks: a fused layer's checkpoint tensors) as 4-bit codes if they are
+        exactly Q4_1 blocks and the kernel runs here; otherwise keep nothing. The blocks are
+        stacked only when a 4-bit copy can be kept, so other models pay no copy at load."""
+        self.q4 = None
         usable = self.quantized_decode and self.weight.device.type == "cpu"
-        usable = usable and source.shape == self.weight.shape and q4_cpu.available()
-        usable = usable and self.weight.dtype in Q4_MAX_ROWS
-        self.q4 = q4_cpu.Q4Weight.recover(source) if usable else None
+        usable = usable and q4_cpu.available() and self.weight.dtype in Q4_MAX_ROWS
+        if not usable or sum(block.shape[0] for block in row_blocks) != self.weight.shape[0]:
+            return
+        source = row_blocks[0] if len(row_blocks) == 1 else torch.cat(row_blocks)
+        if source.shape == self.weight.shape:
+            self.q4 = q4_cpu.Q4Weight.recover(source)
 
     def pack(self) -> None:
         """Snapshot the weight into oneDNN's layout (a no-op where `can_pack` is false), and drop

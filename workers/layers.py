@@ -98,7 +98,7 @@ class ColumnParallelLinear(torch.nn.Module):
                 )
                 self.bias[row : row + count].copy_(bias)
             row += count
-        self.matmul.adopt_exact_source(torch.cat(sources) if len(sources) > 1 else sources[0])
+        self.matmul.adopt_exact_source(*sources)
 
 
 class RowParallelLinear(torch.nn.Module):
