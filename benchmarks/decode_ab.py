@@ -14,14 +14,18 @@ median step time and decode tokens/s, and `ratio_over_<first>` = the median over
 
 Variants (round 3's changes switched off one by one on the shipped bfloat16 model):
 - `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked,
-  decode attention by `_all_heads`, calls of at most 4 rows on the 4-bit copy of a Q4_1 model's
-  weights).
-- `dense`: the same without the 4-bit copies (every linear on the packed weight: round 4).
+  decode attention by the native kernel `kernels.attention_cpu`, norms, rotary embeddings, KV
+  writes and silu by `kernels.layer_ops_cpu`, calls of at most 4 rows on the 4-bit copy of a
+  Q4_1 model's weights).
+- `torch_layer_ops`: the same with the layers' elementwise work in plain torch.
+- `torch_attention`: that with decode attention on the torch path too (`_all_heads` on gathered
+  groups: round 5).
+- `dense`: that without the 4-bit copies (every linear on the packed weight: round 4).
 - `sdpa_decode`: `dense` with decode attention by SDPA on the gathered buffers (round 2's kernel).
 - `unpacked`: `sdpa_decode` with every `DenseMatmul`'s packed copy dropped (plain `F.linear`).
 - `round2`: `unpacked` with the plain float32 LM head (screening off): round 2's forward.
-With `--dtype float32` only `shipped`, `dense` and `unpacked` differ: float32 has no screened head
-and no folded attention.
+With `--dtype float32` `sdpa_decode` equals `dense` and `round2` equals `unpacked`: float32 has no
+screened head and no folded attention.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from collections.abc import Iterator
 import torch
 
 from benchmarks.workers import OurRunner, local_group
-from kernels import torch_cpu
+from kernels import attention_cpu, torch_cpu
 from workers import WorkerGroup
 from workers.dense_matmul import DenseMatmul
+from workers.layer_ops import TorchLayerOps
 
 
 def _matmuls(group: WorkerGroup) -> list[DenseMatmul]:
@@ -57,16 +62,26 @@ def _matmuls(group: WorkerGroup) -> list[DenseMatmul]:
 @contextlib.contextmanager
 def _variant(group: WorkerGroup, name: str) -> Iterator[None]:
     """The model as variant `name` while its steps run, restored afterwards (see the module
-    doc): 4-bit copies dropped (all but `shipped`), packed weights dropped (`unpacked`,
-    `round2`), the plain float32 LM head (`round2`), SDPA decode attention (`SDPA_DECODE`)."""
+    doc): the native layer ops off (all but `shipped`), the native decode attention off (all
+    but `shipped` and `torch_layer_ops`), 4-bit copies dropped (all from `dense` on), packed
+    weights dropped (`unpacked`, `round2`), the plain float32 LM head (`round2`), SDPA decode
+    attention (`SDPA_DECODE`)."""
     model = group._local.model
     matmuls = _matmuls(group)
     saved = [(m.packed, m.q4) for m in matmuls]
     screen = model.lm_head.screen
     folds = torch_cpu._folds
+    accepts = attention_cpu.accepts
+    with_ops = [m for m in model.modules() if hasattr(m, "ops")]
+    ops = [m.ops for m in with_ops]
     try:
+        if name != "shipped":
+            for module in with_ops:
+                module.ops = TorchLayerOps()
+        if name not in ("shipped", "torch_layer_ops"):
+            attention_cpu.accepts = lambda query, k_cache, out: False
         for matmul in matmuls:
-            if name in ("dense", "sdpa_decode", "unpacked", "round2"):
+            if name in ("dense", *SDPA_DECODE):
                 matmul.q4 = None
             if name in ("unpacked", "round2"):
                 matmul.packed = None
@@ -80,10 +95,13 @@ def _variant(group: WorkerGroup, name: str) -> Iterator[None]:
             matmul.packed, matmul.q4 = packed, q4
         model.lm_head.screen = screen
         torch_cpu._folds = folds
+        attention_cpu.accepts = accepts
+        for module, module_ops in zip(with_ops, ops, strict=True):
+            module.ops = module_ops
 
 
-VARIANTS = ("shipped", "dense", "sdpa_decode", "unpacked", "round2")
 SDPA_DECODE = ("sdpa_decode", "unpacked", "round2")
+VARIANTS = ("shipped", "torch_layer_ops", "torch_attention", "dense", *SDPA_DECODE)
 
 
 def run(

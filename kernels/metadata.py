@@ -10,8 +10,8 @@ Invariants of a ``PreparedAttention`` (established by ``prepare_attention``, nev
 block id in ``decode_groups`` and ``prefills`` lies in ``[0, num_blocks)``; every slot in
 ``write_slots`` lies in ``[0, num_blocks * block_size)`` and appears once (``slot_mapping``: all
 slots, -1 kept, ``write_rows``: the rows of the slots >= 0 when some are -1); every token row of a
-sequence with one query token is in exactly one decode group, every other sequence with query
-tokens is one prefill entry.
+sequence with one query token is in exactly one decode group and in ``decode_rows``, every other
+sequence with query tokens is one prefill entry.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import validation
+from kernels.attention_cpu import DecodeRows
 
 DECODE_GROUP_TOKENS = 2048
 """Padded key positions a decode group may gather at most (bounds the gather buffer)."""
@@ -115,6 +116,8 @@ class PreparedAttention:
     write_slots: torch.Tensor | None
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillChunk, ...]
+    decode_rows: DecodeRows | None
+    """The same decodes for the native kernel (`kernels.attention_cpu`); None when none."""
     workspace: GatherWorkspace = field(compare=False, repr=False)
 
     @property
@@ -250,9 +253,14 @@ def prepare_attention(
     groups: list[DecodeGroup] = []
     prefills: list[PrefillChunk] = []
     gather_rows = 0
+    decode_rows = None
     if target.type == "cpu":
         decodes = [seq for seq, q_len in enumerate(q_lens) if q_len == 1]
         groups = _decode_groups(decodes, checked, block_size, group_tokens, target)
+        if decodes:
+            decode_rows = DecodeRows.of(
+                decodes, checked.cu_query_lens, checked.context_lens, checked.block_tables
+            )
         for seq, q_len in enumerate(q_lens):
             if q_len > 1:
                 blocks = -(-ctx[seq] // block_size)
@@ -274,6 +282,7 @@ def prepare_attention(
         write_slots=write_slots,
         decode_groups=tuple(groups),
         prefills=tuple(prefills),
+        decode_rows=decode_rows,
         workspace=GatherWorkspace(gather_rows),
     )
 

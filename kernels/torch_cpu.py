@@ -1,4 +1,8 @@
-"""The fast plain-torch path, used for CPU tensors.
+"""The CPU path: the native decode kernel where it applies, plain torch for the rest.
+
+Decodes of a float32 or bfloat16 cache go to ``kernels.attention_cpu`` (one native call per
+layer reading the blocks in place) when it is built; what follows describes the torch path, used
+for prefill chunks and for the decodes the native kernel does not take.
 
 Works from a ``PreparedAttention`` (``kernels.metadata``): the per-step gather indices, masks and
 write slots are computed once and every layer reuses them. Decodes are attended in a handful of
@@ -17,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import attention_cpu
 from kernels.metadata import DecodeGroup, PreparedAttention
 
 
@@ -201,7 +206,15 @@ def paged_attention(
     v_flat = v_cache.reshape(v_cache.shape[0], -1)
     workspace = metadata.workspace
     buffers = workspace.buffers(k_cache)
-    for index, group in enumerate(metadata.decode_groups):
+    decodes, decode_groups = metadata.decode_rows, metadata.decode_groups
+    if (
+        decodes is not None
+        and attention_cpu.accepts(query, k_cache, out)
+        and v_cache.is_contiguous()
+    ):
+        attention_cpu.decode_attention(query, k_cache, v_cache, decodes, scale, sliding_window, out)
+        decode_groups = ()
+    for index, group in enumerate(decode_groups):
         folded = _folds(k_cache.dtype, num_kv_heads, group.num_seqs)
         bias = workspace.key_bias(index, group, torch.float32 if folded else query.dtype)
         _attend_decodes(

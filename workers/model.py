@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from kernels import AttentionStep, PagedAttentionStep, prepare_attention, write_kv
+from kernels import AttentionStep, PagedAttentionStep, prepare_attention
 from kernels.range_attention import RangeAttention
 from workers.checkpoint import CheckpointReader
 from workers.config import ModelSpec
+from workers.layer_ops import LayerOps, layer_ops_for
 from workers.layers import (
     ColumnParallelLinear,
     RMSNorm,
@@ -26,7 +26,7 @@ from workers.layers import (
 )
 from workers.lora.apply import LoRAStep
 from workers.parallel import TensorParallel, even_range, head_layout
-from workers.rope import RotaryEmbedding, apply_rotary
+from workers.rope import RotaryEmbedding
 
 
 @dataclass
@@ -67,9 +67,15 @@ class AttentionMetadata:
 
 class Attention(torch.nn.Module):
     def __init__(
-        self, spec: ModelSpec, layer_index: int, tp: TensorParallel, dtype: torch.dtype
+        self,
+        spec: ModelSpec,
+        layer_index: int,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        ops: LayerOps,
     ) -> None:
         super().__init__()
+        self.ops = ops
         layout = head_layout(spec, tp)
         d = spec.head_dim
         self.layer_index = layer_index
@@ -110,17 +116,13 @@ class Attention(torch.nn.Module):
         lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q_width, kv_width = self.num_q * self.head_dim, self.num_kv * self.head_dim
         qkv = self.qkv_proj(hidden)
         if lora is not None:
             lora.column(self.layer_index, "qkv", hidden, qkv)
-        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-        q = apply_rotary(q.view(tokens, self.num_q, self.head_dim), *cos_sin)
-        k = apply_rotary(k.view(tokens, self.num_kv, self.head_dim), *cos_sin)
-        v = v.reshape(tokens, self.num_kv, self.head_dim)
-        write_kv(k, v, k_cache, v_cache, metadata=step.prepared)
+        heads = (self.num_q, self.num_kv, self.head_dim)
+        q = self.ops.rotary_write_kv(qkv, heads, cos_sin, step, k_cache, v_cache)
         out = step.attend(q, k_cache, v_cache, scale=self.scale, sliding_window=self.sliding_window)
-        attended = out.reshape(tokens, q_width)
+        attended = out.reshape(tokens, self.num_q * self.head_dim)
         projected = self.o_proj(attended)
         if lora is not None:
             lora.row(self.layer_index, "o", attended, projected)
@@ -131,9 +133,15 @@ class GatedMLP(torch.nn.Module):
     """down(silu(gate(x)) * up(x)), gate/up column-parallel (fused), down row-parallel."""
 
     def __init__(
-        self, spec: ModelSpec, layer_index: int, tp: TensorParallel, dtype: torch.dtype
+        self,
+        spec: ModelSpec,
+        layer_index: int,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        ops: LayerOps,
     ) -> None:
         super().__init__()
+        self.ops = ops
         self.layer_index = layer_index
         full = spec.intermediate_size
         start, stop = even_range(full, tp)
@@ -152,8 +160,7 @@ class GatedMLP(torch.nn.Module):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.column(self.layer_index, "gate_up", x, gate_up)
-        gate, up = gate_up.split([self.width, self.width], dim=-1)
-        activated = F.silu(gate) * up
+        activated = self.ops.silu_mul(gate_up)
         down = self.down_proj(activated)
         if lora is not None:
             lora.row(self.layer_index, "down", activated, down)
@@ -161,28 +168,41 @@ class GatedMLP(torch.nn.Module):
 
 
 class DecoderLayer(torch.nn.Module):
+    """Pre-norm attention and MLP blocks around the residual stream.
+
+    The MLP's output is not added here but handed on as the next block's pending `delta`, so
+    that the add and the next norm are one `LayerOps.add_norm`."""
+
     def __init__(
-        self, spec: ModelSpec, layer_index: int, tp: TensorParallel, dtype: torch.dtype
+        self,
+        spec: ModelSpec,
+        layer_index: int,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        ops: LayerOps,
     ) -> None:
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.self_attn = Attention(spec, layer_index, tp, dtype)
+        self.self_attn = Attention(spec, layer_index, tp, dtype, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(spec, layer_index, tp, dtype)
+        self.mlp = GatedMLP(spec, layer_index, tp, dtype, ops)
 
     def forward(
         self,
         hidden: torch.Tensor,
+        delta: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         step: AttentionStep,
         kv_layer: torch.Tensor,
         lora: LoRAStep | None = None,
-    ) -> torch.Tensor:
-        attended = self.self_attn(
-            self.input_layernorm(hidden), cos_sin, step, kv_layer[0], kv_layer[1], lora
-        )
-        hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over the residual stream `hidden + delta` (`delta` None: `hidden`);
+        returns the new stream as (residual, the MLP's output still to be added)."""
+        hidden, normed = self.ops.add_norm(hidden, delta, self.input_layernorm)
+        attended = self.self_attn(normed, cos_sin, step, kv_layer[0], kv_layer[1], lora)
+        hidden, normed = self.ops.add_norm(hidden, attended, self.post_attention_layernorm)
+        return hidden, self.mlp(normed, lora)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         self.input_layernorm.load(reader, f"{prefix}input_layernorm.weight")
@@ -219,9 +239,10 @@ class CausalLM(torch.nn.Module):
         self.spec = spec
         self.tp = tp
         self.reduced = dtype != torch.float32
+        self.ops = layer_ops_for(torch.empty(0).device)  # the device being built on
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, dtype)
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(spec, i, tp, dtype) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, tp, dtype, self.ops) for i in range(spec.num_layers)
         )
         head_dtype = torch.float32 if self.reduced else dtype
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, head_dtype)
@@ -248,13 +269,14 @@ class CausalLM(torch.nn.Module):
         """Hidden states `[tokens, hidden]` after the final norm; writes this step's KV.
         `lora`: the step's adapters, added after every adapted base linear (None: none)."""
         hidden = self.embed_tokens.embed(token_ids)
-        cos_sin = self.rotary.cos_sin(metadata.positions, hidden.dtype)
+        cos_sin = self.ops.cos_sin(self.rotary, metadata.positions, hidden.dtype)
         if self.reduced:
             hidden = hidden.to(torch.float32)  # the residual stream
         step = metadata.prepare_kernels(kv_pool)  # validated once, shared by every layer
+        delta = None
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos_sin, step, kv_pool[index], lora)
-        return self.norm(hidden)
+            hidden, delta = layer(hidden, delta, cos_sin, step, kv_pool[index], lora)
+        return self.ops.add_norm(hidden, delta, self.norm)[1]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,6 @@ over the dequantized weights, in float32 and bfloat16."""
 
 from __future__ import annotations
 
-import pathlib
-
 import gguf
 import numpy as np
 import pytest
@@ -13,18 +11,7 @@ import torch
 
 from kernels import q4_cpu
 from kernels.q4_cpu import Q4Weight, q4_matmul
-
-
-def cpu_flags() -> list[str]:
-    """This machine's CPU feature flags (empty where /proc/cpuinfo does not exist)."""
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    text = cpuinfo.read_text() if cpuinfo.exists() else ""
-    return next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
-
-
-def cpu_has_avx512() -> bool:
-    return "avx512f" in cpu_flags() and "avx512bw" in cpu_flags()
-
+from tests.kernels.cpu_features import cpu_has_avx512
 
 needs_kernel = pytest.mark.skipif(not cpu_has_avx512(), reason="the kernel needs AVX-512")
 

@@ -1,0 +1,153 @@
+"""Paged decode attention on the CPU by the small native kernel in
+`kernels/csrc/attention_cpu.cpp`: each decode's keys and values are read in place through its
+block table, in float32 after the loads, with one call per layer for every decode of the step.
+
+The plain-torch path (`kernels.torch_cpu`) gathers each group of decodes into a padded buffer,
+then multiplies, masks and softmaxes it in a dozen torch calls per layer; this replaces all of
+that for the decodes of a float32 or bfloat16 cache. Prefill chunks keep the torch path.
+
+Invariants: `decode_attention` equals `kernels.reference.paged_attention` on the rows it fills
+(float32 arithmetic throughout, the result rounded once to the query's dtype) up to float32
+summation order and the last bits of the exponential; it writes only those rows of `out`. The
+library is built by pip at install time; `available()` is false where it was not built or the
+CPU lacks AVX-512, and `accepts` is false for what the kernel does not take (other dtypes,
+head sizes that are not a multiple of 16, non-contiguous caches): callers then keep the torch
+path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+MAX_HEAD_DIM = 256
+MAX_GROUP = 16
+"""Query heads per KV head the kernel keeps in registers at most."""
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The decodes (one query token each) of one step, as the kernel reads them: token row
+    `rows[i]` (int64) attends over `context_lens[i]` keys (int32) whose blocks are listed by
+    `block_tables[i]` (int32, contiguous). All CPU tensors; ids and lengths validated."""
+
+    rows: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+    @staticmethod
+    def of(
+        seqs: list[int],
+        cu_query_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> DecodeRows:
+        """The rows of decode sequences `seqs` from validated CPU metadata."""
+        index = torch.tensor(seqs, dtype=torch.int64)
+        lens = context_lens.index_select(0, index).to(torch.int32)
+        return DecodeRows(
+            rows=cu_query_lens.index_select(0, index).to(torch.int64).contiguous(),
+            context_lens=lens.contiguous(),
+            block_tables=block_tables.index_select(0, index).to(torch.int32).contiguous(),
+        )
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built kernel library (loaded after torch, so it shares torch's libgomp), or None."""
+    spec = importlib.util.find_spec("kernels._attention_cpu")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        library = ctypes.CDLL(spec.origin)
+    except OSError:
+        return None
+    pointer, size, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.decode_attention_supported.restype = flag
+    library.decode_attention.restype = flag
+    library.decode_attention.argtypes = [
+        pointer, size, size,  # query, its row and head strides
+        pointer, pointer, flag,  # k_cache, v_cache, bfloat16
+        pointer, pointer, pointer, size,  # rows, context_lens, block_tables, table stride
+        size, size, size, size, size,  # seqs, kv heads, group, head_dim, block_size
+        ctypes.c_float, size,  # scale, window
+        pointer, size, size,  # out, its row and head strides
+    ]  # fmt: skip
+    return library if library.decode_attention_supported() else None
+
+
+def available() -> bool:
+    """Whether the native kernel was built and this CPU runs it (AVX-512 F and BW)."""
+    return _library() is not None
+
+
+def accepts(query: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes these operands (else use the torch path).
+
+    `query` / `out` `[tokens, H_q, D]` and the caches `[blocks, block_size, H_kv, D]` (already
+    validated against each other) must share a dtype, float32 or bfloat16, on the CPU, with the
+    head dimension contiguous; the caches contiguous."""
+    head_dim = k_cache.shape[-1]
+    group = query.shape[1] // k_cache.shape[2]
+    return (
+        available()
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and query.dtype == k_cache.dtype == out.dtype
+        and k_cache.device.type == "cpu"
+        and k_cache.is_contiguous()
+        and query.stride(-1) == 1
+        and out.stride(-1) == 1
+        and head_dim % 16 == 0
+        and head_dim <= MAX_HEAD_DIM
+        and group <= MAX_GROUP
+    )
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    decodes: DecodeRows,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Fill `out`'s rows `decodes.rows` with each decode's attention over its paged context
+    (its last `sliding_window` keys when given). Operands as `accepts` requires."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the attention CPU kernel is not available (not built, or no AVX-512)")
+    if not accepts(query, k_cache, out) or not v_cache.is_contiguous():
+        raise ValueError("decode_attention: operands the kernel does not take (see accepts)")
+    num_seqs = decodes.rows.shape[0]
+    if num_seqs == 0:
+        return
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    status = library.decode_attention(
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        int(query.dtype == torch.bfloat16),
+        decodes.rows.data_ptr(),
+        decodes.context_lens.data_ptr(),
+        decodes.block_tables.data_ptr(),
+        decodes.block_tables.stride(0),
+        num_seqs,
+        num_kv_heads,
+        query.shape[1] // num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        0 if sliding_window is None else sliding_window,
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+    )
+    if status != 0:
+        raise RuntimeError(f"decode_attention failed with status {status}")
