@@ -44,10 +44,10 @@ from kernels import q4_cpu
 PACK_BATCH_HINT = 16
 """The batch size oneDNN is told to expect when it picks the packed layout (decode batches)."""
 
-Q4_MAX_ROWS: Mapping[torch.dtype, int] = MappingProxyType({torch.bfloat16: 4, torch.float32: 16})
+Q4_MAX_ROWS: Mapping[torch.dtype, int] = MappingProxyType({torch.bfloat16: 8, torch.float32: 16})
 """Calls of at most this many rows (per input dtype) use the 4-bit copy: where it beats the
-packed weight on this project's reference CPU (bfloat16: 1.3-1.4x at 1-4 rows, level at 8;
-float32: 1.1-3.4x at 1-16 rows, level at 32)."""
+packed weight on this project's reference CPU (bfloat16: 1.2-1.6x at 1-8 rows, 0.9x at 12;
+float32: 1.2-3.4x at 1-16 rows, level at 32)."""
 
 
 def can_pack(weight: torch.Tensor) -> bool:

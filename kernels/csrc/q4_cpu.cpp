@@ -13,9 +13,10 @@
 //
 // Work split: output columns in strips of 4, strips spread over the calling thread's OpenMP
 // team (the libgomp.so.1 torch loaded, shared by soname, so the same team and thread count
-// torch uses from that thread). Rows go in tiles of up to 4: the weights are dequantized in
-// registers for every tile, which suits the decode batches it is meant for (a weight is read
-// once per 4 rows); larger batches belong to a dense kernel.
+// torch uses from that thread). Rows go in tiles of up to 8 (up to 4 against a whole strip, 5-8
+// against two of its columns at a time, so the accumulators stay in registers): the weights are
+// dequantized in registers for every tile, which suits the decode batches it is meant for;
+// larger batches belong to a dense kernel.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -24,7 +25,8 @@ namespace {
 
 constexpr int kBlock = 32;
 constexpr int kStrip = 4;
-constexpr int kTileRows = 4;
+constexpr int kTileRows = 8;
+constexpr int kNarrowRows = 4;  // tiles of up to this many rows take a whole strip at once
 
 inline float bf16_to_float(uint16_t bits) {
   uint32_t widened = static_cast<uint32_t>(bits) << 16;
@@ -46,22 +48,22 @@ inline uint16_t float_to_bf16(float value) {
 // sums[r][c] = x[r] . w[c] for ROWS rows of x (row stride K) and COLS weight rows.
 template <int ROWS, int COLS>
 Q4_TARGET void tile(const float* x, int64_t K, const uint8_t* codes, const float* scales,
-                    const float* mins, float sums[kTileRows][kStrip]) {
+                    const float* mins, float sums[kTileRows][kStrip], int c0) {
   const int64_t blocks = K / kBlock;
   const __m512i low_nibble = _mm512_set1_epi32(0x0f);
   __m512 acc[ROWS][COLS];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 low_x[ROWS], high_x[ROWS];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
       low_x[r] = _mm512_loadu_ps(x + r * K + b * kBlock);
       high_x[r] = _mm512_loadu_ps(x + r * K + b * kBlock + 16);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int c = 0; c < COLS; ++c) {
       // byte j of a block holds code j (low nibble) and code j + 16 (high nibble)
       const __m128i bytes =
@@ -73,27 +75,44 @@ Q4_TARGET void tile(const float* x, int64_t K, const uint8_t* codes, const float
           _mm512_cvtepi32_ps(_mm512_and_si512(wide, low_nibble)), scale, minimum);
       const __m512 high =
           _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4)), scale, minimum);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) {
         acc[r][c] = _mm512_fmadd_ps(low, low_x[r], acc[r][c]);
         acc[r][c] = _mm512_fmadd_ps(high, high_x[r], acc[r][c]);
       }
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < COLS; ++c) sums[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+#pragma GCC unroll 8
+    for (int c = 0; c < COLS; ++c) sums[r][c0 + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
+// A tile of up to 4 rows (`rows`) against COLS weight rows (a whole strip).
 template <int COLS>
-Q4_TARGET void tile_rows(int rows, const float* x, int64_t K, const uint8_t* codes,
-                         const float* scales, const float* mins, float sums[kTileRows][kStrip]) {
+Q4_TARGET void narrow_tile(int rows, const float* x, int64_t K, const uint8_t* codes,
+                           const float* scales, const float* mins,
+                           float sums[kTileRows][kStrip]) {
   switch (rows) {
-    case 4: tile<4, COLS>(x, K, codes, scales, mins, sums); break;
-    case 3: tile<3, COLS>(x, K, codes, scales, mins, sums); break;
-    case 2: tile<2, COLS>(x, K, codes, scales, mins, sums); break;
-    default: tile<1, COLS>(x, K, codes, scales, mins, sums); break;
+    case 4: tile<4, COLS>(x, K, codes, scales, mins, sums, 0); break;
+    case 3: tile<3, COLS>(x, K, codes, scales, mins, sums, 0); break;
+    case 2: tile<2, COLS>(x, K, codes, scales, mins, sums, 0); break;
+    default: tile<1, COLS>(x, K, codes, scales, mins, sums, 0); break;
+  }
+}
+
+// A tile of 5-8 rows against COLS (1 or 2) weight rows starting at column c0 of the strip:
+// fewer columns at once keep the ROWS * COLS accumulators in registers, and each dequantized
+// weight serves up to 8 rows.
+template <int COLS>
+Q4_TARGET void wide_tile(int rows, const float* x, int64_t K, const uint8_t* codes,
+                         const float* scales, const float* mins, float sums[kTileRows][kStrip],
+                         int c0) {
+  switch (rows) {
+    case 8: tile<8, COLS>(x, K, codes, scales, mins, sums, c0); break;
+    case 7: tile<7, COLS>(x, K, codes, scales, mins, sums, c0); break;
+    case 6: tile<6, COLS>(x, K, codes, scales, mins, sums, c0); break;
+    default: tile<5, COLS>(x, K, codes, scales, mins, sums, c0); break;
   }
 }
 
@@ -108,11 +127,23 @@ Q4_TARGET void strip_product(const float* x, int64_t M, int64_t K, int64_t N, in
   for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
     const int rows = static_cast<int>(M - r0 < kTileRows ? M - r0 : kTileRows);
     const float* x_tile = x + r0 * K;
-    switch (columns) {
-      case 4: tile_rows<4>(rows, x_tile, K, codes, scales, mins, sums); break;
-      case 3: tile_rows<3>(rows, x_tile, K, codes, scales, mins, sums); break;
-      case 2: tile_rows<2>(rows, x_tile, K, codes, scales, mins, sums); break;
-      default: tile_rows<1>(rows, x_tile, K, codes, scales, mins, sums); break;
+    if (rows <= kNarrowRows) {
+      switch (columns) {
+        case 4: narrow_tile<4>(rows, x_tile, K, codes, scales, mins, sums); break;
+        case 3: narrow_tile<3>(rows, x_tile, K, codes, scales, mins, sums); break;
+        case 2: narrow_tile<2>(rows, x_tile, K, codes, scales, mins, sums); break;
+        default: narrow_tile<1>(rows, x_tile, K, codes, scales, mins, sums); break;
+      }
+    } else {
+      for (int c0 = 0; c0 < columns; c0 += 2) {
+        const uint8_t* pair_codes = codes + c0 * (K / 2);
+        const float* pair_scales = scales + c0 * blocks;
+        const float* pair_mins = mins + c0 * blocks;
+        if (columns - c0 >= 2)
+          wide_tile<2>(rows, x_tile, K, pair_codes, pair_scales, pair_mins, sums, c0);
+        else
+          wide_tile<1>(rows, x_tile, K, pair_codes, pair_scales, pair_mins, sums, c0);
+      }
     }
     for (int r = 0; r < rows; ++r) {
       const int64_t offset = (r0 + r) * N + n0;

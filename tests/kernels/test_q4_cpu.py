@@ -80,8 +80,8 @@ def test_recover_refuses_a_matrix_exact_only_in_its_first_row() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (6, 64), (130, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (6, 64), (7, 96), (130, 576)])
 def test_float32_product_equals_float32_matmul_over_the_dequantized_weights(
     rows: int, out_features: int, in_features: int
 ) -> None:
@@ -110,7 +110,7 @@ def test_kernel_reads_each_weight_exactly_as_dequantize_gives_it() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 4, 6])
+@pytest.mark.parametrize("rows", [1, 4, 6, 8])
 def test_bfloat16_product_is_the_float32_product_rounded(rows: int) -> None:
     """bfloat16 inputs are widened exactly and the float32 result rounded once (nearest even):
     the weights are the exact float32 ones, not rounded to bfloat16."""
