@@ -1,13 +1,15 @@
-"""CPU bfloat16 decode attention: `_all_heads` (two bmm calls) against SDPA, side by side.
+"""CPU bfloat16 decode attention side by side: the native kernel (`kernels.attention_cpu`),
+`_all_heads` (two bmm calls on gathered groups) and SDPA on gathered groups.
 
 `python -m benchmarks.decode_attention_ab --json [--rounds 15] [--threads 1]` builds, per batch
 size (1, 4, 16, 32 sequences), one decode step shaped like SmolLM2-135M (9 query heads, 3 KV
 heads, head dim 64, blocks of 16, bfloat16) with contexts drawn from 128..256 and blocks shuffled
 over the pool, with 30 layers' caches (so the K/V reads are not all cache hits), metadata
 prepared once per step as the model does. Each variant runs `kernels.torch_cpu.paged_attention`
-over the 30 layers; `sdpa` swaps `torch_cpu._folds` to always-False for its own calls. Reported:
-median ms per layer of each and `ratio` = median over rounds of (SDPA time / folded time), plus
-the largest difference between the two outputs.
+over the 30 layers; `folded` turns the native kernel off for its own calls
+(`attention_cpu.accepts` always false), `sdpa` also swaps `torch_cpu._folds` to always-False.
+Reported: median ms per layer of each, `<variant>_over_native` = median over rounds of (its
+time / the native kernel's), and the largest difference of each output from the native one.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import torch_cpu
+from kernels import attention_cpu, torch_cpu
 from kernels.metadata import prepare_attention
 
 LAYERS = 30
@@ -29,8 +31,11 @@ BLOCK_SIZE = 16
 KV_HEADS, GROUP, HEAD_DIM = 3, 3, 64
 
 
-def _step(num_seqs: int, seed: int) -> Callable[[bool], torch.Tensor]:
-    """A decode step over LAYERS caches; the returned call runs it folded or through SDPA."""
+VARIANTS = ("native", "folded", "sdpa")
+
+
+def _step(num_seqs: int, seed: int) -> Callable[[str], torch.Tensor]:
+    """A decode step over LAYERS caches; the returned call runs it as one of `VARIANTS`."""
     rng = random.Random(seed)
     contexts = [rng.randint(128, 256) for _ in range(num_seqs)]
     blocks = [-(-c // BLOCK_SIZE) for c in contexts]
@@ -46,10 +51,12 @@ def _step(num_seqs: int, seed: int) -> Callable[[bool], torch.Tensor]:
     query = torch.randn(num_seqs, KV_HEADS * GROUP, HEAD_DIM).bfloat16()
     cu = torch.arange(num_seqs + 1, dtype=torch.int32)
     lens = torch.tensor(contexts, dtype=torch.int32)
-    folds = torch_cpu._folds
+    folds, accepts = torch_cpu._folds, attention_cpu.accepts
 
-    def run(folded: bool) -> torch.Tensor:
-        if not folded:
+    def run(variant: str) -> torch.Tensor:
+        if variant != "native":
+            attention_cpu.accepts = lambda query, k_cache, out: False
+        if variant == "sdpa":
             torch_cpu._folds = lambda cache_dtype, num_kv_heads, num_seqs: False
         try:
             prepared = prepare_attention(
@@ -62,7 +69,7 @@ def _step(num_seqs: int, seed: int) -> Callable[[bool], torch.Tensor]:
                 )
             return out
         finally:
-            torch_cpu._folds = folds
+            torch_cpu._folds, attention_cpu.accepts = folds, accepts
 
     return run
 
@@ -71,20 +78,21 @@ def report(rounds: int) -> dict[str, object]:
     results: dict[str, object] = {}
     for num_seqs in (1, 4, 16, 32):
         run = _step(num_seqs, seed=num_seqs)
-        difference = float((run(True).float() - run(False).float()).abs().max())
-        times: dict[str, list[float]] = {"folded": [], "sdpa": []}
+        native = run("native").float()
+        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
         for _ in range(rounds):
-            for name in times:
+            for name in VARIANTS:
                 began = time.perf_counter()
-                run(name == "folded")
+                run(name)
                 times[name].append(time.perf_counter() - began)
-        ratios = [s / f for s, f in zip(times["sdpa"], times["folded"], strict=True)]
-        results[f"seqs_{num_seqs}"] = {
-            "folded_ms_per_layer": round(statistics.median(times["folded"]) * 1e3 / LAYERS, 3),
-            "sdpa_ms_per_layer": round(statistics.median(times["sdpa"]) * 1e3 / LAYERS, 3),
-            "ratio_sdpa_over_folded": round(statistics.median(ratios), 3),
-            "max_abs_difference": difference,
-        }
+        row: dict[str, float] = {}
+        for name in VARIANTS:
+            row[f"{name}_ms_per_layer"] = round(statistics.median(times[name]) * 1e3 / LAYERS, 3)
+        for name in VARIANTS[1:]:
+            ratios = [t / n for t, n in zip(times[name], times["native"], strict=True)]
+            row[f"{name}_over_native"] = round(statistics.median(ratios), 3)
+            row[f"{name}_max_abs_difference"] = float((run(name).float() - native).abs().max())
+        results[f"seqs_{num_seqs}"] = row
     return results
 
 

@@ -46,6 +46,9 @@ from cluster.serving.routing import ROUTER_CLASS_PATH, LoadReport, routing_stats
 
 DEPLOYMENT_NAME = "GenerationServer"
 ROUTING_STATS_PERIOD_S = 1.0
+HEARTBEAT_S = 1.0
+"""An idle replica still tells the KV directory it is alive this often (at most a quarter of
+the directory's replica timeout)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class GenerationServer:
             self.replica_id,
             source,
             directory.publish_period_s,
+            heartbeat_s=min(HEARTBEAT_S, directory.replica_timeout_s / 4),
         )
         self.publisher.start()
         self.adapter_sync: AdapterSync | None = None

@@ -152,15 +152,28 @@ class CacheSource:
 class DirectoryPublisher:
     """Sends one replica's block events to the directory every `period_s` (see the module doc).
     A failed call (the directory is down or restarting) turns the next publication into a
-    snapshot."""
+    snapshot. A period with no events and an unchanged pool view sends nothing, except a
+    heartbeat once `heartbeat_s` has passed since the last call (which must stay well inside
+    the directory's `replica_timeout_s`): an idle replica costs neither process a call every
+    period."""
 
-    def __init__(self, directory: Any, replica: str, source: CacheSource, period_s: float):
+    def __init__(
+        self,
+        directory: Any,
+        replica: str,
+        source: CacheSource,
+        period_s: float,
+        heartbeat_s: float = 1.0,
+    ):
         self.directory = directory
         self.replica = replica
         self.source = source
         self.period_s = period_s
+        self.heartbeat_s = heartbeat_s
         self.seq = 0
         self.needs_snapshot = True
+        self._last_pool: PoolView | None = None
+        self._last_sent_s = float("-inf")
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -169,6 +182,11 @@ class DirectoryPublisher:
     async def publish_once(self) -> None:
         events = self.source.take_events()  # taken even when a snapshot replaces them
         pool = pool_view(self.source.pressure())
+        now = time.monotonic()
+        quiet = not events and not self.needs_snapshot and pool == self._last_pool
+        if quiet and now - self._last_sent_s < self.heartbeat_s:
+            return
+        self._last_pool, self._last_sent_s = pool, now
         self.seq += 1
         try:
             if self.needs_snapshot:
