@@ -120,10 +120,26 @@ def drain(coordinator: Any, grace_s: float, hurry: threading.Event) -> DrainRepo
     return report
 
 
+LOCAL_CLUSTER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+"""Settings a new local cluster's processes get unless the environment sets them: Serve's
+controller runs its control loop every 0.5 s instead of 0.1 s (each pass fetches the cluster's
+node table from GCS; at 0.1 s the controller took 12-16 % of a core for the first half minute
+after a deploy and ~3 % after, beside engines whose threads fill the cores)."""
+
+
 def cluster_options(address: str, ray_dashboard: bool) -> dict[str, Any]:
     """`ray.init` options beyond the address: a new local cluster (`address` "local") gets the
     dashboard only when asked; an existing cluster is joined as it is."""
     return {"include_dashboard": ray_dashboard} if address == "local" else {}
+
+
+def local_cluster_env(address: str, environ: dict[str, str]) -> dict[str, str]:
+    """The variables to add to `environ` before `ray.init` starts a new local cluster (whose
+    processes inherit the driver's environment): `LOCAL_CLUSTER_ENV` less what `environ` already
+    sets. Nothing for an existing cluster, which is joined as it is."""
+    if address != "local":
+        return {}
+    return {name: value for name, value in LOCAL_CLUSTER_ENV.items() if name not in environ}
 
 
 def run_config(
@@ -149,6 +165,7 @@ def run_config(
     address = os.environ.get("RAY_ADDRESS") or "local"
     started_ray = not ray.is_initialized()
     if started_ray:
+        os.environ.update(local_cluster_env(address, dict(os.environ)))
         ray.init(
             address=address, namespace=SERVE_NAMESPACE, **cluster_options(address, ray_dashboard)
         )

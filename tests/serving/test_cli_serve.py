@@ -178,3 +178,12 @@ def test_a_new_local_cluster_starts_without_rays_dashboard_unless_asked() -> Non
     assert cluster_options("local", ray_dashboard=True) == {"include_dashboard": True}
     # an existing cluster (RAY_ADDRESS) is joined as it is
     assert cluster_options("ray://head:10001", ray_dashboard=False) == {}
+
+
+def test_a_new_local_cluster_gets_a_slower_serve_control_loop_unless_set() -> None:
+    from cluster.serving.serve_runner import local_cluster_env
+
+    interval = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+    assert local_cluster_env("local", {}) == {interval: "0.5"}
+    assert local_cluster_env("local", {interval: "0.1"}) == {}  # the user's setting stands
+    assert local_cluster_env("ray://head:10001", {}) == {}  # an existing cluster: as it is
