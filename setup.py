@@ -16,6 +16,7 @@ def native(name: str) -> Extension:
     return Extension(
         f"kernels._{name}",
         sources=[f"kernels/csrc/{name}.cpp"],
+        depends=["kernels/csrc/cpu_common.h"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],
         extra_link_args=["-fopenmp"],

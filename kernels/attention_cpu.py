@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 from dataclasses import dataclass
 
 import torch
+
+from kernels.native import FLAG, POINTER, SIZE, load_library
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
@@ -58,26 +59,18 @@ class DecodeRows:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The built kernel library (loaded after torch, so it shares torch's libgomp), or None."""
-    spec = importlib.util.find_spec("kernels._attention_cpu")
-    if spec is None or spec.origin is None:
-        return None
-    try:
-        library = ctypes.CDLL(spec.origin)
-    except OSError:
-        return None
-    pointer, size, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.decode_attention_supported.restype = flag
-    library.decode_attention.restype = flag
-    library.decode_attention.argtypes = [
-        pointer, size, size,  # query, its row and head strides
-        pointer, pointer, flag,  # k_cache, v_cache, bfloat16
-        pointer, pointer, pointer, size,  # rows, context_lens, block_tables, table stride
-        size, size, size, size, size,  # seqs, kv heads, group, head_dim, block_size
-        ctypes.c_float, size,  # scale, window
-        pointer, size, size,  # out, its row and head strides
+    """The built kernel library, or None (`kernels.native.load_library`)."""
+    attention = [
+        POINTER, SIZE, SIZE,  # query, its row and head strides
+        POINTER, POINTER, FLAG,  # k_cache, v_cache, bfloat16
+        POINTER, POINTER, POINTER, SIZE,  # rows, context_lens, block_tables, table stride
+        SIZE, SIZE, SIZE, SIZE, SIZE,  # seqs, kv heads, group, head_dim, block_size
+        ctypes.c_float, SIZE,  # scale, window
+        POINTER, SIZE, SIZE,  # out, its row and head strides
     ]  # fmt: skip
-    return library if library.decode_attention_supported() else None
+    return load_library(
+        "kernels._attention_cpu", "decode_attention_supported", {"decode_attention": attention}
+    )
 
 
 def available() -> bool:

@@ -15,37 +15,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 
 import torch
+
+from kernels.native import FLAG, POINTER, SIZE, load_library
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The built library (loaded after torch, so it shares torch's libgomp), or None."""
-    spec = importlib.util.find_spec("kernels._layer_ops_cpu")
-    if spec is None or spec.origin is None:
-        return None
-    try:
-        library = ctypes.CDLL(spec.origin)
-    except OSError:
-        return None
-    pointer, size, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.layer_ops_supported.restype = flag
-    library.add_rms_norm.restype = flag
-    library.add_rms_norm.argtypes = [
-        pointer, pointer, flag, pointer, flag, ctypes.c_float, size, size, pointer, flag
-    ]  # fmt: skip
-    library.rotary_write_kv.restype = flag
-    library.rotary_write_kv.argtypes = [
-        pointer, size, flag, size, size, size, size, pointer, pointer, pointer,
-        pointer, pointer, pointer,
-    ]  # fmt: skip
-    library.silu_mul.restype = flag
-    library.silu_mul.argtypes = [pointer, flag, size, size, pointer]
-    return library if library.layer_ops_supported() else None
+    """The built library, or None (`kernels.native.load_library`)."""
+    signatures = {
+        "add_rms_norm": [POINTER, POINTER, FLAG, POINTER, FLAG, ctypes.c_float, SIZE, SIZE,
+                         POINTER, FLAG],
+        "rotary_write_kv": [POINTER, SIZE, FLAG, SIZE, SIZE, SIZE, SIZE, POINTER, POINTER,
+                            POINTER, POINTER, POINTER, POINTER],
+        "silu_mul": [POINTER, FLAG, SIZE, SIZE, POINTER],
+    }  # fmt: skip
+    return load_library("kernels._layer_ops_cpu", "layer_ops_supported", signatures)
 
 
 def available() -> bool:

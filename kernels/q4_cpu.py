@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 from dataclasses import dataclass
 
 import torch
+
+from kernels.native import FLAG, POINTER, SIZE, load_library
 
 BLOCK = 32
 """Weights per block (one scale and one minimum each)."""
@@ -113,20 +114,9 @@ def _solve_blocks(
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The built kernel library (loaded after torch, so it shares torch's libgomp), or None."""
-    spec = importlib.util.find_spec("kernels._q4_cpu")
-    if spec is None or spec.origin is None:
-        return None
-    try:
-        library = ctypes.CDLL(spec.origin)
-    except OSError:
-        return None
-    pointer, size, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.q4_supported.restype = flag
-    library.q4_matmul.restype = flag
-    library.q4_matmul.argtypes = [pointer, flag, pointer, size, size]
-    library.q4_matmul.argtypes += [pointer, pointer, pointer, size, pointer, flag]
-    return library if library.q4_supported() else None
+    """The built kernel library, or None (`kernels.native.load_library`)."""
+    matmul = [POINTER, FLAG, POINTER, SIZE, SIZE, POINTER, POINTER, POINTER, SIZE, POINTER, FLAG]
+    return load_library("kernels._q4_cpu", "q4_supported", {"q4_matmul": matmul})
 
 
 def available() -> bool:

@@ -15,6 +15,8 @@
 // of its group (GQA without repeating a head). Items are spread over the calling thread's OpenMP
 // team (the libgomp.so.1 torch loaded, shared by soname), or run on the calling thread alone
 // when the whole call reads fewer keys than it takes to wake a team.
+#include "cpu_common.h"
+
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -27,27 +29,15 @@
 
 namespace {
 
+using cpu_common::bf16_to_float;
+using cpu_common::float_to_bf16;
+
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kSerialKeyRows = 2048;  // below this many (key, KV head) rows: no team
 
 #define ATTN_TARGET __attribute__((target("avx512f,avx512bw")))
-
-inline uint16_t float_to_bf16(float value) {
-  uint32_t bits;
-  memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as torch
-  const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>((bits + rounding_bias) >> 16);
-}
-
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float value;
-  memcpy(&value, &widened, sizeof(value));
-  return value;
-}
 
 // 16 values at `p` (float32, or bfloat16 widened exactly) as float32.
 template <bool BF16>
@@ -60,24 +50,11 @@ ATTN_TARGET inline __m512 load16(const void* p) {
   }
 }
 
-// e^x for x <= 0 (softmax arguments), Cephes' polynomial after x = n ln2 + r, |r| <= ln2 / 2;
-// results below e^-87 flush to zero, as their weight does not register beside the maximum's 1.
+// e^x for x <= 0 (softmax arguments); results below e^-87 flush to zero, as their weight does
+// not register beside the maximum's 1.
 ATTN_TARGET inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 lowest = _mm512_set1_ps(-87.0f);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lowest);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), cpu_common::exp_ps(x));
 }
 
 struct Geometry {

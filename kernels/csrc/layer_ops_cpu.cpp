@@ -14,6 +14,8 @@
 // Rows are spread over the calling thread's OpenMP team (the libgomp.so.1 torch loaded, shared by
 // soname) only when a call is large enough to pay for waking it (prefill chunks); decode-sized
 // calls run on the calling thread.
+#include "cpu_common.h"
+
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -21,24 +23,12 @@
 
 namespace {
 
+using cpu_common::bf16_to_float;
+using cpu_common::float_to_bf16;
+
 constexpr int64_t kParallelElements = 1 << 16;
 
 #define OPS_TARGET __attribute__((target("avx512f,avx512bw")))
-
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float value;
-  memcpy(&value, &widened, sizeof(value));
-  return value;
-}
-
-inline uint16_t float_to_bf16(float value) {
-  uint32_t bits;
-  memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as torch
-  const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>((bits + rounding_bias) >> 16);
-}
 
 inline float load(const void* base, int bf16, int64_t index) {
   return bf16 ? bf16_to_float(static_cast<const uint16_t*>(base)[index])
@@ -78,24 +68,6 @@ OPS_TARGET inline void store16(void* base, int bf16, int64_t index, __m512 value
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + index),
                       _mm512_cvtepi32_epi16(rounded));
-}
-
-// e^x in float32 (Cephes' polynomial after x = n ln2 + r, |r| <= ln2 / 2), x clamped to
-// [-87, 88]: within a few ulp of expf over that range.
-OPS_TARGET inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 // residual[hidden] += delta (when given); out = weight * residual / sqrt(mean(residual^2) + eps).
@@ -164,7 +136,7 @@ OPS_TARGET void silu_mul_row(const void* gate_up, int bf16, int64_t row, int64_t
   for (; j + 16 <= width; j += 16) {
     const __m512 gate = load16(gate_up, bf16, gates + j);
     const __m512 negated = _mm512_sub_ps(_mm512_setzero_ps(), gate);
-    const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, exp16(negated)));
+    const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, cpu_common::exp_ps(negated)));
     store16(out, bf16, outs + j, _mm512_mul_ps(silu, load16(gate_up, bf16, ups + j)));
   }
   for (; j < width; ++j) {

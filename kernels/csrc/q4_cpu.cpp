@@ -17,31 +17,21 @@
 // against two of its columns at a time, so the accumulators stay in registers): the weights are
 // dequantized in registers for every tile, which suits the decode batches it is meant for;
 // larger batches belong to a dense kernel.
+#include "cpu_common.h"
+
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 namespace {
 
+using cpu_common::bf16_to_float;
+using cpu_common::float_to_bf16;
+
 constexpr int kBlock = 32;
 constexpr int kStrip = 4;
 constexpr int kTileRows = 8;
 constexpr int kNarrowRows = 4;  // tiles of up to this many rows take a whole strip at once
-
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float value;
-  memcpy(&value, &widened, sizeof(value));
-  return value;
-}
-
-inline uint16_t float_to_bf16(float value) {
-  uint32_t bits;
-  memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as torch
-  const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>((bits + rounding_bias) >> 16);
-}
 
 #define Q4_TARGET __attribute__((target("avx512f,avx512bw")))
 
