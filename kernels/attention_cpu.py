@@ -27,7 +27,7 @@ from kernels.native import FLAG, POINTER, SIZE, load_library
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
-"""Query heads per KV head the kernel keeps in registers at most."""
+"""Query heads per KV head the kernel takes at most (its C side refuses more)."""
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,15 @@
 // Numerics: everything after the loads is float32. Keys and values (float32 or bfloat16, widened
 // exactly) are multiplied with the float32 query, the scores scaled, the softmax taken in float32
 // (max subtracted, a vector exp within a few ulp of expf), the values summed with float32 weights
-// and the result divided once by the weights' sum, then stored in the query's dtype (bfloat16
-// rounded to nearest even, as torch rounds). That is the computation of kernels.reference up to
+// and the result scaled once by the reciprocal of the weights' sum, then stored in the query's
+// dtype (bfloat16 rounded to nearest even, as torch rounds). That is the computation of kernels.reference up to
 // float32 summation order and the exp's last bits.
 //
-// Work split: one item per (sequence, KV head); an item reads its keys once for every query head
-// of its group (GQA without repeating a head). Items are spread over the calling thread's OpenMP
-// team (the libgomp.so.1 torch loaded, shared by soname), or run on the calling thread alone
-// when the whole call reads fewer keys than it takes to wake a team.
+// Work split: one item per sequence (every KV head, reading each key and value row once for all
+// the sequence's query heads), or per (sequence, KV head) when there are fewer sequences than
+// twice the threads, so one long decode still uses the team. Items are spread over the calling
+// thread's OpenMP team (the libgomp.so.1 torch loaded, shared by soname), or run on the calling
+// thread alone when the whole call reads fewer keys than it takes to wake a team.
 #include "cpu_common.h"
 
 #include <immintrin.h>
