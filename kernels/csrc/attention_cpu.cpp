@@ -8,8 +8,8 @@
 // exactly) are multiplied with the float32 query, the scores scaled, the softmax taken in float32
 // (max subtracted, a vector exp within a few ulp of expf), the values summed with float32 weights
 // and the result scaled once by the reciprocal of the weights' sum, then stored in the query's
-// dtype (bfloat16 rounded to nearest even, as torch rounds). That is the computation of kernels.reference up to
-// float32 summation order and the exp's last bits.
+// dtype (bfloat16 rounded to nearest even, as torch rounds). That is the computation of
+// kernels.reference up to float32 summation order and the exp's last bits.
 //
 // Work split: one item per sequence (every KV head, reading each key and value row once for all
 // the sequence's query heads), or per (sequence, KV head) when there are fewer sequences than
