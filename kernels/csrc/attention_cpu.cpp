@@ -36,7 +36,7 @@ using cpu_common::float_to_bf16;
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;
-constexpr int64_t kSerialKeyRows = 2048;  // below this many (key, KV head) rows: no team
+constexpr int64_t kSerialKeyRows = 256;  // below this many (key, KV head) rows: no team
 
 #define ATTN_TARGET __attribute__((target("avx512f,avx512bw")))
 
