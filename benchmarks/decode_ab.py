@@ -15,7 +15,7 @@ median step time and decode tokens/s, and `ratio_over_<first>` = the median over
 Variants (round 3's changes switched off one by one on the shipped bfloat16 model):
 - `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked,
   decode attention by the native kernel `kernels.attention_cpu`, norms, rotary embeddings, KV
-  writes and silu by `kernels.layer_ops_cpu`, calls of at most 4 rows on the 4-bit copy of a
+  writes and silu by `kernels.layer_ops_cpu`, calls of at most 8 rows on the 4-bit copy of a
   Q4_1 model's weights).
 - `torch_layer_ops`: the same with the layers' elementwise work in plain torch.
 - `torch_attention`: that with decode attention on the torch path too (`_all_heads` on gathered
@@ -79,7 +79,7 @@ def _variant(group: WorkerGroup, name: str) -> Iterator[None]:
             for module in with_ops:
                 module.ops = TorchLayerOps()
         if name not in ("shipped", "torch_layer_ops"):
-            attention_cpu.accepts = lambda query, k_cache, out: False
+            attention_cpu.accepts = lambda query, k_cache, v_cache, out: False
         for matmul in matmuls:
             if name in ("dense", *SDPA_DECODE):
                 matmul.q4 = None

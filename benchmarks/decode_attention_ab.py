@@ -55,7 +55,7 @@ def _step(num_seqs: int, seed: int) -> Callable[[str], torch.Tensor]:
 
     def run(variant: str) -> torch.Tensor:
         if variant != "native":
-            attention_cpu.accepts = lambda query, k_cache, out: False
+            attention_cpu.accepts = lambda query, k_cache, v_cache, out: False
         if variant == "sdpa":
             torch_cpu._folds = lambda cache_dtype, num_kv_heads, num_seqs: False
         try:

@@ -78,7 +78,9 @@ def available() -> bool:
     return _library() is not None
 
 
-def accepts(query: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
+def accepts(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+) -> bool:
     """Whether `decode_attention` takes these operands (else use the torch path).
 
     `query` / `out` `[tokens, H_q, D]` and the caches `[blocks, block_size, H_kv, D]` (already
@@ -92,6 +94,7 @@ def accepts(query: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bo
         and query.dtype == k_cache.dtype == out.dtype
         and k_cache.device.type == "cpu"
         and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
         and query.stride(-1) == 1
         and out.stride(-1) == 1
         and head_dim % 16 == 0
@@ -114,7 +117,7 @@ def decode_attention(
     library = _library()
     if library is None:
         raise RuntimeError("the attention CPU kernel is not available (not built, or no AVX-512)")
-    if not accepts(query, k_cache, out) or not v_cache.is_contiguous():
+    if not accepts(query, k_cache, v_cache, out):
         raise ValueError("decode_attention: operands the kernel does not take (see accepts)")
     num_seqs = decodes.rows.shape[0]
     if num_seqs == 0:

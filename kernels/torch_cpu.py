@@ -207,11 +207,7 @@ def paged_attention(
     workspace = metadata.workspace
     buffers = workspace.buffers(k_cache)
     decodes, decode_groups = metadata.decode_rows, metadata.decode_groups
-    if (
-        decodes is not None
-        and attention_cpu.accepts(query, k_cache, out)
-        and v_cache.is_contiguous()
-    ):
+    if decodes is not None and attention_cpu.accepts(query, k_cache, v_cache, out):
         attention_cpu.decode_attention(query, k_cache, v_cache, decodes, scale, sliding_window, out)
         decode_groups = ()
     for index, group in enumerate(decode_groups):

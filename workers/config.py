@@ -54,9 +54,9 @@ class WorkerConfig:
 
     quantized_decode: bool = True
     """CPU ranks: layers loaded from GGUF Q4_1 blocks keep them as 4-bit codes and multiply
-    decode-sized calls (<= 4 rows in bfloat16, <= 16 in float32) with them: the exact checkpoint
-    weights, 0.75 bytes per weight read instead of 2 or 4. Off: every product uses the `dtype`
-    weights (`workers.dense_matmul`)."""
+    decode-sized calls (`workers.dense_matmul.Q4_MAX_ROWS`: 8 rows in bfloat16, 16 in float32)
+    with them: the exact checkpoint weights, 0.75 bytes per weight read instead of 2 or 4. Off:
+    every product uses the `dtype` weights (`workers.dense_matmul`)."""
 
     max_loras: int = 0
     """LoRA device slots per rank (0: LoRA off, no slot memory allocated)."""

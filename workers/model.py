@@ -145,7 +145,6 @@ class GatedMLP(torch.nn.Module):
         self.layer_index = layer_index
         full = spec.intermediate_size
         start, stop = even_range(full, tp)
-        self.width = stop - start
         self.gate_up_proj = ColumnParallelLinear(
             spec.hidden_size,
             [RowSegment("gate_proj", full, start, stop), RowSegment("up_proj", full, start, stop)],

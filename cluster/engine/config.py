@@ -33,7 +33,7 @@ class ModelSettings(_Section):
     weights_cache_dir: str | None = None
     quantized_decode: bool = Field(
         True,
-        description="CPU: decode-sized calls (<= 4 rows in bfloat16, <= 16 in float32) multiply "
+        description="CPU: decode-sized calls (<= 8 rows in bfloat16, <= 16 in float32) multiply "
         "GGUF Q4_1 weights as 4-bit codes with a native kernel (the exact checkpoint weights, "
         "0.75 bytes per weight read instead of 2 or 4); off: every product uses the dtype's "
         "dequantized weights",

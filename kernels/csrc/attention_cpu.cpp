@@ -30,7 +30,6 @@
 
 namespace {
 
-using cpu_common::bf16_to_float;
 using cpu_common::float_to_bf16;
 
 constexpr int64_t kLanes = 16;
@@ -44,8 +43,7 @@ constexpr int64_t kSerialKeyRows = 256;  // below this many (key, KV head) rows:
 template <bool BF16>
 ATTN_TARGET inline __m512 load16(const void* p) {
   if constexpr (BF16) {
-    const __m256i raw = _mm256_loadu_si256(static_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    return cpu_common::load_bf16x16(static_cast<const uint16_t*>(p));
   } else {
     return _mm512_loadu_ps(p);
   }
@@ -202,10 +200,7 @@ void attend_all(const void* query, const void* k_cache, const void* v_cache,
 extern "C" {
 
 // 1 when this CPU runs decode_attention (AVX-512 F and BW), else 0.
-int decode_attention_supported(void) {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-}
+int decode_attention_supported(void) { return cpu_common::avx512_supported(); }
 
 // For each sequence s: query row rows[s] (H_q = num_kv_heads * group heads of head_dim, strides
 // in elements, the last dimension contiguous) attends over its context_lens[s] keys (the last

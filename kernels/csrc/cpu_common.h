@@ -1,5 +1,5 @@
 // Helpers shared by the native CPU libraries (q4_cpu.cpp, attention_cpu.cpp, layer_ops_cpu.cpp):
-// bfloat16 conversions as torch does them, and a float32 exponential on AVX-512 vectors.
+// the CPU check, bfloat16 conversions as torch does them, and AVX-512 vector helpers.
 #pragma once
 
 #include <immintrin.h>
@@ -7,6 +7,12 @@
 #include <string.h>
 
 namespace cpu_common {
+
+// 1 when this CPU has what the libraries' vector code needs (AVX-512 F and BW), else 0.
+inline int avx512_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
 
 // A bfloat16 value widened to float32 (exact).
 inline float bf16_to_float(uint16_t bits) {
@@ -23,6 +29,12 @@ inline uint16_t float_to_bf16(float value) {
   if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>((bits + rounding_bias) >> 16);
+}
+
+// 16 bfloat16 values at `p` widened to float32 (exact).
+__attribute__((target("avx512f"))) inline __m512 load_bf16x16(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
 // e^x per lane for x clamped to [-87, 88] (Cephes' polynomial after x = n ln2 + r,

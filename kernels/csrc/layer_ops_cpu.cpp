@@ -45,11 +45,7 @@ inline void store(void* base, int bf16, int64_t index, float value) {
 
 // 16 values at base[index] (float32, or bfloat16 widened exactly) as float32.
 OPS_TARGET inline __m512 load16(const void* base, int bf16, int64_t index) {
-  if (bf16) {
-    const __m256i raw = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
+  if (bf16) return cpu_common::load_bf16x16(static_cast<const uint16_t*>(base) + index);
   return _mm512_loadu_ps(static_cast<const float*>(base) + index);
 }
 
@@ -150,10 +146,7 @@ OPS_TARGET void silu_mul_row(const void* gate_up, int bf16, int64_t row, int64_t
 extern "C" {
 
 // 1 when this CPU runs these functions (AVX-512 F and BW), else 0.
-int layer_ops_supported(void) {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-}
+int layer_ops_supported(void) { return cpu_common::avx512_supported(); }
 
 // For each of `rows` rows of `hidden` values (all buffers contiguous): residual += delta (when
 // delta is not null; float32, or bfloat16 when delta_bf16), then out = weight * residual *

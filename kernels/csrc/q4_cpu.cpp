@@ -152,10 +152,7 @@ Q4_TARGET void strip_product(const float* x, int64_t M, int64_t K, int64_t N, in
 extern "C" {
 
 // 1 when this CPU runs q4_matmul (AVX-512 F and BW), else 0.
-int q4_supported(void) {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-}
+int q4_supported(void) { return cpu_common::avx512_supported(); }
 
 // out[M, N] = x[M, K] . W[N, K]^T, W given as codes [N, K / 2] (uint8), scales and mins
 // [N, K / 32] (float32); every buffer contiguous. x is float32, or bfloat16 when x_bf16, in which

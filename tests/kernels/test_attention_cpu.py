@@ -178,17 +178,19 @@ def test_public_path_mixes_native_decodes_with_torch_prefills() -> None:
 
 def test_accepts_only_what_the_kernel_takes() -> None:
     case = make_case(DECODES, block_size=16, head_dim=64, group=3, dtype=torch.bfloat16)
-    query, k_cache = case.query, case.k_cache
-    assert attention_cpu.accepts(query, k_cache, query) == attention_cpu.available()
+    query, k_cache, v_cache = case.query, case.k_cache, case.v_cache
+    assert attention_cpu.accepts(query, k_cache, v_cache, query) == attention_cpu.available()
     half = case.query.half()
-    assert not attention_cpu.accepts(half, k_cache.half(), half)
-    assert not attention_cpu.accepts(query.float(), k_cache, query.float())  # mixed dtypes
+    assert not attention_cpu.accepts(half, k_cache.half(), v_cache.half(), half)
+    # mixed dtypes
+    assert not attention_cpu.accepts(query.float(), k_cache, v_cache, query.float())
     odd = make_case(DECODES, block_size=16, head_dim=72, group=1, dtype=torch.float32)
-    assert not attention_cpu.accepts(odd.query, odd.k_cache, odd.query)
+    assert not attention_cpu.accepts(odd.query, odd.k_cache, odd.v_cache, odd.query)
     wide = make_case(DECODES, block_size=16, head_dim=32, group=17, dtype=torch.float32)
-    assert not attention_cpu.accepts(wide.query, wide.k_cache, wide.query)
+    assert not attention_cpu.accepts(wide.query, wide.k_cache, wide.v_cache, wide.query)
     strided = k_cache.transpose(1, 2)
-    assert not attention_cpu.accepts(query, strided, query)
+    assert not attention_cpu.accepts(query, strided, v_cache, query)
+    assert not attention_cpu.accepts(query, k_cache, v_cache.transpose(1, 2), query)
     if attention_cpu.available():
         with pytest.raises(ValueError, match="does not take"):
             attention_cpu.decode_attention(

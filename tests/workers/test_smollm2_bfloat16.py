@@ -7,8 +7,8 @@ must equal HF's at every step, except at steps where HF's top-2 logit margin is 
 `NEAR_TIE` (a near tie that float32 itself only barely decides). Ten prompts, 24 steps each.
 
 Run twice: all ten prompts decoding together (10 rows per step: the packed bfloat16 weights), and
-in groups of at most 4 (decode-sized calls: the 4-bit copy of the Q4_1 weights, exact in float32,
-where the CPU kernel runs; `workers.dense_matmul`).
+in groups of at most `Q4_MAX_ROWS[bfloat16]` (decode-sized calls: the 4-bit copy of the Q4_1
+weights, exact in float32, where the CPU kernel runs; `workers.dense_matmul`).
 """
 
 from __future__ import annotations
