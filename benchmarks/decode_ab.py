@@ -13,11 +13,13 @@ median step time and decode tokens/s, and `ratio_over_<first>` = the median over
 (first's time / this one's time), which is robust to load that changes between rounds.
 
 Variants (round 3's changes switched off one by one on the shipped bfloat16 model):
-- `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked,
-  decode attention by the native kernel `kernels.attention_cpu`, norms, rotary embeddings, KV
-  writes and silu by `kernels.layer_ops_cpu`, calls of at most 8 rows on the 4-bit copy of a
-  Q4_1 model's weights).
-- `torch_layer_ops`: the same with the layers' elementwise work in plain torch.
+- `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked;
+  steps of up to 16 decodes through the whole decoder stack in one native call,
+  `kernels.decoder_stack_cpu`, every product on the 4-bit copy of a Q4_1 model's weights).
+- `per_operator`: without that call (round 6): per layer, decode attention by the native kernel
+  `kernels.attention_cpu`, norms, rotary embeddings, KV writes and silu by
+  `kernels.layer_ops_cpu`, products of at most 8 rows on the 4-bit copy, more on the packed one.
+- `torch_layer_ops`: that with the layers' elementwise work in plain torch.
 - `torch_attention`: that with decode attention on the torch path too (`_all_heads` on gathered
   groups: round 5).
 - `dense`: that without the 4-bit copies (every linear on the packed weight: round 4).
@@ -62,8 +64,9 @@ def _matmuls(group: WorkerGroup) -> list[DenseMatmul]:
 @contextlib.contextmanager
 def _variant(group: WorkerGroup, name: str) -> Iterator[None]:
     """The model as variant `name` while its steps run, restored afterwards (see the module
-    doc): the native layer ops off (all but `shipped`), the native decode attention off (all
-    but `shipped` and `torch_layer_ops`), 4-bit copies dropped (all from `dense` on), packed
+    doc): the native decoder stack off (all but `shipped`), the native layer ops off (all but
+    `shipped` and `per_operator`), the native decode attention off (all but those and
+    `torch_layer_ops`), 4-bit copies dropped (all from `dense` on), packed
     weights dropped (`unpacked`, `round2`), the plain float32 LM head (`round2`), SDPA decode
     attention (`SDPA_DECODE`)."""
     model = group._local.model
@@ -74,11 +77,14 @@ def _variant(group: WorkerGroup, name: str) -> Iterator[None]:
     accepts = attention_cpu.accepts
     with_ops = [m for m in model.modules() if hasattr(m, "ops")]
     ops = [m.ops for m in with_ops]
+    native_decode = model.native_decode
     try:
         if name != "shipped":
+            model.native_decode = None
+        if name not in ("shipped", "per_operator"):
             for module in with_ops:
                 module.ops = TorchLayerOps()
-        if name not in ("shipped", "torch_layer_ops"):
+        if name not in ("shipped", "per_operator", "torch_layer_ops"):
             attention_cpu.accepts = lambda query, k_cache, v_cache, out: False
         for matmul in matmuls:
             if name in ("dense", *SDPA_DECODE):
@@ -94,6 +100,7 @@ def _variant(group: WorkerGroup, name: str) -> Iterator[None]:
         for matmul, (packed, q4) in zip(matmuls, saved, strict=True):
             matmul.packed, matmul.q4 = packed, q4
         model.lm_head.screen = screen
+        model.native_decode = native_decode
         torch_cpu._folds = folds
         attention_cpu.accepts = accepts
         for module, module_ops in zip(with_ops, ops, strict=True):
@@ -101,7 +108,7 @@ def _variant(group: WorkerGroup, name: str) -> Iterator[None]:
 
 
 SDPA_DECODE = ("sdpa_decode", "unpacked", "round2")
-VARIANTS = ("shipped", "torch_layer_ops", "torch_attention", "dense", *SDPA_DECODE)
+VARIANTS = ("shipped", "per_operator", "torch_layer_ops", "torch_attention", "dense", *SDPA_DECODE)
 
 
 def run(

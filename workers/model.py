@@ -16,6 +16,7 @@ from kernels import AttentionStep, PagedAttentionStep, prepare_attention
 from kernels.range_attention import RangeAttention
 from workers.checkpoint import CheckpointReader
 from workers.config import ModelSpec
+from workers.decoder_stack import NativeDecode
 from workers.layer_ops import LayerOps, layer_ops_for
 from workers.layers import (
     ColumnParallelLinear,
@@ -224,7 +225,8 @@ class CausalLM(torch.nn.Module):
 
     With `quantized_decode` (on CPU), layers whose checkpoint values are exactly GGUF Q4_1 blocks
     also keep them as 4-bit codes and multiply decode-sized calls with them
-    (`workers.dense_matmul`).
+    (`workers.dense_matmul`). When every layer has them, steps of decodes only run the whole
+    stack in one native call (`workers.decoder_stack`, same bits as the 4-bit products here).
     """
 
     def __init__(
@@ -253,6 +255,8 @@ class CausalLM(torch.nn.Module):
             )
         )
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
+        self.native_decode: NativeDecode | None = None
+        """Set by `load` where the whole stack runs natively (None: per-operator only)."""
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.matmul.quantized_decode = quantized_decode
@@ -272,6 +276,11 @@ class CausalLM(torch.nn.Module):
         if self.reduced:
             hidden = hidden.to(torch.float32)  # the residual stream
         step = metadata.prepare_kernels(kv_pool)  # validated once, shared by every layer
+        if self.native_decode is not None and lora is None:
+            paged = metadata.range_first_blocks is None
+            stacked = self.native_decode.forward(hidden, cos_sin, step, kv_pool, paged)
+            if stacked is not None:
+                return stacked
         delta = None
         for index, layer in enumerate(self.layers):
             hidden, delta = layer(hidden, delta, cos_sin, step, kv_pool[index], lora)
@@ -298,3 +307,4 @@ class CausalLM(torch.nn.Module):
                 module.matmul.pack()
         if self.lm_head.screen is None:  # float32: the head's plain product, packed
             self.lm_head.head_matmul.pack()
+        self.native_decode = NativeDecode.build(self)

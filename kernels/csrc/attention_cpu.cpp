@@ -17,6 +17,7 @@
 // thread's OpenMP team (the libgomp.so.1 torch loaded, shared by soname), or run on the calling
 // thread alone when the whole call reads fewer keys than it takes to wake a team.
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 #include <immintrin.h>
 #include <math.h>

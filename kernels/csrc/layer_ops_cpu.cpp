@@ -15,6 +15,7 @@
 // soname) only when a call is large enough to pay for waking it (prefill chunks); decode-sized
 // calls run on the calling thread.
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 #include <immintrin.h>
 #include <math.h>

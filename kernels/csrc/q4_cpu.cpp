@@ -18,6 +18,7 @@
 // dequantized in registers for every tile, which suits the decode batches it is meant for;
 // larger batches belong to a dense kernel.
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 #include <immintrin.h>
 #include <stdint.h>

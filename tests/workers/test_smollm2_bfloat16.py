@@ -6,13 +6,19 @@ path (every step feeds HF's previous token, so one early flip cannot cascade), o
 must equal HF's at every step, except at steps where HF's top-2 logit margin is below
 `NEAR_TIE` (a near tie that float32 itself only barely decides). Ten prompts, 24 steps each.
 
-Run twice: all ten prompts decoding together (10 rows per step: the packed bfloat16 weights), and
-in groups of at most `Q4_MAX_ROWS[bfloat16]` (decode-sized calls: the 4-bit copy of the Q4_1
-weights, exact in float32, where the CPU kernel runs; `workers.dense_matmul`).
+Run three times: all ten prompts decoding together through the whole native decoder stack (every
+product on the 4-bit copy of the Q4_1 weights, exact in float32, where the CPU kernel runs;
+`workers.decoder_stack`); the same with the stack off (10 rows per step: the packed bfloat16
+weights); and in groups of at most `Q4_MAX_ROWS[bfloat16]` with the stack off (decode-sized
+calls on the 4-bit copy, one operator at a time; `workers.dense_matmul`).
+
+The stack's own check: its decode steps give the per-operator path's logits bit for bit, and
+steps it does not take (prefills, more decodes than it takes) keep that path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 from collections.abc import Iterator
 
@@ -20,8 +26,14 @@ import pytest
 import torch
 import transformers
 
-from kernels import q4_cpu
-from tests.workers.paged_runner import GREEDY, chat_prompt_ids, hf_greedy, scattered_tables
+from kernels import decoder_stack_cpu, q4_cpu
+from tests.workers.paged_runner import (
+    GREEDY,
+    chat_prompt_ids,
+    greedy_generate,
+    hf_greedy,
+    scattered_tables,
+)
 from workers import (
     SequenceWork,
     StepPlan,
@@ -29,6 +41,7 @@ from workers import (
     WorkerGroup,
     load_tokenizer,
 )
+from workers.decoder_stack import NativeDecode
 from workers.dense_matmul import Q4_MAX_ROWS, DenseMatmul
 
 NEW_TOKENS = 24
@@ -97,10 +110,37 @@ def teacher_forced_argmax(
     return chosen
 
 
+@contextlib.contextmanager
+def native_decode(group: WorkerGroup, decode: NativeDecode | None) -> Iterator[None]:
+    """The in-process model with `decode` as its native decoder stack (None: off) meanwhile."""
+    model = group._local.model
+    saved = model.native_decode
+    model.native_decode = decode
+    try:
+        yield
+    finally:
+        model.native_decode = saved
+
+
 @pytest.mark.parametrize(
-    "group_size", [len(CHATS), Q4_MAX_ROWS[torch.bfloat16]], ids=["packed", "decode_rows"]
+    ("group_size", "stack"),
+    [(len(CHATS), True), (len(CHATS), False), (Q4_MAX_ROWS[torch.bfloat16], False)],
+    ids=["stack", "packed", "decode_rows"],
 )
 def test_bfloat16_greedy_matches_hf_float32_except_near_ties(
+    bf16_group: WorkerGroup,
+    smollm2_hf: transformers.PreTrainedModel,
+    tiny_model_dir: pathlib.Path,
+    group_size: int,
+    stack: bool,
+) -> None:
+    model = bf16_group._local.model
+    assert (model.native_decode is not None) == decoder_stack_cpu.available()
+    with native_decode(bf16_group, model.native_decode if stack else None):
+        greedy_matches_hf_except_near_ties(bf16_group, smollm2_hf, tiny_model_dir, group_size)
+
+
+def greedy_matches_hf_except_near_ties(
     bf16_group: WorkerGroup,
     smollm2_hf: transformers.PreTrainedModel,
     tiny_model_dir: pathlib.Path,
@@ -131,3 +171,42 @@ def test_bfloat16_greedy_matches_hf_float32_except_near_ties(
                 )
     # Near ties are rare: most steps must agree outright.
     assert len(flips) <= len(prompts) * NEW_TOKENS // 10, flips
+
+
+@pytest.mark.skipif(not decoder_stack_cpu.available(), reason="the native stack needs AVX-512")
+@pytest.mark.parametrize("prompts", [1, 3, 8])
+def test_decode_steps_through_the_stack_equal_the_per_operator_path_bit_for_bit(
+    bf16_group: WorkerGroup, monkeypatch: pytest.MonkeyPatch, prompts: int
+) -> None:
+    """Up to `Q4_MAX_ROWS` rows, where the per-operator path also multiplies on the 4-bit copy:
+    the same logits bit for bit; every decode step, and no prefill, went through the stack."""
+    decode = bf16_group._local.model.native_decode
+    assert decode is not None
+    calls: list[int] = []
+    run = decode.stack.run
+    monkeypatch.setattr(decode.stack, "run", lambda *a: calls.append(a[0].shape[0]) or run(*a))
+    ids = [[100 + 7 * i + j for j in range(5 + 9 * i)] for i in range(prompts)]
+    stacked = greedy_generate(bf16_group, ids, 12, seed=prompts)
+    assert calls == [prompts] * 11  # the prefill step samples the first token
+    with native_decode(bf16_group, None):
+        per_operator = greedy_generate(bf16_group, ids, 12, seed=prompts)
+    assert stacked.tokens == per_operator.tokens
+    for ours, theirs in zip(stacked.logits, per_operator.logits, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.skipif(not decoder_stack_cpu.available(), reason="the native stack needs AVX-512")
+def test_steps_with_more_decodes_than_the_stack_takes_keep_the_per_operator_path(
+    bf16_group: WorkerGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decode = bf16_group._local.model.native_decode
+    assert decode is not None
+    narrow = NativeDecode(decode.stack, max_rows=2)
+    monkeypatch.setattr(decode.stack, "run", lambda *a: pytest.fail("3 decodes > max_rows 2"))
+    ids = [[200 + i, 300 + i, 400 + i] for i in range(3)]
+    with native_decode(bf16_group, narrow):
+        narrowed = greedy_generate(bf16_group, ids, 6)
+    with native_decode(bf16_group, None):
+        per_operator = greedy_generate(bf16_group, ids, 6)
+    for ours, theirs in zip(narrowed.logits, per_operator.logits, strict=True):
+        assert torch.equal(ours, theirs)
