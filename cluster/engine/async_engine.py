@@ -131,9 +131,15 @@ class AsyncEngine:
         finally:
             await stream.aclose()
 
-    async def generate_deltas(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
+    async def generate_deltas(
+        self, request: GenerateRequest, stream_interval: int = 1
+    ) -> AsyncIterator[RequestDelta]:
         """`generate` as the raw `RequestDelta`s (O(new tokens) each, what a replica sends
-        over a deployment handle); fold them with an `OutputAccumulator`."""
+        over a deployment handle); fold them with an `OutputAccumulator`. With
+        `stream_interval` N > 1 each delta after the first token carries at least N new tokens
+        unless it is the last (`OutputMailbox.get`)."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         if self._dead is not None:
             raise EngineDead(f"the engine stopped: {self._dead!r}")
         self._ensure_loop()
@@ -144,7 +150,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                delta = await mailbox.get()
+                delta = await mailbox.get(stream_interval)
                 finished = delta.finished
                 if delta.error is not None:
                     raise RequestRejected(delta.error)

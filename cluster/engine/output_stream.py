@@ -6,7 +6,9 @@ the output so far. A delta crosses process boundaries (a Serve handle) at that c
 
 `OutputMailbox` is a stream's queue with a bound: deltas the reader has not taken yet are merged
 into one pending delta, so a slow reader costs one merge per step (O(new tokens)) and holds at
-most one pending item, never a queue of snapshots.
+most one pending item, never a queue of snapshots. A reader may also ask for at least N new
+tokens per delta (`get(min_tokens)`, a server's `stream_interval`): fewer, larger items where
+each item costs more than the step that made it (a hop between processes).
 
 `OutputAccumulator` is the reader's side: it folds deltas into the public cumulative
 `RequestOutput`. It appends to its own running lists instead of copying them, so each output
@@ -78,6 +80,11 @@ class _Coalesced:
         self.parts: dict[int, list[str]] = {b.index: [b.text] for b in first.branches}
         self.branches = {b.index: b for b in first.branches}
         self.count = 1
+        self.tokens = self._most_tokens()
+
+    def _most_tokens(self) -> int:
+        """New tokens of the branch that has the most (branches advance together)."""
+        return max((len(branch.token_ids) for branch in self.branches.values()), default=0)
 
     def merge(self, later: RequestDelta) -> None:
         if later.request_id != self.head.request_id:
@@ -98,6 +105,7 @@ class _Coalesced:
         head.metrics = later.metrics if later.metrics is not None else head.metrics
         head.served_by = later.served_by if later.served_by is not None else head.served_by
         self.count += 1
+        self.tokens = self._most_tokens()
 
     def take(self) -> RequestDelta:
         for index, branch in self.branches.items():
@@ -111,11 +119,15 @@ class OutputMailbox:
 
     Invariants: at most one delta is pending (later ones merge into it); an error put with
     `fail` is raised by `get` after the pending delta was taken; `get` returns deltas in order
-    and never loses one. Use from one event loop only."""
+    and never loses one; `get(min_tokens)` holds a delta back only while it has fewer than
+    `min_tokens` new tokens, is not final, and the stream's first token went out already (so
+    the time to the first token and to the end never wait on it). Use from one event loop
+    only."""
 
     def __init__(self) -> None:
         self._pending: _Coalesced | None = None
         self._error: BaseException | None = None
+        self._tokens_taken = 0
         self._ready = asyncio.Event()
         self.merged = 0
         """How many deltas were merged into a pending one (the reader was behind)."""
@@ -139,12 +151,29 @@ class OutputMailbox:
         """Deltas merged into the one waiting for the reader (0: nothing is waiting)."""
         return 0 if self._pending is None else self._pending.count
 
-    async def get(self) -> RequestDelta:
-        while self._pending is None and self._error is None:
+    def _deliverable(self, min_tokens: int) -> bool:
+        if self._error is not None:
+            return True
+        pending = self._pending
+        if pending is None:
+            return False
+        return (
+            min_tokens <= 1
+            or pending.tokens >= min_tokens
+            or pending.head.finished
+            or pending.head.error is not None
+            or self._tokens_taken == 0
+        )
+
+    async def get(self, min_tokens: int = 1) -> RequestDelta:
+        """The next (coalesced) delta: one with at least `min_tokens` new tokens, unless it is
+        the final one or no token was taken yet (see the class doc)."""
+        while not self._deliverable(min_tokens):
             self._ready.clear()
             await self._ready.wait()
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            self._tokens_taken += pending.tokens
             return pending.take()
         assert self._error is not None
         raise self._error

@@ -102,6 +102,15 @@ class ServeAppArgs(BaseModel):
         "only when API keys are configured); off: both answer 404",
     )
 
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="new tokens per streamed chunk once the first token is out (vLLM's and "
+        "SGLang's --stream-interval): 1 streams every token; N > 1 sends fewer, larger "
+        "chunks, each crossing from the engine replica to the client once; the first token "
+        "and the final chunk are never held back",
+    )
+
     directory: DirectoryArgs = Field(default_factory=DirectoryArgs)
     health: HealthArgs = Field(default_factory=HealthArgs)
     limits: LimitsArgs = Field(default_factory=LimitsArgs)

@@ -69,6 +69,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="pin the engine deployment to N replicas (autoscaling off); default: from config",
     )
     parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="new tokens per streamed chunk once the first token is out (default: the app's "
+        "stream_interval; 1 streams every token)",
+    )
+    parser.add_argument(
         "--shutdown-grace-s",
         "--grace-period",
         dest="grace_period",
@@ -156,6 +163,11 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
             engine = app.setdefault("args", {}).setdefault("engine", {})
             engine.setdefault("model", {})["model"] = args.model
     apply_lora_flags(config, args)
+    if args.stream_interval is not None:
+        if args.stream_interval < 1:
+            raise ConfigError(f"--stream-interval must be >= 1, got {args.stream_interval}")
+        for app in config.get("applications", []):
+            app.setdefault("args", {})["stream_interval"] = args.stream_interval
     if args.replicas is not None:
         pin_replicas(config, args.replicas)
     else:

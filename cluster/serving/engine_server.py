@@ -11,7 +11,8 @@ its step loop died or stopped moving (`check_health`).
 Invariants:
 - a replica touches its engine only from its own event loop (every method here is async);
 - it streams `RequestDelta`s (O(new tokens) each over the handle; the client folds them into
-  `RequestOutput`s), each carrying `served_by` (this replica's id);
+  `RequestOutput`s), each carrying `served_by` (this replica's id), and at least the app's
+  `stream_interval` new tokens each once the first token is out, except the last;
 - nothing blocks its event loop on Ray: the engine is built and shut down in a worker thread;
 - closing a `generate` stream (the ingress's client went away) aborts the request and frees its
   blocks;
@@ -135,7 +136,7 @@ class GenerationServer:
         """Streams the engine's deltas (fold them with an `OutputAccumulator`); `block_hashes`
         and `prefix_blocks` are read by the router only. Raises RequestRejected,
         EngineOverloaded, EngineDead like the engine, before the first output."""
-        stream = self.engine.generate_deltas(request)
+        stream = self.engine.generate_deltas(request, self.args.stream_interval)
         try:
             async for delta in stream:
                 delta.served_by = self.replica_id

@@ -1,12 +1,16 @@
 """Streams cost O(new tokens) per step and a slow reader holds one coalesced item (issue 13,
 item 8c): deltas carry no copy of the prompt or of the output so far, the mailbox merges what
-the reader has not taken, and the folded outputs stay exact (cumulative text and token ids)."""
+the reader has not taken, and the folded outputs stay exact (cumulative text and token ids).
+A stream interval (a server's `stream_interval`) sends fewer, larger deltas without delaying
+the first token or the end."""
 
 from __future__ import annotations
 
 import asyncio
 import pathlib
 import pickle
+
+import pytest
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.output_stream import (
@@ -109,6 +113,74 @@ def test_deltas_do_not_grow_with_the_prompt_or_the_output(tiny_model_dir: pathli
         assert sizes[0] > 4 * len(LONG_PROMPT) // 2  # the first carries the prompt once
         middle = sizes[1:-1]
         assert max(middle) < 600 and max(middle) - min(middle) < 64, sizes
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_interval_holds_deltas_back_but_never_the_first_token_or_the_end() -> None:
+    async def scenario() -> None:
+        mailbox = OutputMailbox()
+
+        async def ready() -> RequestDelta | None:
+            try:
+                return await asyncio.wait_for(mailbox.get(3), timeout=0.05)
+            except TimeoutError:
+                return None
+
+        assert await ready() is None  # nothing yet
+        mailbox.put(delta(0, "a", [1]))
+        first = await ready()
+        assert first is not None and first.branches[0].token_ids == [1]  # at once
+        mailbox.put(delta(1, "b", [2]))
+        mailbox.put(delta(2, "c", [3]))
+        assert await ready() is None  # 2 of 3 tokens: held back
+        mailbox.put(delta(3, "d", [4]))
+        full = await ready()
+        assert full is not None and full.branches[0].token_ids == [2, 3, 4]
+        assert full.branches[0].text == "bcd"
+        mailbox.put(delta(4, "e", [5], finished=True))
+        last = await ready()
+        assert last is not None and last.finished and last.branches[0].token_ids == [5]
+        mailbox.put(delta(5, "f", [6]))
+        mailbox.fail(RuntimeError("gone"))
+        held = await ready()  # what is pending goes out before the error
+        assert held is not None and held.branches[0].token_ids == [6]
+        try:
+            await mailbox.get(3)
+        except RuntimeError as error:
+            assert str(error) == "gone"
+        else:
+            raise AssertionError("the error must end the stream")
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_stream_interval_sends_chunks_of_n_tokens_with_the_same_result(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    async def scenario() -> None:
+        engine = await AsyncEngine.create(tiny_config(tiny_model_dir))
+        build = engine.request_builder.build
+        prompt = {"prompt_token_ids": [5, 6]}
+        every = [d async for d in engine.generate_deltas(build(prompt, PARAMS))]
+        chunked = [
+            d async for d in engine.generate_deltas(build(prompt, PARAMS, request_id="chunked"), 4)
+        ]
+        tokens = [len(d.branches[0].token_ids) for d in chunked]
+        assert tokens[0] == 1 and all(count >= 4 for count in tokens[1:-1]), tokens
+        assert sum(tokens) == PARAMS.max_tokens and chunked[-1].finished
+        assert len(chunked) <= 2 + (PARAMS.max_tokens - 1) // 4
+
+        def ids(deltas: list[RequestDelta]) -> list[int]:
+            return [t for d in deltas for t in d.branches[0].token_ids]
+
+        def text(deltas: list[RequestDelta]) -> str:
+            return "".join(d.branches[0].text for d in deltas)
+
+        assert ids(chunked) == ids(every) and text(chunked) == text(every)
+        with pytest.raises(ValueError, match="stream_interval"):
+            await anext(engine.generate_deltas(build({"prompt_token_ids": [5]}, PARAMS), 0))
         await engine.shutdown()
 
     asyncio.run(scenario())

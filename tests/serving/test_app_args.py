@@ -50,3 +50,11 @@ def test_build_app_binds_the_ingress_over_the_engine_with_validated_args() -> No
     assert engine.name == "GenerationServer"
     (engine_args,) = engine.init_args
     assert engine_args == args
+
+
+def test_stream_interval_defaults_to_every_token_and_refuses_less_than_one() -> None:
+    assert ServeAppArgs.model_validate({}).stream_interval == 1
+    assert ServeAppArgs.model_validate({"stream_interval": 8}).stream_interval == 8
+    for bad in (0, -1, "x"):
+        with pytest.raises(ValidationError, match="stream_interval"):
+            ServeAppArgs.model_validate({"stream_interval": bad})

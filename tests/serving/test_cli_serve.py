@@ -187,3 +187,12 @@ def test_a_new_local_cluster_gets_a_slower_serve_control_loop_unless_set() -> No
     assert local_cluster_env("local", {}) == {interval: "0.5"}
     assert local_cluster_env("local", {interval: "0.1"}) == {}  # the user's setting stands
     assert local_cluster_env("ray://head:10001", {}) == {}  # an existing cluster: as it is
+
+
+def test_stream_interval_comes_from_the_flag_else_the_shipped_config() -> None:
+    shipped = resolve_serve_config(_serve_args())
+    assert shipped["applications"][0]["args"]["stream_interval"] == 4
+    config = resolve_serve_config(_serve_args("--stream-interval", "1"))
+    assert all(app["args"]["stream_interval"] == 1 for app in config["applications"])
+    with pytest.raises(ConfigError, match="--stream-interval must be >= 1"):
+        resolve_serve_config(_serve_args("--stream-interval", "0"))

@@ -48,7 +48,7 @@ tensor-parallel rank, packed onto one node.
 {{- if ge (float64 $grace) (float64 (sub (int .Values.terminationGracePeriodSeconds) 5)) -}}
 {{- fail "terminationGracePeriodSeconds must exceed serve.shutdownGraceS by more than 5 s (Kubernetes kills the pod when it ends)" -}}
 {{- end -}}
-{{- $args := dict "engine" .Values.engine "served_model_name" .Values.servedModelName "shutdown" (dict "grace_s" $grace) -}}
+{{- $args := dict "engine" .Values.engine "served_model_name" .Values.servedModelName "shutdown" (dict "grace_s" $grace) "stream_interval" (int .Values.serve.streamInterval) -}}
 {{- if .Values.lora.modules -}}
 {{- $_ := set $args "lora_modules" .Values.lora.modules -}}
 {{- end -}}
