@@ -352,7 +352,9 @@ def burst(
 class ShutdownResult:
     """How a signal with streams in flight went. `error_events`: streams that ended with an
     OpenAI error event followed by `[DONE]`; `error_without_done`: an error event and no
-    `[DONE]`; `cut`: neither (the connection closed mid-stream)."""
+    `[DONE]`; `queued_503`: streams still queued (no output yet) when the drain expired, answered
+    with a 503 in OpenAI's shape before the stream began; `cut`: none of these (the connection
+    closed mid-stream, or another status)."""
 
     exit_code: int | None
     seconds_to_exit: float
@@ -360,6 +362,7 @@ class ShutdownResult:
     completed: int
     error_events: int
     error_without_done: int
+    queued_503: int
     cut: int
     refused_after_signal: int
     refused_as_json_503: int
@@ -464,7 +467,9 @@ def shutdown_under_load(
         completed=outcomes.count("done"),
         error_events=outcomes.count("error"),
         error_without_done=outcomes.count("error_no_done"),
-        cut=len(outcomes) - sum(outcomes.count(k) for k in ("done", "error", "error_no_done")),
+        queued_503=outcomes.count("refused_503"),
+        cut=len(outcomes)
+        - sum(outcomes.count(k) for k in ("done", "error", "error_no_done", "refused_503")),
         refused_after_signal=int(refused),
         refused_as_json_503=int(json_503),
         late_detail=detail,
