@@ -15,8 +15,9 @@ median step time and decode tokens/s, and `ratio_over_<first>` = the median over
 Variants (round 3's changes switched off one by one on the shipped bfloat16 model):
 - `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked;
   steps of up to 16 decodes through the whole decoder stack in one native call,
-  `kernels.decoder_stack_cpu`, every product on the 4-bit copy of a Q4_1 model's weights).
-- `per_operator`: without that call (round 6): per layer, decode attention by the native kernel
+  `kernels.decoder_stack_cpu`, every product on the 4-bit copy of a Q4_1 model's weights; the
+  LM head of up to 4 rows on the 8-bit copy of its Q8_0 weights, `kernels.q8_cpu`).
+- `per_operator`: without those two (round 6): per layer, decode attention by the native kernel
   `kernels.attention_cpu`, norms, rotary embeddings, KV writes and silu by
   `kernels.layer_ops_cpu`, products of at most 8 rows on the 4-bit copy, more on the packed one.
 - `torch_layer_ops`: that with the layers' elementwise work in plain torch.
@@ -64,7 +65,8 @@ def _matmuls(group: WorkerGroup) -> list[DenseMatmul]:
 @contextlib.contextmanager
 def _variant(group: WorkerGroup, name: str) -> Iterator[None]:
     """The model as variant `name` while its steps run, restored afterwards (see the module
-    doc): the native decoder stack off (all but `shipped`), the native layer ops off (all but
+    doc): the native decoder stack and the 8-bit LM head off (all but `shipped`), the native
+    layer ops off (all but
     `shipped` and `per_operator`), the native decode attention off (all but those and
     `torch_layer_ops`), 4-bit copies dropped (all from `dense` on), packed
     weights dropped (`unpacked`, `round2`), the plain float32 LM head (`round2`), SDPA decode
@@ -77,10 +79,11 @@ def _variant(group: WorkerGroup, name: str) -> Iterator[None]:
     accepts = attention_cpu.accepts
     with_ops = [m for m in model.modules() if hasattr(m, "ops")]
     ops = [m.ops for m in with_ops]
-    native_decode = model.native_decode
+    native_decode, q8_head = model.native_decode, model.lm_head.q8
     try:
         if name != "shipped":
             model.native_decode = None
+            model.lm_head.q8 = None
         if name not in ("shipped", "per_operator"):
             for module in with_ops:
                 module.ops = TorchLayerOps()
@@ -100,7 +103,7 @@ def _variant(group: WorkerGroup, name: str) -> Iterator[None]:
         for matmul, (packed, q4) in zip(matmuls, saved, strict=True):
             matmul.packed, matmul.q4 = packed, q4
         model.lm_head.screen = screen
-        model.native_decode = native_decode
+        model.native_decode, model.lm_head.q8 = native_decode, q8_head
         torch_cpu._folds = folds
         attention_cpu.accepts = accepts
         for module, module_ops in zip(with_ops, ops, strict=True):

@@ -227,6 +227,8 @@ class CausalLM(torch.nn.Module):
     also keep them as 4-bit codes and multiply decode-sized calls with them
     (`workers.dense_matmul`). When every layer has them, steps of decodes only run the whole
     stack in one native call (`workers.decoder_stack`, same bits as the 4-bit products here).
+    An LM head stored as exact Q8_0 blocks multiplies a few rows on its 8-bit codes
+    (`VocabParallelEmbedding.keep_exact_q8`): float32 logits over the exact weights.
     """
 
     def __init__(
@@ -257,6 +259,7 @@ class CausalLM(torch.nn.Module):
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
         self.native_decode: NativeDecode | None = None
         """Set by `load` where the whole stack runs natively (None: per-operator only)."""
+        self.quantized_decode = quantized_decode
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.matmul.quantized_decode = quantized_decode
@@ -307,4 +310,6 @@ class CausalLM(torch.nn.Module):
                 module.matmul.pack()
         if self.lm_head.screen is None:  # float32: the head's plain product, packed
             self.lm_head.head_matmul.pack()
+        if self.quantized_decode:
+            self.lm_head.keep_exact_q8()
         self.native_decode = NativeDecode.build(self)

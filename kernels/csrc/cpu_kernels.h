@@ -1,6 +1,7 @@
-// The C ABI of the native CPU kernels (q4_cpu.cpp, attention_cpu.cpp, layer_ops_cpu.cpp), for
-// the library that chains them (decoder_stack_cpu.cpp). Each kernel's source includes this
-// header too, so a signature changed in one place and not the other fails to compile.
+// The C ABI of the native CPU kernels (q4_cpu.cpp, q8_cpu.cpp, attention_cpu.cpp,
+// layer_ops_cpu.cpp); decoder_stack_cpu.cpp links and chains all but q8. Each kernel's source
+// includes this header too, so a signature changed in one place and not the other fails to
+// compile.
 // Every function returns 0, or a negative status (see its definition).
 #pragma once
 
@@ -12,6 +13,10 @@ int q4_supported(void);
 int q4_matmul(const void* x, int x_bf16, float* widened, int64_t M, int64_t K,
               const uint8_t* codes, const float* scales, const float* mins, int64_t N, void* out,
               int out_bf16);
+
+int q8_supported(void);
+int q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* scales,
+              int64_t N, float* out);
 
 int decode_attention_supported(void);
 int decode_attention(const void* query, int64_t query_row_stride, int64_t query_head_stride,

@@ -6,11 +6,13 @@ path (every step feeds HF's previous token, so one early flip cannot cascade), o
 must equal HF's at every step, except at steps where HF's top-2 logit margin is below
 `NEAR_TIE` (a near tie that float32 itself only barely decides). Ten prompts, 24 steps each.
 
-Run three times: all ten prompts decoding together through the whole native decoder stack (every
+Run four times: all ten prompts decoding together through the whole native decoder stack (every
 product on the 4-bit copy of the Q4_1 weights, exact in float32, where the CPU kernel runs;
 `workers.decoder_stack`); the same with the stack off (10 rows per step: the packed bfloat16
-weights); and in groups of at most `Q4_MAX_ROWS[bfloat16]` with the stack off (decode-sized
-calls on the 4-bit copy, one operator at a time; `workers.dense_matmul`).
+weights); in groups of at most `Q4_MAX_ROWS[bfloat16]` with the stack off (decode-sized calls on
+the 4-bit copy, one operator at a time; `workers.dense_matmul`); and in groups of
+`Q8_MAX_ROWS` through the stack, where the LM head multiplies the 8-bit copy of its Q8_0
+weights (`kernels.q8_cpu`).
 
 The stack's own check: its decode steps give the per-operator path's logits bit for bit, and
 steps it does not take (prefills, more decodes than it takes) keep that path.
@@ -26,7 +28,7 @@ import pytest
 import torch
 import transformers
 
-from kernels import decoder_stack_cpu, q4_cpu
+from kernels import decoder_stack_cpu, q4_cpu, q8_cpu
 from tests.workers.paged_runner import (
     GREEDY,
     chat_prompt_ids,
@@ -43,6 +45,7 @@ from workers import (
 )
 from workers.decoder_stack import NativeDecode
 from workers.dense_matmul import Q4_MAX_ROWS, DenseMatmul
+from workers.layers import Q8_MAX_ROWS
 
 NEW_TOKENS = 24
 NEAR_TIE = 0.1
@@ -124,8 +127,13 @@ def native_decode(group: WorkerGroup, decode: NativeDecode | None) -> Iterator[N
 
 @pytest.mark.parametrize(
     ("group_size", "stack"),
-    [(len(CHATS), True), (len(CHATS), False), (Q4_MAX_ROWS[torch.bfloat16], False)],
-    ids=["stack", "packed", "decode_rows"],
+    [
+        (len(CHATS), True),
+        (len(CHATS), False),
+        (Q4_MAX_ROWS[torch.bfloat16], False),
+        (Q8_MAX_ROWS, True),
+    ],
+    ids=["stack", "packed", "decode_rows", "q8_head"],
 )
 def test_bfloat16_greedy_matches_hf_float32_except_near_ties(
     bf16_group: WorkerGroup,
@@ -136,6 +144,7 @@ def test_bfloat16_greedy_matches_hf_float32_except_near_ties(
 ) -> None:
     model = bf16_group._local.model
     assert (model.native_decode is not None) == decoder_stack_cpu.available()
+    assert (model.lm_head.q8 is not None) == q8_cpu.available()  # the head is exactly Q8_0
     with native_decode(bf16_group, model.native_decode if stack else None):
         greedy_matches_hf_except_near_ties(bf16_group, smollm2_hf, tiny_model_dir, group_size)
 

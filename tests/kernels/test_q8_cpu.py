@@ -1,0 +1,132 @@
+"""The CPU 8-bit kernel (`kernels.q8_cpu`) against plain torch: the exact recovery of GGUF Q8_0
+blocks (quantized by the gguf package) from dequantized float32 weights, and products equal to
+float32 (float64 as the oracle) over the dequantized weights."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kernels import q8_cpu
+from kernels.q8_cpu import Q8Weight, q8_matmul
+from tests.kernels.cpu_features import cpu_has_avx512
+
+needs_kernel = pytest.mark.skipif(not cpu_has_avx512(), reason="the kernel needs AVX-512")
+
+
+def gguf_q8_0(rows: int, cols: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """(GGUF Q8_0 blocks, their float32 dequantization) of a random matrix, by the gguf package."""
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    values *= np.random.default_rng(seed + 1).uniform(0.01, 3.0, (rows, 1)).astype(np.float32)
+    blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+    dequantized = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+    return blocks, torch.from_numpy(np.ascontiguousarray(dequantized, dtype=np.float32))
+
+
+def test_kernel_is_built_wherever_the_cpu_runs_it() -> None:
+    assert q8_cpu.available() == cpu_has_avx512()
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1, 32), (7, 96), (96, 576), (130, 1536)])
+def test_recover_finds_gguf_q8_0_blocks_exactly(rows: int, cols: int) -> None:
+    blocks, dequantized = gguf_q8_0(rows, cols, seed=rows)
+    recovered = Q8Weight.recover(dequantized)
+    assert recovered is not None and recovered.shape == (rows, cols)
+    assert torch.equal(recovered.dequantize(), dequantized)
+    # the same codes and scales the file holds: per block an fp16 d, then 32 int8 codes
+    raw = blocks.reshape(rows, cols // 32, 34)
+    scales = raw[:, :, 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+    codes = raw[:, :, 2:].copy().view(np.int8).reshape(rows, cols)
+    assert torch.equal(recovered.scales, torch.from_numpy(scales))
+    assert torch.equal(recovered.codes, torch.from_numpy(codes))
+
+
+def test_recover_handles_zero_blocks() -> None:
+    weight = torch.zeros(2, 64)
+    codes = torch.arange(32) - 16
+    codes[0] = -127  # the block's largest magnitude sets its scale: 0.25
+    weight[1, 32:] = codes * 0.25
+    recovered = Q8Weight.recover(weight)
+    assert recovered is not None and torch.equal(recovered.dequantize(), weight)
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [
+        torch.randn(8, 64),  # dense float32 weights: no 8-bit form
+        torch.randn(8, 48),  # width not a multiple of 32
+        torch.randn(8, 64).bfloat16(),  # not float32
+        torch.full((2, 32), float("inf")),
+    ],
+    ids=["random", "width", "dtype", "inf"],
+)
+def test_recover_refuses_what_has_no_exact_8_bit_form(weight: torch.Tensor) -> None:
+    assert Q8Weight.recover(weight) is None
+
+
+def test_recover_refuses_a_matrix_exact_only_in_its_first_row() -> None:
+    _, dequantized = gguf_q8_0(4, 64, seed=3)
+    dequantized[2, 5] += 1e-3
+    assert Q8Weight.recover(dequantized) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (6, 64), (7, 96), (130, 576)])
+def test_product_equals_float32_matmul_over_the_dequantized_weights(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    _, dequantized = gguf_q8_0(out_features, in_features, seed=out_features + rows)
+    weight = Q8Weight.recover(dequantized)
+    assert weight is not None
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    got = q8_matmul(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    exact = x.double() @ dequantized.double().T
+    # float32 summation: error below K * eps * sum |x||w| per output
+    bound = in_features * 2**-23 * (x.double().abs() @ dequantized.double().abs().T)
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+@needs_kernel
+def test_kernel_reads_each_weight_exactly_as_dequantize_gives_it() -> None:
+    """One-hot rows pick single weights out of the product: every weight bit for bit."""
+    _, dequantized = gguf_q8_0(50, 128, seed=4)
+    weight = Q8Weight.recover(dequantized)
+    assert weight is not None
+    for columns in (range(0, 4), range(30, 34), range(124, 128), [5, 77, 90]):
+        picks = torch.eye(128)[list(columns)]
+        assert torch.equal(q8_matmul(picks, weight), weight.dequantize()[:, list(columns)].T)
+
+
+@needs_kernel
+def test_product_does_not_depend_on_the_thread_count_or_the_other_rows() -> None:
+    _, dequantized = gguf_q8_0(97, 576, seed=5)
+    weight = Q8Weight.recover(dequantized)
+    assert weight is not None
+    x = torch.randn(6, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = q8_matmul(x, weight)
+        torch.set_num_threads(2)
+        two = q8_matmul(x, weight)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    assert torch.equal(q8_matmul(x[4:5], weight), one[4:5])
+
+
+@needs_kernel
+def test_bad_inputs_raise_before_the_kernel_runs() -> None:
+    _, dequantized = gguf_q8_0(8, 64, seed=1)
+    weight = Q8Weight.recover(dequantized)
+    assert weight is not None
+    with pytest.raises(ValueError, match="width"):
+        q8_matmul(torch.randn(2, 32), weight)
+    with pytest.raises(ValueError, match="float32"):
+        q8_matmul(torch.randn(2, 64).bfloat16(), weight)
+    with pytest.raises(ValueError, match="2-d"):
+        q8_matmul(torch.randn(2, 1, 64), weight)
