@@ -3,12 +3,15 @@
 `NativeDecode.build(model)` says once, after loading, whether the whole stack can run natively:
 a CPU model on one rank, float32 or bfloat16, with the native layer ops, every linear layer's
 exact 4-bit copy and no biases. `NativeDecode.forward` then takes each step that is all decodes
-(one token per sequence) of at most `max_rows` sequences, in the paged layout and without LoRA;
-it returns None for every other step, which keeps the per-operator path.
+(one token per sequence) of at most `max_rows` sequences (by default where the per-operator path
+multiplies on the 4-bit copy too: `Q4_MAX_ROWS`, 8 in bfloat16, 16 in float32), in the paged
+layout and without LoRA; it returns None for every other step, which keeps the per-operator
+path. (Beyond 8 bfloat16 rows the 4-bit kernel's float32 arithmetic is slower than oneDNN's
+bfloat16 product: the stack measured 0.76-1.10x the per-operator path at 10-16 rows.)
 
-Invariant: where it runs, its results are bit-identical to the per-operator path with every
-linear layer through the 4-bit kernel (`kernels.decoder_stack_cpu`), so the greedy parity tests
-of the 4-bit path cover it; each row's result is independent of the rest of the batch.
+Invariant: where it runs, its results are bit-identical to the per-operator path's (the same
+kernels in the same order, `kernels.decoder_stack_cpu`), so the greedy parity tests cover it;
+each row's result is independent of the rest of the batch.
 """
 
 from __future__ import annotations
@@ -21,15 +24,12 @@ import torch
 from kernels import AttentionStep, decoder_stack_cpu
 from kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
 from kernels.q4_cpu import Q4Weight
+from workers.dense_matmul import Q4_MAX_ROWS
 from workers.layer_ops import NativeCpuLayerOps
 from workers.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
     from workers.model import CausalLM
-
-STACK_MAX_ROWS = 16
-"""The most decodes a step may have to go through the stack (the scheduler's default
-`max_num_seqs`); beyond it the dense packed products of the per-operator path win."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class NativeDecode:
     """A loaded model's `DecoderStack` and when to use it (see the module doc)."""
 
     stack: DecoderStack
-    max_rows: int = STACK_MAX_ROWS
+    max_rows: int
+    """The most decodes a step may have to go through the stack."""
 
     @staticmethod
     def build(model: CausalLM) -> NativeDecode | None:
@@ -95,7 +96,7 @@ class NativeDecode:
             stack = DecoderStack(layers, shape, model.norm.weight.detach(), dtype)
         except ValueError:
             return None  # a geometry the kernels do not take: the per-operator path
-        return NativeDecode(stack)
+        return NativeDecode(stack, max_rows=Q4_MAX_ROWS[dtype])
 
     def forward(
         self,

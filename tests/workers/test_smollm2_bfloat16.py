@@ -6,13 +6,13 @@ path (every step feeds HF's previous token, so one early flip cannot cascade), o
 must equal HF's at every step, except at steps where HF's top-2 logit margin is below
 `NEAR_TIE` (a near tie that float32 itself only barely decides). Ten prompts, 24 steps each.
 
-Run four times: all ten prompts decoding together through the whole native decoder stack (every
-product on the 4-bit copy of the Q4_1 weights, exact in float32, where the CPU kernel runs;
-`workers.decoder_stack`); the same with the stack off (10 rows per step: the packed bfloat16
-weights); in groups of at most `Q4_MAX_ROWS[bfloat16]` with the stack off (decode-sized calls on
-the 4-bit copy, one operator at a time; `workers.dense_matmul`); and in groups of
-`Q8_MAX_ROWS` through the stack, where the LM head multiplies the 8-bit copy of its Q8_0
-weights (`kernels.q8_cpu`).
+Run four times: in groups of at most `Q4_MAX_ROWS[bfloat16]` through the whole native decoder
+stack (every product on the 4-bit copy of the Q4_1 weights, exact in float32, where the CPU
+kernel runs; `workers.decoder_stack`); all ten prompts decoding together (10 rows per step: the
+packed bfloat16 weights, one operator at a time); groups of `Q4_MAX_ROWS[bfloat16]` with the
+stack off (decode-sized calls on the 4-bit copy, one operator at a time;
+`workers.dense_matmul`); and groups of `Q8_MAX_ROWS` through the stack, where the LM head
+multiplies the 8-bit copy of its Q8_0 weights (`kernels.q8_cpu`).
 
 The stack's own check: its decode steps give the per-operator path's logits bit for bit, and
 steps it does not take (prefills, more decodes than it takes) keep that path.
@@ -128,7 +128,7 @@ def native_decode(group: WorkerGroup, decode: NativeDecode | None) -> Iterator[N
 @pytest.mark.parametrize(
     ("group_size", "stack"),
     [
-        (len(CHATS), True),
+        (Q4_MAX_ROWS[torch.bfloat16], True),
         (len(CHATS), False),
         (Q4_MAX_ROWS[torch.bfloat16], False),
         (Q8_MAX_ROWS, True),
