@@ -24,10 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.exact_blocks import BLOCK, solve_exact_blocks
 from kernels.native import FLAG, POINTER, SIZE, load_library
-
-BLOCK = 32
-"""Weights per block (one scale and one minimum each)."""
 
 CODE_MAX = 15
 
@@ -66,16 +64,11 @@ class Q4Weight:
         rounds each weight exactly as `dequantize` does.
         The first row is tried alone first, so a matrix of another form costs one row.
         """
-        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % BLOCK:
-            return None
-        rows, cols = weight.shape
-        blocks = weight.detach().to("cpu").contiguous().view(rows, cols // BLOCK, BLOCK)
-        if rows == 0 or _solve_blocks(blocks[:1]) is None:
-            return None
-        solved = _solve_blocks(blocks)
+        solved = solve_exact_blocks(weight, _solve_blocks)
         if solved is None:
             return None
         codes, scales, mins = solved
+        rows, cols = weight.shape
         packed = codes[:, :, : BLOCK // 2] | (codes[:, :, BLOCK // 2 :] << 4)
         return Q4Weight(packed.reshape(rows, cols // 2).contiguous(), scales, mins)
 

@@ -22,10 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.exact_blocks import BLOCK, solve_exact_blocks
 from kernels.native import POINTER, SIZE, load_library
-
-BLOCK = 32
-"""Weights per block (one scale each)."""
 
 CODE_MAX = 127
 """Q8_0 codes are `round(w / scale)` with `scale = max|w| / 127`, so they span -127..127."""
@@ -56,17 +54,11 @@ class Q8Weight:
         Per block the scale is `max|w| / 127` rounded to float16, as Q8_0 stores it (or a
         float16 neighbour, whichever reproduces the block); the codes are the rounded quotients.
         The first row is tried alone first, so a matrix of another form costs one row."""
-        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % BLOCK:
-            return None
-        rows, cols = weight.shape
-        blocks = weight.detach().to("cpu").contiguous().view(rows, cols // BLOCK, BLOCK)
-        if rows == 0 or _solve_blocks(blocks[:1]) is None:
-            return None
-        solved = _solve_blocks(blocks)
+        solved = solve_exact_blocks(weight, _solve_blocks)
         if solved is None:
             return None
         codes, scales = solved
-        return Q8Weight(codes.reshape(rows, cols).contiguous(), scales.contiguous())
+        return Q8Weight(codes.reshape(weight.shape).contiguous(), scales.contiguous())
 
 
 def _solve_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
