@@ -12,17 +12,13 @@ import torch
 from kernels import q4_cpu
 from kernels.q4_cpu import Q4Weight, q4_matmul
 from tests.kernels.cpu_features import cpu_has_avx512
+from tests.kernels.gguf_blocks import gguf_blocks, within_float32_summation
 
 needs_kernel = pytest.mark.skipif(not cpu_has_avx512(), reason="the kernel needs AVX-512")
 
 
 def gguf_q4_1(rows: int, cols: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
-    """(GGUF Q4_1 blocks, their float32 dequantization) of a random matrix, by the gguf package."""
-    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    values *= np.random.default_rng(seed + 1).uniform(0.01, 3.0, (rows, 1)).astype(np.float32)
-    blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1)
-    dequantized = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1)
-    return blocks, torch.from_numpy(np.ascontiguousarray(dequantized, dtype=np.float32))
+    return gguf_blocks(gguf.GGMLQuantizationType.Q4_1, rows, cols, seed)
 
 
 def test_kernel_is_built_wherever_the_cpu_runs_it() -> None:
@@ -91,10 +87,7 @@ def test_float32_product_equals_float32_matmul_over_the_dequantized_weights(
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     got = q4_matmul(x, weight)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
-    exact = x.double() @ dequantized.double().T
-    # float32 summation: error below K * eps * sum |x||w| per output
-    bound = in_features * 2**-23 * (x.double().abs() @ dequantized.double().abs().T)
-    assert bool(((got.double() - exact).abs() <= bound).all())
+    assert within_float32_summation(got, x, dequantized)
 
 
 @needs_kernel
