@@ -17,6 +17,7 @@ from ray.serve.config import gRPCOptions
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.engine.config import EngineConfig
+from cluster.serving.app_args import ServeAppArgs
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk ships Linux x86_64 wheels only")
 
@@ -82,6 +83,7 @@ def test_default_values_render_a_rayservice_with_a_valid_serve_config(chart: Any
     assert engine.parallel.tensor_parallel_size == 1
     assert engine.model.model == "default"
     assert app.args["served_model_name"] == "SmolLM2-135M-Instruct"
+    assert ServeAppArgs.model_validate(app.args).stream_interval == 1  # every token, on GPUs
     ingress, deployment = app.deployments
     assert (ingress.name, deployment.name) == ("OpenAIIngress", "GenerationServer")
     assert deployment.autoscaling_config["min_replicas"] == 1
@@ -136,6 +138,7 @@ def test_non_default_values_flow_into_every_object(chart: Any) -> None:
             "httpPort": 8100,
             "grpcPort": 9100,
             "autoscaling": {"minReplicas": 2, "maxReplicas": 6, "targetOngoingRequests": 4},
+            "streamInterval": 8,
         },
         "autoscaler": {"enabled": False},
         "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
@@ -148,6 +151,7 @@ def test_non_default_values_flow_into_every_object(chart: Any) -> None:
     assert (config.http_options.port, config.grpc_options.port) == (8100, 9100)
     (app,) = config.applications
     assert app.args["served_model_name"] == "llama"
+    assert ServeAppArgs.model_validate(app.args).stream_interval == 8
     engine = EngineConfig.build(app.args["engine"])
     assert engine.model.model == "/models/llama.gguf"
     assert engine.model.max_model_len == 4096
