@@ -14,7 +14,7 @@ median step time and decode tokens/s, and `ratio_over_<first>` = the median over
 
 Variants (round 3's changes switched off one by one on the shipped bfloat16 model):
 - `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked;
-  steps of up to 16 decodes through the whole decoder stack in one native call,
+  steps of up to 8 decodes (16 in float32) through the whole decoder stack in one native call,
   `kernels.decoder_stack_cpu`, every product on the 4-bit copy of a Q4_1 model's weights; the
   LM head of up to 4 rows on the 8-bit copy of its Q8_0 weights, `kernels.q8_cpu`).
 - `per_operator`: without those two (round 6): per layer, decode attention by the native kernel
