@@ -47,7 +47,7 @@ const T* address(const int64_t* layer, Field field) {
 }
 
 // A 64-byte aligned scratch buffer, as torch allocates: the kernels' 64-byte vector loads of a
-// misaligned row would each touch two cache lines (measured: 5-8 row products ~30 % slower).
+// misaligned row would each touch two cache lines (measured: 30-50 % slower at 6-8 rows).
 class Buffer {
  public:
   explicit Buffer(size_t bytes)
