@@ -23,10 +23,8 @@ import torch
 
 from kernels import AttentionStep, decoder_stack_cpu
 from kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
-from kernels.q4_cpu import Q4Weight
 from workers.dense_matmul import Q4_MAX_ROWS
 from workers.layer_ops import NativeCpuLayerOps
-from workers.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
     from workers.model import CausalLM
@@ -44,33 +42,21 @@ class NativeDecode:
     def build(model: CausalLM) -> NativeDecode | None:
         """The native stack of a loaded model, or None where it cannot run it."""
         spec = model.spec
-        dtype = model.layers[0].input_layernorm.weight.dtype if len(model.layers) else None
         usable = (
             decoder_stack_cpu.available()
             and isinstance(model.ops, NativeCpuLayerOps)
             and model.tp.world_size == 1
-            and dtype in decoder_stack_cpu.STACK_DTYPES
-            and model.norm.weight.dtype == torch.float32
-            and model.norm.weight.device.type == "cpu"
+            and len(model.layers) > 0
         )
         if not usable:
             return None
         layers = []
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.self_attn, layer.mlp
-            weights = [
-                _exact_q4(linear)
-                for linear in (
-                    attention.qkv_proj,
-                    attention.o_proj,
-                    mlp.gate_up_proj,
-                    mlp.down_proj,
-                )
-            ]
-            if any(weight is None for weight in weights):
-                return None
-            qkv, out, gate_up, down = weights
-            assert qkv and out and gate_up and down
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(linear.matmul.q4 is None or linear.bias is not None for linear in linears):
+                return None  # no exact 4-bit copy, or a bias the stack does not add
+            qkv, out, gate_up, down = (linear.matmul.q4 for linear in linears)
             layers.append(
                 StackLayer(
                     input_norm=layer.input_layernorm.weight.detach(),
@@ -92,10 +78,11 @@ class NativeDecode:
             eps=model.norm.eps,
             scale=first.scale,
         )
+        dtype = layers[0].input_norm.dtype
         try:
             stack = DecoderStack(layers, shape, model.norm.weight.detach(), dtype)
         except ValueError:
-            return None  # a geometry the kernels do not take: the per-operator path
+            return None  # a dtype, geometry or norm the kernels do not take
         return NativeDecode(stack, max_rows=Q4_MAX_ROWS[dtype])
 
     def forward(
@@ -124,8 +111,3 @@ class NativeDecode:
         head_dim = self.stack.shape.head_dim
         cos, sin = (table.reshape(rows, head_dim) for table in cos_sin)
         return self.stack.run(hidden, cos, sin, prepared.slot_mapping, kv_pool, decodes)
-
-
-def _exact_q4(linear: ColumnParallelLinear | RowParallelLinear) -> Q4Weight | None:
-    """The layer's 4-bit copy where it is the whole product (no bias), else None."""
-    return linear.matmul.q4 if linear.bias is None else None

@@ -204,8 +204,8 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.q8 is not None and hidden.shape[0] <= Q8_MAX_ROWS:
-            return q8_cpu.q8_matmul(hidden.to(torch.float32), self.q8)
-        if self.screen is None:
+            local = q8_cpu.q8_matmul(hidden.to(torch.float32), self.q8)  # all of its rows
+        elif self.screen is None:
             local = self.head_matmul(hidden)
         else:
             local = self.screen.logits(hidden)
