@@ -354,6 +354,27 @@ class KVCacheManager(CacheViews, NoReservationHooks):
         self._cow_copies += 1
         return BlockCopy(src=tail, dst=block, num_tokens=offset)
 
+    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Drop the tokens past `num_tokens` and the blocks that only they used (rejected
+        speculative tokens). Only uncomputed tokens past the operator-shared prefix can go, so
+        the dropped blocks were never sealed, and they were appended after any fork, so the
+        sequence holds them alone: they go straight back to the free queue. The kept tail
+        stays the sequence's own (an append already copied it if it was shared)."""
+        table = self._resident(seq_id, "truncate")
+        least = max(table.num_computed, 1, table.unsalted_blocks << self._shift)
+        if type(num_tokens) is not int or not least <= num_tokens <= len(table.tokens):
+            raise InvalidOperation(
+                f"cannot truncate sequence {seq_id!r} to {num_tokens!r} tokens: it has "
+                f"{len(table.tokens)} and must keep at least {least} (its computed tokens, "
+                "its operator-shared prefix and one token)"
+            )
+        keep = (num_tokens + self._mask) >> self._shift
+        dropped = table.block_ids[keep:]
+        del table.tokens[num_tokens:]
+        del table.block_ids[keep:]
+        table.synced = min(table.synced, keep)
+        self._device.release_run(dropped[::-1])
+
     def _tier_commit(self, cpu_hits: CpuHits, device_hits: int) -> None:
         """Pin the CPU hits (before device pops can demote into the CPU tier) and count hits."""
         assert self._tier is not None

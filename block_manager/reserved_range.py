@@ -229,6 +229,20 @@ class RangeKVManager(NoDecommits, NoCacheTier, ABC):
         seq.tokens.append(int(token_id))
         return None
 
+    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Drop the uncomputed tokens past `num_tokens` (rejected speculative tokens); the
+        sequence keeps its run, so the next appends land where the dropped tokens were."""
+        seq = self._seq(seq_id)
+        if type(num_tokens) is not int or not (
+            max(seq.num_computed, 1) <= num_tokens <= len(seq.tokens)
+        ):
+            raise InvalidOperation(
+                f"cannot truncate sequence {seq_id!r} to {num_tokens!r} tokens: it must keep "
+                f"its {seq.num_computed} computed tokens and at least one, and it has "
+                f"{len(seq.tokens)}"
+            )
+        del seq.tokens[num_tokens:]
+
     def mark_computed(self, seq_id: SeqId, num_computed_tokens: int) -> None:
         seq = self._seq(seq_id)
         if not seq.num_computed <= num_computed_tokens <= len(seq.tokens):

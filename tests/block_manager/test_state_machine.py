@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -248,6 +249,41 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert table[: len(old_table)] == old_table
         self.manager.complete_transfers()
         model.tokens.append(token)
+
+    @precondition(lambda self: bool(self.resident()))
+    @rule(data=st.data())
+    def truncate(self, data: st.DataObject) -> None:
+        """A speculative step: the workers write KV for every uncomputed token (drafts), then the
+        rejected ones are dropped (`truncate`) and the accepted ones marked computed. Dropped
+        blocks must leave the table and return to the pool; nothing computed may move."""
+        seq_id = data.draw(st.sampled_from(self.resident()))
+        model = self.seqs[seq_id]
+        least = max(model.computed, 1, model.unsalted * BLOCK)
+        keep = data.draw(st.integers(least - 1, len(model.tokens)))
+        before = self.snapshot()
+        if keep < least:
+            with pytest.raises(InvalidOperation):
+                self.manager.truncate(seq_id, keep)
+            assert self.snapshot() == before
+            return
+        table = self.manager.block_table(seq_id)
+        slots = self.manager.slot_mapping(seq_id, model.computed, len(model.tokens))
+        for position, slot in zip(range(model.computed, len(model.tokens)), slots, strict=True):
+            self.device_kv[slot] = model.kv(position)  # what the drafts' rows wrote
+        free_before = self.manager.num_free_device_blocks()
+        self.manager.truncate(seq_id, keep)
+        kept_blocks = -(-keep // BLOCK)
+        if keep < len(model.tokens):
+            event("truncate: dropped tokens")
+        if kept_blocks < len(table):
+            event("truncate: released blocks")
+        assert self.manager.block_table(seq_id) == table[:kept_blocks]
+        assert self.manager.num_free_device_blocks() == free_before + len(table) - kept_blocks
+        del model.tokens[keep:]
+        self.manager.mark_computed(seq_id, keep)
+        model.computed = keep
+        for block in range(keep // BLOCK):
+            self.sealed_prefixes.add(model.sealed_key(block))
 
     @precondition(lambda self: bool(self.resident()))
     @rule(data=st.data())
