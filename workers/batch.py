@@ -112,12 +112,30 @@ def _check_work(plan: StepPlan, work: SequenceWork, state: SequenceState, block_
             f"{len(state.block_table)}",
             (work.seq_id,),
         )
+    if work.num_draft_tokens and (
+        work.num_samples != 1 or not 0 < work.num_draft_tokens < len(work.token_ids)
+    ):
+        raise PlanRejected(
+            f"step {plan.step_id}: sequence {work.seq_id} has {work.num_draft_tokens} drafts "
+            f"among {len(work.token_ids)} tokens and {work.num_samples} samples (drafts follow "
+            "one pending token and take one sample each)",
+            (work.seq_id,),
+        )
     if work.num_samples > 0 and state.sampling is None:
         raise PlanRejected(
             f"step {plan.step_id}: sequence {work.seq_id} asks for samples but no sampling "
             "settings were ever sent for it",
             (work.seq_id,),
         )
+
+
+def _query_spans(work: SequenceWork) -> list[tuple[int, int, int]]:
+    """(first position, tokens, output index of its draw) of each query the work is packed as:
+    the whole work, or for a speculative one a one-token decode per position, so every draft
+    row is computed (and sampled) exactly as that position's plain decode would be."""
+    if work.num_draft_tokens == 0:
+        return [(work.start_pos, len(work.token_ids), work.output_index)]
+    return [(work.start_pos + i, 1, work.output_index + i) for i in range(len(work.token_ids))]
 
 
 def pack_batch(
@@ -146,24 +164,23 @@ def pack_batch(
         state = registry.states[work.seq_id]
         _check_work(plan, work, state, block_size)
         table = state.block_table
-        end = work.start_pos + len(work.token_ids)
-        token_ids.extend(work.token_ids)
-        lora_slots.extend([work.lora_slot] * len(work.token_ids))
-        span = range(work.start_pos, end)
-        positions.extend(span)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
-        cu_query_lens.append(len(token_ids))
-        context_lens.append(end)
-        tables.append(table[: -(-end // block_size)])
-        if work.num_samples > 0:
-            assert state.sampling is not None
-            logits_rows.append(len(token_ids) - 1)
-            sample_seq_ids.append(work.seq_id)
-            requests.append(
-                SampleRequest(
-                    state.sampling, work.num_samples, work.branch_index, work.output_index
+        for start, count, output_index in _query_spans(work):
+            end = start + count
+            token_ids.extend(work.token_ids[start - work.start_pos : end - work.start_pos])
+            lora_slots.extend([work.lora_slot] * count)
+            span = range(start, end)
+            positions.extend(span)
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+            cu_query_lens.append(len(token_ids))
+            context_lens.append(end)
+            tables.append(table[: -(-end // block_size)])
+            if work.num_samples > 0:
+                assert state.sampling is not None
+                logits_rows.append(len(token_ids) - 1)
+                sample_seq_ids.append(work.seq_id)
+                requests.append(
+                    SampleRequest(state.sampling, work.num_samples, work.branch_index, output_index)
                 )
-            )
     width = max((len(t) for t in tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in tables]
 

@@ -68,6 +68,11 @@ class SequenceWork:
     lora_slot: int = -1
     """The device slot of this step's LoRA adapter for the sequence (-1: the base model). Sent
     every step: an adapter may move to another slot between steps."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: the last `num_draft_tokens` of `token_ids` are drafts after the
+    pending token (then `num_samples == 1`). Each of the `1 + num_draft_tokens` positions is
+    computed as a decode of its own and draws one token, for output indexes `output_index`,
+    `output_index + 1`, ...; the engine keeps those its drafts confirm."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,8 @@ class SampledToken:
 
 @dataclass
 class StepOutput:
-    """What rank 0 returns: for every sequence with `num_samples > 0`, its drawn tokens in order."""
+    """What rank 0 returns: for every sequence with `num_samples > 0`, its drawn tokens in order
+    (a speculative work's: one per position, `1 + num_draft_tokens`)."""
 
     step_id: int
     samples: dict[int, list[SampledToken]] = field(default_factory=dict)

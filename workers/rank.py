@@ -371,7 +371,8 @@ class WorkerRank:
                 logits = self.model.logits(hidden[batch.metadata.logits_indices])
                 if self.tp.rank == 0:
                     drawn = sample_rows(logits, batch.sample_requests, self.config.seed)
-                    output.samples = dict(zip(batch.sample_seq_ids, drawn, strict=True))
+                    for seq_id, tokens in zip(batch.sample_seq_ids, drawn, strict=True):
+                        output.samples.setdefault(seq_id, []).extend(tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         output.forward_seconds = time.perf_counter() - began

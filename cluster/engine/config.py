@@ -7,6 +7,7 @@ forbids unknown fields, and every refused combination names the field (`section.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -146,6 +147,63 @@ class LoRASettings(_Section):
     )
 
 
+class SpeculativeSettings(_Section):
+    """Speculative decoding (vLLM's `speculative_config`; `cluster.engine.speculation`).
+
+    `speculative_method: ngram` proposes up to `num_speculative_tokens` drafts per decoding
+    sequence by prompt lookup (n-grams of `prompt_lookup_min..prompt_lookup_max` tokens) and
+    verifies them in the same step. Tokens are the ones plain decoding produces; only the
+    number of steps changes. Each draft is one more row in the step: `speculative_max_rows`
+    caps the rows drafts may fill (on CPU, where rows past the 4-bit kernels' few cost as much
+    as decodes), and `speculative_disable_by_batch_size` turns drafts off from that many
+    decoding sequences on."""
+
+    speculative_method: Literal["ngram"] | None = Field(
+        None, description="'ngram' (prompt lookup) turns speculative decoding on"
+    )
+    num_speculative_tokens: int = Field(3, gt=0, le=16, description="drafts per sequence")
+    prompt_lookup_max: int = Field(4, gt=0, description="longest n-gram looked up")
+    prompt_lookup_min: int = Field(2, gt=0, description="shortest n-gram looked up")
+    speculative_disable_by_batch_size: int | None = Field(
+        None, gt=0, description="no drafts while this many sequences decode (unset: always)"
+    )
+    speculative_max_rows: int | None = Field(
+        None,
+        gt=0,
+        description="rows (decodes plus drafts) a step's drafts may fill; the drafts share "
+        "what one row per decode leaves (unset: num_speculative_tokens each)",
+    )
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeSettings:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"speculative.prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self
+
+    @classmethod
+    def from_vllm(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """This section's fields from vLLM's `speculative_config` keys (`method`,
+        `num_speculative_tokens`, `prompt_lookup_max`, `prompt_lookup_min`,
+        `disable_by_batch_size`, and ours: `max_rows`); an unknown key is an error."""
+        names = {
+            "method": "speculative_method",
+            "num_speculative_tokens": "num_speculative_tokens",
+            "prompt_lookup_max": "prompt_lookup_max",
+            "prompt_lookup_min": "prompt_lookup_min",
+            "disable_by_batch_size": "speculative_disable_by_batch_size",
+            "max_rows": "speculative_max_rows",
+        }
+        if not isinstance(config, dict):
+            raise ConfigError(f"speculative_config must be a mapping, got {config!r}")
+        unknown = sorted(set(config) - set(names))
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown keys {unknown}; known: {sorted(names)}")
+        return {names[key]: value for key, value in config.items()}
+
+
 class EngineConfig(_Section):
     """The whole engine configuration. Construct directly, `from_yaml`, or `from_cli_args`."""
 
@@ -154,6 +212,7 @@ class EngineConfig(_Section):
     parallel: ParallelSettings = Field(default_factory=ParallelSettings)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     lora: LoRASettings = Field(default_factory=LoRASettings)
+    speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
 
     @model_validator(mode="after")
     def _cross_section(self) -> EngineConfig:
@@ -269,6 +328,14 @@ class EngineConfig(_Section):
         """One flag per field, `--field-name` (field names are unique across sections), plus
         `--config FILE.yaml`; flags given override the file."""
         parser.add_argument("--config", type=pathlib.Path, default=None, help="YAML config file")
+        parser.add_argument(
+            "--speculative-config",
+            default=None,
+            metavar="JSON",
+            help='vLLM\'s speculative config, e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\'; "none": off (the '
+            "speculative settings' own flags override it)",
+        )
         for section_name, section_type in _SECTIONS.items():
             group = parser.add_argument_group(f"{section_name} settings")
             for name, info in section_type.model_fields.items():
@@ -304,6 +371,15 @@ class EngineConfig(_Section):
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         base = cls.from_yaml(args.config) if args.config is not None else cls()
         overrides: dict[str, dict[str, Any]] = {}
+        vllm_speculative = getattr(args, "speculative_config", None)
+        if vllm_speculative is not None and vllm_speculative.strip().lower() in ("none", "null"):
+            overrides["speculative"] = {"speculative_method": None}
+        elif vllm_speculative is not None:
+            try:
+                parsed = json.loads(vllm_speculative)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"--speculative-config is not JSON: {error}") from None
+            overrides["speculative"] = SpeculativeSettings.from_vllm(parsed)
         for key, value in vars(args).items():
             if value is None or "." not in key:
                 continue
@@ -319,6 +395,7 @@ _SECTIONS: dict[str, type[_Section]] = {
     "parallel": ParallelSettings,
     "scheduler": SchedulerSettings,
     "lora": LoRASettings,
+    "speculative": SpeculativeSettings,
 }
 
 

@@ -29,6 +29,7 @@ from cluster.engine.preemption import PreemptionCostModel
 from cluster.engine.request import Branch, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerStep
+from cluster.engine.speculation import NgramSpeculator
 from cluster.engine.tokenization import PromptRenderer
 from workers import ModelInfo, WorkerGroup, load_tokenizer
 from workers.lora import AdapterSummary
@@ -91,6 +92,12 @@ class EngineCore:
             self.block_manager,
             PreemptionCostModel(kv_bytes_per_block=info.kv_bytes_per_block),
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+            speculator=(
+                NgramSpeculator(config.speculative)
+                if config.speculative.speculative_method == "ngram"
+                else None
+            ),
+            max_model_len=self.max_model_len,
         )
         self.limits = StopLimits(frozenset(info.eos_token_ids), self.max_model_len)
         self.recorder = MetricsRecorder()
@@ -275,12 +282,14 @@ class EngineCore:
             for work in step.works:
                 if work.request.metrics.first_scheduled_time is None:
                     work.request.metrics.first_scheduled_time = now
+            new_tokens: dict[str, int] = {}
             for request, branch, sampled in self.scheduler.on_step_done(step, output):
-                if request.request_id in broken:
-                    continue
+                if request.request_id in broken or branch.finished:
+                    continue  # a speculative step's tokens after the branch's last are dropped
                 self.recorder.num_generated_tokens += 1
                 self.adapters.on_token(request)
                 touched[request.request_id] = request
+                new_tokens[request.request_id] = new_tokens.get(request.request_id, 0) + 1
                 try:
                     if apply_sampled_token(request, branch, sampled, self.limits):
                         self.scheduler.finish_branch(request, branch)
@@ -294,7 +303,7 @@ class EngineCore:
         if self.config.scheduler.check_integrity:
             self.block_manager.check_integrity()
         for request in touched.values():
-            self._record_token_times(request, now)
+            self._record_token_times(request, now, new_tokens[request.request_id])
             if request.finished:
                 self._complete(request, now)
             reported.append(request)
@@ -420,6 +429,7 @@ class EngineCore:
             adapter_generation_tokens_total=dict(self.adapters.counts.tokens),
             adapter_loads_total=self.adapters.loads,
             adapter_evictions_total=self.adapters.evictions,
+            speculation=self.scheduler.speculation_counters(),
         )
 
     def shutdown(self) -> None:
@@ -467,15 +477,19 @@ class EngineCore:
     def _default_seed(self, arrival: int) -> int:
         return (self.config.model.seed * 1_000_003 + arrival * 7919 + 1) % 2**63
 
-    def _record_token_times(self, request: Request, now: float) -> None:
+    def _record_token_times(self, request: Request, now: float, new_tokens: int) -> None:
+        """TTFT at the first token; after it, the step's time shared by the tokens it added (a
+        speculative step adds several), one time per token."""
         metrics = request.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             self.recorder.ttft.observe(now - metrics.arrival_time)
-        elif metrics.last_token_time is not None:
-            gap = now - metrics.last_token_time
-            metrics.inter_token_times.append(gap)
-            self.recorder.tpot.observe(gap)
+            new_tokens -= 1
+        if metrics.last_token_time is not None and new_tokens > 0:
+            per_token = (now - metrics.last_token_time) / new_tokens
+            for _ in range(new_tokens):
+                metrics.inter_token_times.append(per_token)
+                self.recorder.tpot.observe(per_token)
         metrics.last_token_time = now
 
     def _forget_limits(self, request: Request) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cluster.engine.config import EngineConfig
+from cluster.engine.config import EngineConfig, SpeculativeSettings
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.errors import ConfigError, RequestRejected
 from cluster.engine.generate_request import PromptInput
@@ -20,12 +20,15 @@ from cluster.engine.sampling_params import SamplingParams
 def config_from_kwargs(
     model: str | None, base: EngineConfig | None = None, **kwargs: Any
 ) -> EngineConfig:
-    """An EngineConfig from flat keyword arguments (`block_size=8, tensor_parallel_size=2`) over
-    `base`; `model=None` keeps the base's model. Without a base, `backend` defaults to the
-    in-process worker when tensor_parallel_size is 1."""
+    """An EngineConfig from flat keyword arguments (`block_size=8, tensor_parallel_size=2`, and
+    vLLM's `speculative_config={...}`) over `base`; `model=None` keeps the base's model.
+    Without a base, `backend` defaults to the in-process worker when tensor_parallel_size is 1."""
     overrides: dict[str, dict[str, Any]] = {}
     if model is not None:
         overrides["model"] = {"model": model}
+    speculative = kwargs.pop("speculative_config", None)
+    if speculative is not None:  # vLLM's dict: {"method": "ngram", ...}
+        overrides["speculative"] = SpeculativeSettings.from_vllm(speculative)
     for name, value in kwargs.items():
         section = EngineConfig.section_of(name)
         if section is None:

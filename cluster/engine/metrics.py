@@ -6,6 +6,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from block_manager import PressureSnapshot, TierCounters
+from cluster.engine.speculation import SpeculationCounters
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -78,6 +79,8 @@ class EngineMetrics:
     """Adapters loaded into a device slot (every slot fill)."""
     adapter_evictions_total: int = 0
     """Adapters displaced from a device slot by another, plus adapters the CPU LRU dropped."""
+    speculation: SpeculationCounters | None = None
+    """Speculative decoding's drafts and accepted drafts (None: speculative decoding off)."""
 
     @property
     def preemptions(self) -> int:

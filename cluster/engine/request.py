@@ -19,6 +19,7 @@ from cluster.engine.detokenizer import TextTracker
 from cluster.engine.output_stream import BranchDelta, RequestDelta
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.speculation import NgramIndex
 from workers.plan import SamplingSettings
 
 
@@ -44,6 +45,8 @@ class Branch:
     stop_reason: str | int | None = None
     emitted_tokens: int = 0
     worker_knows: bool = False
+    ngrams: NgramIndex | None = None
+    """Speculative decoding's n-gram index over `token_ids` (built on first use)."""
 
     @property
     def finished(self) -> bool:

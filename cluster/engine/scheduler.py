@@ -15,6 +15,10 @@ Each step, in priority order (arrival order; earlier is higher):
    than `max_loras` distinct adapters waits for a slot instead: it is skipped, and so is every
    later waiting request with an adapter, while later base-model requests may still be admitted
    (they take no slot). Swapped requests come back under the same rule.
+   Speculative decoding (a `speculator`): once every running request has its pending token,
+   a decode that samples one token may also carry drafts (see `cluster.engine.speculation`),
+   appended to its table from the blocks above the watermark and the budget left; the step's
+   rows verify them and `on_step_done` truncates the table to the accepted ones.
 3. The engine calls `unstick_head` when a step had nothing to run and nothing was preempted:
    the head cannot fit even in an empty pool (a swapped one is recomputed instead, a waiting
    one is given up on).
@@ -33,12 +37,14 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from block_manager import KVManager, NeverFits, NoFreeBlocks
 from cluster.engine.config import SchedulerSettings
 from cluster.engine.preemption import PreemptionCostModel
 from cluster.engine.request import Branch, Request, RequestStatus
+from cluster.engine.speculation import DraftAllowance, NgramSpeculator, SpeculationCounters
+from cluster.engine.step_budget import StepBudget
 from workers.plan import SampledToken, SequenceWork, StepOutput, StepPlan
 
 
@@ -51,6 +57,9 @@ class ScheduledWork:
     start: int
     num_tokens: int
     num_samples: int
+    drafts: list[int] = field(default_factory=list)
+    """Speculative tokens after the pending one (`num_tokens == 1 + len(drafts)`), verified by
+    the step's rows; the block manager holds them until `on_step_done` keeps the accepted."""
 
 
 @dataclass
@@ -110,12 +119,18 @@ class Scheduler:
         block_manager: KVManager,
         cost_model: PreemptionCostModel,
         max_loras: int | None = None,
+        speculator: NgramSpeculator | None = None,
+        max_model_len: int | None = None,
     ) -> None:
-        """`max_loras`: distinct adapters the running requests may use (None: LoRA off)."""
+        """`max_loras`: distinct adapters the running requests may use (None: LoRA off).
+        `speculator`: proposes drafts for decodes (None: speculative decoding off); drafts never
+        take a sequence past `max_model_len`."""
         self.settings = settings
         self.bm = block_manager
         self.cost_model = cost_model
         self.max_loras = max_loras
+        self.speculator = speculator
+        self.max_model_len = max_model_len
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -128,6 +143,13 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         _insert_by_arrival(self.waiting, request)
+
+    def speculation_counters(self) -> SpeculationCounters | None:
+        """A copy of the speculator's counters (None: speculative decoding off)."""
+        if self.speculator is None:
+            return None
+        counters = self.speculator.counters
+        return replace(counters, accepted_per_position=list(counters.accepted_per_position))
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
@@ -178,7 +200,7 @@ class Scheduler:
     def schedule(self) -> SchedulerStep:
         self._step_id += 1
         step = SchedulerStep(plan=StepPlan(step_id=self._step_id), works=[])
-        budget = _Budget(self.settings.max_num_batched_tokens, self._prefill_cap())
+        budget = StepBudget(self.settings.max_num_batched_tokens, self._prefill_cap())
         if self.bm.cpu_cache:
             self.bm.set_promotion(self.cost_model.prefer_promote(self.bm.block_size))
         step.preempted = self._schedule_running(step, budget)
@@ -201,15 +223,24 @@ class Scheduler:
         self.cost_model.observe_step(output.forward_seconds, step.num_tokens)
         sampled: list[tuple[Request, Branch, SampledToken]] = []
         for work in step.works:
-            self.bm.mark_computed(work.branch.seq_id, work.start + work.num_tokens)
-            if work.num_samples == 0:
-                continue
             tokens = output.samples.get(work.branch.seq_id)
-            if tokens is None or len(tokens) != work.num_samples:
+            expected = work.num_samples + len(work.drafts)
+            if work.num_samples and (tokens is None or len(tokens) != expected):
                 raise RuntimeError(
                     f"step {step.plan.step_id}: sequence {work.branch.seq_id} expected "
-                    f"{work.num_samples} sampled tokens, got {tokens!r}"
+                    f"{expected} sampled tokens, got {tokens!r}"
                 )
+            if work.drafts:
+                assert tokens is not None
+                tokens = self._keep_accepted(work, tokens)
+            else:
+                self.bm.mark_computed(work.branch.seq_id, work.start + work.num_tokens)
+            if work.num_samples == 0:
+                continue
+            assert tokens is not None
+            if work.drafts:  # one branch, several tokens in order
+                sampled.extend((work.request, work.branch, t) for t in tokens)
+                continue
             if not work.request.forked:
                 self._fork(work.request)
                 branches = work.request.branches
@@ -218,18 +249,31 @@ class Scheduler:
             sampled.extend((work.request, b, t) for b, t in zip(branches, tokens, strict=True))
         return sampled
 
+    def _keep_accepted(self, work: ScheduledWork, tokens: list[SampledToken]) -> list[SampledToken]:
+        """A speculative work's rows drew `tokens` (one per row): the ones up to and including
+        the first that differs from its draft (see `NgramSpeculator.keep_accepted`)."""
+        assert self.speculator is not None
+        drawn = [token.token_id for token in tokens]
+        kept = self.speculator.keep_accepted(
+            self.bm, work.branch.seq_id, work.start, work.drafts, drawn
+        )
+        return tokens[:kept]
+
     # --- running ---------------------------------------------------------------------------
 
-    def _schedule_running(self, step: SchedulerStep, budget: _Budget) -> bool:
-        """Appends and schedules every running request; True if any was preempted."""
+    def _schedule_running(self, step: SchedulerStep, budget: StepBudget) -> bool:
+        """Appends every running request's pending tokens, then schedules them; True if any
+        was preempted. All appends come first so that drafts, which take blocks too, are only
+        proposed from what the pending tokens left."""
         preemptions_before = self._num_preemptions()
         index = 0
         while index < len(self.running):
-            request = self.running[index]
-            if self._append_pending(request, step, may_preempt=True):
-                self._schedule_chunks(request, step, budget)
+            if self._append_pending(self.running[index], step, may_preempt=True):
                 index += 1
             # else the request preempted itself: it was the last one, the loop ends
+        drafts = self._draft_allowance()
+        for request in self.running:
+            self._schedule_chunks(request, step, budget, drafts)
         return self._num_preemptions() != preemptions_before
 
     def _append_pending(self, request: Request, step: SchedulerStep, *, may_preempt: bool) -> bool:
@@ -257,8 +301,15 @@ class Scheduler:
                 step.plan.copy_pairs.append((copy.src, copy.dst))
         return True
 
-    def _schedule_chunks(self, request: Request, step: SchedulerStep, budget: _Budget) -> None:
-        """Adds each active branch's uncomputed tokens (within the budget) to the plan."""
+    def _schedule_chunks(
+        self,
+        request: Request,
+        step: SchedulerStep,
+        budget: StepBudget,
+        allowance: DraftAllowance | None = None,
+    ) -> None:
+        """Adds each active branch's uncomputed tokens (within the budget) to the plan; with an
+        `allowance`, a decode that samples one token also carries drafts."""
         for branch in request.active_branches:
             computed = self.bm.num_computed_tokens(branch.seq_id)
             remaining = self.bm.num_tokens(branch.seq_id) - computed
@@ -271,22 +322,57 @@ class Scheduler:
                 continue
             is_last = computed + chunk == len(branch.token_ids)
             num_samples = (1 if request.forked else request.n) if is_last else 0
-            step.works.append(ScheduledWork(request, branch, computed, chunk, num_samples))
+            drafts: list[int] = []
+            if allowance is not None and chunk == 1 and num_samples == 1 and request.forked:
+                drafts = self._append_drafts(request, branch, budget, allowance.next())
+            step.works.append(
+                ScheduledWork(request, branch, computed, chunk + len(drafts), num_samples, drafts)
+            )
             step.plan.sequences.append(
-                self._sequence_work(request, branch, computed, chunk, num_samples)
+                self._sequence_work(request, branch, computed, chunk, num_samples, drafts)
             )
 
+    def _append_drafts(
+        self, request: Request, branch: Branch, budget: StepBudget, allowed: int
+    ) -> list[int]:
+        """Proposes up to `allowed` drafts for a decoding branch and appends them to its table,
+        as far as the budget, `max_tokens`, the model's length and the free blocks above the
+        watermark allow (a draft never makes anyone wait or be preempted)."""
+        assert self.speculator is not None
+        room = min(
+            allowed,
+            budget.tokens,
+            request.max_tokens - len(branch.output_token_ids) - 1,
+            (self.max_model_len or 1 << 62) - len(branch.token_ids),
+        )
+        if room <= 0:
+            return []
+        if branch.ngrams is None:
+            branch.ngrams = self.speculator.new_index()
+        drafts = self.speculator.append_drafts(
+            self.bm, branch.seq_id, branch.token_ids, branch.ngrams, room
+        )
+        budget.take_drafts(len(drafts))
+        return drafts
+
     def _sequence_work(
-        self, request: Request, branch: Branch, start: int, chunk: int, num_samples: int
+        self,
+        request: Request,
+        branch: Branch,
+        start: int,
+        chunk: int,
+        num_samples: int,
+        drafts: list[int],
     ) -> SequenceWork:
         table_start, table_blocks = self.bm.take_table_delta(branch.seq_id)
         work = SequenceWork(
             seq_id=branch.seq_id,
-            token_ids=branch.token_ids[start : start + chunk],
+            token_ids=branch.token_ids[start : start + chunk] + drafts,
             start_pos=start,
             table_start=table_start,
             table_blocks=table_blocks,
             num_samples=num_samples,
+            num_draft_tokens=len(drafts),
             branch_index=branch.index,
             output_index=len(branch.output_token_ids),
             sampling=None if branch.worker_knows else request.settings,
@@ -347,7 +433,7 @@ class Scheduler:
 
     # --- swapped and waiting ------------------------------------------------------------------
 
-    def _schedule_swapped(self, step: SchedulerStep, budget: _Budget) -> bool:
+    def _schedule_swapped(self, step: SchedulerStep, budget: StepBudget) -> bool:
         """Brings swapped requests back, oldest first; True if any is still swapped."""
         while self.swapped:
             request = self.swapped[0]
@@ -366,10 +452,10 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             _insert_by_arrival(self.running, request)
             if self._append_pending(request, step, may_preempt=False):
-                self._schedule_chunks(request, step, budget)
+                self._schedule_chunks(request, step, budget)  # no drafts the step it returns
         return False
 
-    def _schedule_waiting(self, step: SchedulerStep, budget: _Budget) -> None:
+    def _schedule_waiting(self, step: SchedulerStep, budget: StepBudget) -> None:
         index = 0
         slot_blocked = False  # an earlier request waits for an adapter slot
         while index < len(self.waiting) and budget.room(2) > 0:
@@ -446,6 +532,11 @@ class Scheduler:
                     return cap
         return None
 
+    def _draft_allowance(self) -> DraftAllowance | None:
+        if self.speculator is None:
+            return None
+        return self.speculator.allowance(self._running_seqs())
+
     def _adapter_fits(self, request: Request) -> bool:
         """Whether admitting `request` keeps the running adapters within `max_loras`."""
         digest = request.adapter_digest
@@ -482,28 +573,6 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if request in queue:
                 queue.remove(request)
-
-
-class _Budget:
-    """The step's remaining token budget; chunks of more than one token (prefill) also draw on
-    `prefill` when it is capped (decodes running), single tokens (decodes) only on `tokens`."""
-
-    def __init__(self, tokens: int, prefill: int | None = None) -> None:
-        self.tokens = tokens
-        self.prefill = prefill
-
-    def room(self, wanted: int) -> int:
-        """How many tokens a chunk of `wanted` tokens could take now."""
-        if wanted > 1 and self.prefill is not None:
-            return min(self.tokens, self.prefill)
-        return self.tokens
-
-    def take(self, wanted: int) -> int:
-        granted = min(wanted, self.room(wanted))
-        self.tokens -= granted
-        if wanted > 1 and self.prefill is not None:
-            self.prefill -= granted
-        return granted
 
 
 def _seq_demand(request: Request) -> int:
