@@ -18,6 +18,8 @@ second with TTFT <= 2 s and TPOT <= 150 ms), and ratios ours over theirs; the to
 neither found nor buildable the run says why on stderr and reports ``skipped``.
 
 Load generation and statistics are ``benchmarks.serving``'s. ``--quick`` is a smaller load.
+``--llama-args`` and ``--serve-args`` change either side's flags (for instance llama-server's
+``--spec-type ngram-simple``, or our ``--speculative-config none``).
 Every request is bounded by ``--request-timeout`` and every workload by ``--workload-timeout``.
 """
 
@@ -28,6 +30,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +138,7 @@ def run_ours(model: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]
     command += ["--grpc-port", str(free_port()), "--replicas", str(args.replicas)]
     if args.serve_config:
         command += ["--config", str(args.serve_config)]
+    command += shlex.split(args.serve_args)
     # A fresh local Ray cluster, never one that someone else started on this machine.
     env = {**os.environ, "RAY_ADDRESS": "local"}
     url = f"http://127.0.0.1:{port}"
@@ -183,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-args", default="-t 2 -np 16 -no-kvu -c 32768")
     parser.add_argument("--serve-config", type=Path, help="our Serve config (default: shipped)")
     parser.add_argument("--replicas", type=int, default=1, help="our engine replicas (pinned)")
+    parser.add_argument("--serve-args", default="", help="more `pagedserve serve` flags (ours)")
     parser.add_argument("--only", choices=("ours", "llama"), help="run one side")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--rate", type=float, default=2.0)

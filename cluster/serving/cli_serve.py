@@ -12,6 +12,7 @@ and it exits 0 (cluster/serving/serve_runner.py). `bench NAME` runs
 from __future__ import annotations
 
 import argparse
+import json
 import runpy
 import sys
 from importlib import resources
@@ -20,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from cluster.engine.config import LoRASettings
+from cluster.engine.config import LoRASettings, SpeculativeSettings
 from cluster.engine.errors import ConfigError
 from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S
 from cluster.serving.lora_args import parse_module_item
@@ -74,6 +75,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="new tokens per streamed chunk once the first token is out (default: the app's "
         "stream_interval; 1 streams every token)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+        '"disable_by_batch_size": 3}\'; "none" turns it off (default: from config)',
     )
     parser.add_argument(
         "--shutdown-grace-s",
@@ -168,6 +177,7 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"--stream-interval must be >= 1, got {args.stream_interval}")
         for app in config.get("applications", []):
             app.setdefault("args", {})["stream_interval"] = args.stream_interval
+    apply_speculative_flag(config, args.speculative_config)
     if args.replicas is not None:
         pin_replicas(config, args.replicas)
     else:
@@ -179,6 +189,26 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as error:  # pydantic's ValidationError, named by Ray's schema
         raise ConfigError(f"{path}: not a valid Ray Serve config: {error}") from error
     return config
+
+
+def apply_speculative_flag(config: dict[str, Any], flag: str | None) -> None:
+    """`--speculative-config`: vLLM's JSON replaces every application's engine `speculative`
+    section; "none" removes it (speculative decoding off)."""
+    if flag is None:
+        return
+    section: dict[str, Any] | None = None
+    if flag.strip().lower() not in ("none", "null"):
+        try:
+            parsed = json.loads(flag)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--speculative-config is not JSON: {error}") from None
+        section = SpeculativeSettings.from_vllm(parsed)
+    for app in config.get("applications", []):
+        engine = app.setdefault("args", {}).setdefault("engine", {})
+        if section is None:
+            engine.pop("speculative", None)
+        else:
+            engine["speculative"] = section
 
 
 def apply_lora_flags(config: dict[str, Any], args: argparse.Namespace) -> None:

@@ -61,6 +61,7 @@ class EngineMetricsCollector(Collector):
         yield from self._cache_tiers(snapshots)
         yield from self._throughput(snapshots)
         yield from self._adapters(snapshots)
+        yield from self._speculation(snapshots)
         yield from self._latency(snapshots)
 
     def _blocks(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
@@ -242,6 +243,36 @@ class EngineMetricsCollector(Collector):
             loads.add_metric([replica], m.adapter_loads_total)
             evictions.add_metric([replica], m.adapter_evictions_total)
         yield from (requests, tokens, loads, evictions)
+
+    def _speculation(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
+        """Speculative decoding, as vLLM names it: verification steps with drafts, drafts,
+        accepted drafts, and accepted drafts by position (no series with speculation off)."""
+        drafts = CounterMetricFamily(
+            f"{PREFIX}_spec_decode_num_drafts",
+            "Decodes that carried speculative drafts",
+            labels=["replica"],
+        )
+        draft_tokens = CounterMetricFamily(
+            f"{PREFIX}_spec_decode_num_draft_tokens", "Drafts proposed", labels=["replica"]
+        )
+        accepted = CounterMetricFamily(
+            f"{PREFIX}_spec_decode_num_accepted_tokens", "Drafts accepted", labels=["replica"]
+        )
+        per_position = CounterMetricFamily(
+            f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts accepted at each position of a decode's drafts (0-based)",
+            labels=["replica", "position"],
+        )
+        for replica, m in snapshots.items():
+            counters = m.speculation
+            if counters is None:
+                continue
+            drafts.add_metric([replica], counters.num_drafts)
+            draft_tokens.add_metric([replica], counters.num_draft_tokens)
+            accepted.add_metric([replica], counters.num_accepted_tokens)
+            for position, count in enumerate(counters.accepted_per_position):
+                per_position.add_metric([replica, str(position)], count)
+        yield from (drafts, draft_tokens, accepted, per_position)
 
     def _latency(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
         ttft = HistogramMetricFamily(

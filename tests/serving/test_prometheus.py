@@ -13,6 +13,7 @@ from prometheus_client.samples import Sample
 
 from block_manager import PressureSnapshot, TierCounters, TierPressure
 from cluster.engine.metrics import LATENCY_BUCKETS_S, EngineMetrics, Histogram
+from cluster.engine.speculation import SpeculationCounters
 from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
 
 
@@ -188,3 +189,20 @@ def test_adapter_requests_tokens_loads_and_evictions_are_exposed() -> None:
     plain = parse(render_prometheus({"r0": snapshot()}))
     assert "pagedserve_adapter_requests_total" not in plain  # no adapter: no series
     assert value(plain, "pagedserve_adapter_loads_total", replica="r0") == 0
+
+
+def test_speculative_decoding_counters_are_exposed() -> None:
+    counters = SpeculationCounters(
+        num_drafts=5, num_draft_tokens=14, num_accepted_tokens=9, accepted_per_position=[5, 3, 1]
+    )
+    samples = parse(
+        render_prometheus({"r0": dataclasses.replace(snapshot(), speculation=counters)})
+    )
+    assert value(samples, "pagedserve_spec_decode_num_drafts_total", replica="r0") == 5
+    assert value(samples, "pagedserve_spec_decode_num_draft_tokens_total", replica="r0") == 14
+    assert value(samples, "pagedserve_spec_decode_num_accepted_tokens_total", replica="r0") == 9
+    for position, count in enumerate([5, 3, 1]):
+        name = "pagedserve_spec_decode_num_accepted_tokens_per_pos_total"
+        assert value(samples, name, position=str(position)) == count
+    plain = parse(render_prometheus({"r0": snapshot()}))
+    assert "pagedserve_spec_decode_num_drafts_total" not in plain  # off: no series
