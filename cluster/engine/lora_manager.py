@@ -90,8 +90,19 @@ class LoRAManager:
         return False
 
     def register(self, lora: LoRARequest, summary: AdapterSummary) -> None:
-        """Serves `lora` (its weights already loaded on every rank, `summary` says what)."""
-        if not self.check_new(lora):
+        """Serves `lora` (its weights already loaded on every rank, `summary` says what).
+
+        Loading runs off the engine's thread, so another `add` of the same name may have been
+        registered meanwhile: this one then lost (InvalidAdapter for another path, a no-op for
+        the same), and weights it loaded that nothing serves are dropped from the ranks with
+        the next plan instead of staying in their memory."""
+        try:
+            fresh = self.check_new(lora)
+        except InvalidAdapter:
+            self._drop_if_unserved(summary.digest)
+            raise
+        if not fresh:
+            self._drop_if_unserved(summary.digest)
             return
         weights = self.weights.get(summary.digest)
         if weights is None:
@@ -191,6 +202,10 @@ class LoRAManager:
             del self.cpu[victim]
             self._drops.append(victim)
             self.counters.evictions += 1
+
+    def _drop_if_unserved(self, digest: str) -> None:
+        if digest not in self.weights and digest not in self._drops:
+            self._drops.append(digest)
 
     def _forget_if_unused(self, weights: _Weights) -> None:
         if weights.names or weights.holders > 0:

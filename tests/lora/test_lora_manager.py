@@ -62,3 +62,22 @@ def test_cpu_lru_and_forgetting_after_the_last_request() -> None:
     assert "d1" not in manager.weights and manager.take_drops() == []
     manager.remove("b")
     assert manager.take_drops() == ["d2"] and manager.weights == {}
+
+
+def test_a_registration_that_lost_a_race_drops_the_weights_it_loaded() -> None:
+    """Two `add`s of one name load concurrently (off the engine's thread); the second to
+    register loses. Weights only it loaded leave the ranks with the next plan; weights a served
+    name uses stay."""
+    manager = _manager()
+    manager.register(LoRARequest("a", 1, "p/a"), _summary("d1"))
+    with pytest.raises(InvalidAdapter, match="already loaded"):
+        manager.register(LoRARequest("a", 1, "p/other"), _summary("d2"))
+    assert manager.take_drops() == ["d2"] and manager.resolve("a") == "d1"
+    manager.register(LoRARequest("a", 1, "p/a"), _summary("d1"))  # same path: a no-op
+    assert manager.take_drops() == []
+    manager.register(LoRARequest("a", 1, "p/a"), _summary("d3"))  # the file changed meanwhile
+    assert manager.take_drops() == ["d3"] and manager.resolve("a") == "d1"
+    manager.register(LoRARequest("b", 2, "p/b"), _summary("d1"))
+    with pytest.raises(InvalidAdapter):
+        manager.register(LoRARequest("b", 2, "p/c"), _summary("d1"))  # d1 is served
+    assert manager.take_drops() == []
