@@ -20,7 +20,9 @@ give the deltas, scattered back with one `index_add_`. The op count per target i
 whatever the number of adapters (on a CPU the small products' dispatch, not their flops,
 dominates at decode sizes), and a token pays only its own adapter's flops. When padding would
 more than double the work (one long prefill beside single decode tokens) the groups run one by
-one instead. `reference_add_lora` is the per-token oracle.
+one instead. The CPU products run in the weights' dtype (the workers keep CPU slots float32,
+whatever the model's dtype) and the delta is added to `y` in `y`'s. `reference_add_lora` is the
+per-token oracle.
 
 `reduce` (row-parallel layers under tensor parallelism) is applied to the shrunk intermediate:
 each rank holds A's columns of its input shard, so the all-reduced intermediate is the whole
@@ -142,6 +144,7 @@ def _add_lora_batched(
     reduce: Reduce | None,
 ) -> None:
     count, width = len(indices.groups), indices.width
+    x = x.to(a.dtype)
     if indices.gather is None:
         gathered = x.view(1, width, x.shape[1])
     else:
@@ -150,13 +153,16 @@ def _add_lora_batched(
     if reduce is not None:
         shrunk = reduce(shrunk)
     if indices.gather is None:
-        y.addmm_(shrunk[0], b[indices.lo])
+        if y.dtype == b.dtype:
+            y.addmm_(shrunk[0], b[indices.lo])
+        else:
+            y.add_(torch.mm(shrunk[0], b[indices.lo]).to(y.dtype))
         return
     delta = torch.bmm(shrunk, _group_weights(b, indices)).view(count * width, y.shape[1])
     assert indices.order is not None
     if indices.rows is not None:
         delta = delta.index_select(0, indices.rows)
-    y.index_add_(0, indices.order, delta)
+    y.index_add_(0, indices.order, delta.to(y.dtype))
 
 
 def _add_lora_groups(
@@ -169,16 +175,16 @@ def _add_lora_groups(
 ) -> None:
     """Groups of very different sizes: each group's own products, no padding."""
     assert indices.order is not None
-    gathered = x.index_select(0, indices.order)
-    shrunk = torch.empty(gathered.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
+    gathered = x.index_select(0, indices.order).to(a.dtype)
+    shrunk = torch.empty(gathered.shape[0], a.shape[1], dtype=a.dtype, device=x.device)
     for slot, start, stop in indices.groups:
         torch.mm(gathered[start:stop], a[slot].t(), out=shrunk[start:stop])
     if reduce is not None:
         shrunk = reduce(shrunk)
-    delta = torch.empty(shrunk.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+    delta = torch.empty(shrunk.shape[0], y.shape[1], dtype=b.dtype, device=y.device)
     for slot, start, stop in indices.groups:
         torch.mm(shrunk[start:stop], b[slot], out=delta[start:stop])
-    y.index_add_(0, indices.order, delta)
+    y.index_add_(0, indices.order, delta.to(y.dtype))
 
 
 def reference_add_lora(

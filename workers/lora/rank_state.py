@@ -53,7 +53,12 @@ class RankLoRA:
         self.spec = spec
         self.tp = tp
         self.max_rank = max_rank
-        self.slots = LoRASlots(spec, tp, max_loras, max_rank, dtype, device)
+        # On CPU the slots stay float32 whatever the model's dtype: the rank-r products cost
+        # little there, and rounding A, B and the intermediate to bfloat16 cost the bfloat16
+        # mode its parity with HF+PEFT float32 (tests/lora/test_smollm2_bfloat16_parity.py).
+        # The Triton kernels on CUDA take the model's dtype.
+        slot_dtype = torch.float32 if device.type == "cpu" else dtype
+        self.slots = LoRASlots(spec, tp, max_loras, max_rank, slot_dtype, device)
         self.store: dict[str, AdapterShard] = {}
         self._lock = threading.Lock()
 
