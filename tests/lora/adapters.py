@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import pathlib
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import transformers
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SMOLLM2_ADAPTERS: dict[str, dict[str, Any]] = {
+    "all8": {"rank": 8, "targets": ALL_PROJECTIONS, "seed": 21, "std": 0.04},
+    "qv16": {"rank": 16, "targets": ("q_proj", "v_proj"), "seed": 22, "std": 0.06},
+}
+"""The SmolLM2 parity tests' adapters: rank 8 on all seven projections, rank 16 on q/v."""
+Reference = tuple[list[int], torch.Tensor]
+"""HF's greedy tokens for one prompt and its logits `[new_tokens, vocab]`."""
 
 
 def build_adapter(
@@ -55,3 +63,21 @@ def copy_adapter(source: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
     """The same adapter files under another directory (same weights, another path)."""
     shutil.copytree(source, target)
     return target
+
+
+def peft_greedy_references(
+    base: transformers.PreTrainedModel,
+    root: pathlib.Path,
+    greedy: Callable[[transformers.PreTrainedModel], list[Reference]],
+) -> dict[str, tuple[pathlib.Path, list[Reference]]]:
+    """Per `SMOLLM2_ADAPTERS` entry (and "base"): the adapter's directory under `root` and
+    `greedy` run on HF's model with that adapter; `base` is given back unwrapped."""
+    out = {}
+    for name, spec in SMOLLM2_ADAPTERS.items():
+        model = build_adapter(base, root / name, **spec)
+        try:
+            out[name] = (root / name, greedy(model))
+        finally:
+            model.unload()
+    out["base"] = (root, greedy(base))
+    return out

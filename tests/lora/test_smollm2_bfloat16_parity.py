@@ -16,13 +16,17 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
-import torch
 import transformers
 
-from tests.lora.adapters import ALL_PROJECTIONS, build_adapter
+from tests.lora.adapters import SMOLLM2_ADAPTERS, Reference, peft_greedy_references
 from tests.workers.conftest import smollm2_hf  # noqa: F401  (the session's HF oracle)
-from tests.workers.paged_runner import GREEDY, chat_prompt_ids, hf_greedy, scattered_tables
-from workers import SequenceWork, StepPlan, WorkerConfig, WorkerGroup, load_tokenizer
+from tests.workers.paged_runner import (
+    chat_prompt_ids,
+    hf_greedy,
+    near_tie_flips,
+    teacher_forced_argmax,
+)
+from workers import StepPlan, WorkerConfig, WorkerGroup, load_tokenizer
 from workers.plan import LoRASlotLoad
 
 NEW_TOKENS = 16
@@ -33,11 +37,7 @@ CHATS = [
     "Write a haiku about the sea.",
     "Why is the sky blue?",
 ]
-ADAPTERS = {
-    "all8": {"rank": 8, "targets": ALL_PROJECTIONS, "seed": 21, "std": 0.04},
-    "qv16": {"rank": 16, "targets": ("q_proj", "v_proj"), "seed": 22, "std": 0.06},
-}
-Reference = tuple[list[int], torch.Tensor]
+ADAPTERS = SMOLLM2_ADAPTERS
 
 
 @pytest.fixture(scope="module")
@@ -66,51 +66,10 @@ def peft_references(
     and logits for every prompt."""
     prompts = chat_prompt_ids(load_tokenizer("default"), CHATS)
     root = tmp_path_factory.mktemp("smollm2_bf16_adapters")
-    out = {}
-    for name, spec in ADAPTERS.items():
-        model = build_adapter(smollm2_hf, root / name, **spec)  # type: ignore[arg-type]
-        try:
-            out[name] = (root / name, [hf_greedy(model, p, NEW_TOKENS) for p in prompts])
-        finally:
-            model.unload()
-    out["base"] = (root, [hf_greedy(smollm2_hf, p, NEW_TOKENS) for p in prompts])
-    return prompts, out
-
-
-def teacher_forced_argmax(
-    group: WorkerGroup, prompts: list[list[int]], forced: list[list[int]], slots: list[int]
-) -> list[list[int]]:
-    """Our greedy token at each step when step `k` is fed `forced[i][k - 1]`, prompt i through
-    LoRA slot `slots[i]` (-1: the base model)."""
-    tables = scattered_tables(
-        [len(p) + NEW_TOKENS for p in prompts], group.config.block_size, 128, 7
+    references = peft_greedy_references(
+        smollm2_hf, root, lambda model: [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
     )
-    ids = list(range(len(prompts)))
-    works = [
-        SequenceWork(i, prompt, 0, 0, tables[i], 1, sampling=GREEDY, lora_slot=slots[i])
-        for i, prompt in enumerate(prompts)
-    ]
-    output = group.execute(StepPlan(1, works))
-    chosen = [[output.samples[i][0].token_id] for i in ids]
-    for k in range(1, NEW_TOKENS):
-        works = [
-            SequenceWork(
-                i,
-                [forced[i][k - 1]],
-                len(prompts[i]) + k - 1,
-                len(tables[i]),
-                [],
-                1,
-                output_index=k,
-                lora_slot=slots[i],
-            )
-            for i in ids
-        ]
-        output = group.execute(StepPlan(k + 1, works))
-        for i in ids:
-            chosen[i].append(output.samples[i][0].token_id)
-    group.execute(StepPlan(NEW_TOKENS + 1, released=ids))
-    return chosen
+    return prompts, references
 
 
 def test_bfloat16_adapters_match_hf_peft_float32_except_near_ties(
@@ -131,17 +90,7 @@ def test_bfloat16_adapters_match_hf_peft_float32_except_near_ties(
         slots += [slot] * len(prompts)
         expected += references[name][1]
     ours = teacher_forced_argmax(group, batch, [tokens for tokens, _ in expected], slots)
-    flips = []
-    for i, ((tokens, logits), chosen) in enumerate(zip(expected, ours, strict=True)):
-        top2 = logits.topk(2, dim=-1).values
-        margins = (top2[:, 0] - top2[:, 1]).tolist()
-        for k, (want, got) in enumerate(zip(tokens, chosen, strict=True)):
-            if want != got:
-                flips.append((i, k, margins[k]))
-                assert margins[k] < NEAR_TIE, (
-                    f"row {i} ({cases[i // len(prompts)][0]}) step {k}: bfloat16 chose {got}, "
-                    f"HF+PEFT float32 {want} with margin {margins[k]:.3f} >= {NEAR_TIE}"
-                )
+    flips = near_tie_flips(expected, ours, NEAR_TIE)
     assert len(flips) <= len(expected) * NEW_TOKENS // 10, flips
     # each adapter changes the greedy path HF's base model takes, so a dropped adapter fails
     base_tokens = [tokens for tokens, _ in references["base"][1]]

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from tests.lora.adapters import ALL_PROJECTIONS, build_adapter
+from tests.lora.adapters import SMOLLM2_ADAPTERS, peft_greedy_references
 from tests.workers.conftest import smollm2_hf  # noqa: F401  (the session's HF oracle)
 from tests.workers.paged_runner import chat_prompt_ids, greedy_generate, hf_greedy
 from workers import StepPlan, WorkerConfig, WorkerGroup, load_tokenizer
@@ -26,10 +26,7 @@ from workers.plan import LoRASlotLoad
 NEW_TOKENS = 12
 LOGITS_ATOL = 2e-3
 CHATS = ["What is the capital of France?", "List three prime numbers."]
-ADAPTERS = {
-    "all8": {"rank": 8, "targets": ALL_PROJECTIONS, "seed": 21, "std": 0.04},
-    "qv16": {"rank": 16, "targets": ("q_proj", "v_proj"), "seed": 22, "std": 0.06},
-}
+ADAPTERS = SMOLLM2_ADAPTERS
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +55,9 @@ def references(
     tokenizer = load_tokenizer("default")
     prompts = chat_prompt_ids(tokenizer, CHATS)
     root = tmp_path_factory.mktemp("smollm2_adapters")
-    out = {}
-    for name, spec in ADAPTERS.items():
-        model = build_adapter(smollm2_hf, root / name, **spec)  # type: ignore[arg-type]
-        try:
-            out[name] = (root / name, [hf_greedy(model, p, NEW_TOKENS) for p in prompts])
-        finally:
-            model.unload()
-    base = [hf_greedy(smollm2_hf, p, NEW_TOKENS) for p in prompts]
-    out["base"] = (root, base)
-    return out
+    return peft_greedy_references(
+        smollm2_hf, root, lambda model: [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    )
 
 
 def test_mixed_batch_matches_hf_peft(

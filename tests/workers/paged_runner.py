@@ -156,3 +156,67 @@ def chat_prompt_ids(tokenizer: Any, chats: Sequence[str]) -> list[list[int]]:
         )["input_ids"]
         for chat in chats
     ]
+
+
+def teacher_forced_argmax(
+    group: WorkerGroup,
+    prompts: list[list[int]],
+    forced: list[list[int]],
+    lora_slots: list[int] | None = None,
+) -> list[list[int]]:
+    """Our greedy token at each step when step `k` is fed `forced[i][k - 1]` (not our own), so
+    one early difference cannot cascade; prompt i through LoRA slot `lora_slots[i]` (-1 or
+    None: the base model). Block tables are scattered over the pool."""
+    steps = len(forced[0])
+    slots = lora_slots or [-1] * len(prompts)
+    tables = scattered_tables(
+        [len(p) + steps for p in prompts], group.config.block_size, group.num_device_blocks, 3
+    )
+    ids = list(range(len(prompts)))
+    works = [
+        SequenceWork(i, prompt, 0, 0, tables[i], 1, sampling=GREEDY, lora_slot=slots[i])
+        for i, prompt in enumerate(prompts)
+    ]
+    output = group.execute(StepPlan(1, works))
+    chosen = [[output.samples[i][0].token_id] for i in ids]
+    for k in range(1, steps):
+        works = [
+            SequenceWork(
+                i,
+                [forced[i][k - 1]],
+                len(prompts[i]) + k - 1,
+                len(tables[i]),
+                [],
+                1,
+                output_index=k,
+                lora_slot=slots[i],
+            )
+            for i in ids
+        ]
+        output = group.execute(StepPlan(k + 1, works))
+        for i in ids:
+            chosen[i].append(output.samples[i][0].token_id)
+    group.execute(StepPlan(steps + 1, released=ids))
+    return chosen
+
+
+def near_tie_flips(
+    references: Sequence[tuple[list[int], torch.Tensor]],
+    ours: Sequence[list[int]],
+    near_tie: float,
+) -> list[tuple[int, int, float]]:
+    """(row, step, HF's top-2 margin) of every step where our token differs from HF's greedy
+    one; raises AssertionError at a flip whose margin is not below `near_tie` (a decision the
+    reference did not nearly tie on)."""
+    flips = []
+    for i, ((tokens, logits), chosen) in enumerate(zip(references, ours, strict=True)):
+        top2 = logits.topk(2, dim=-1).values
+        margins = (top2[:, 0] - top2[:, 1]).tolist()
+        for k, (want, got) in enumerate(zip(tokens, chosen, strict=True)):
+            if want != got:
+                flips.append((i, k, margins[k]))
+                assert margins[k] < near_tie, (
+                    f"row {i} step {k}: we chose {got}, the reference {want} with margin "
+                    f"{margins[k]:.3f} >= {near_tie}"
+                )
+    return flips

@@ -30,15 +30,13 @@ import transformers
 
 from kernels import decoder_stack_cpu, q4_cpu, q8_cpu
 from tests.workers.paged_runner import (
-    GREEDY,
     chat_prompt_ids,
     greedy_generate,
     hf_greedy,
-    scattered_tables,
+    near_tie_flips,
+    teacher_forced_argmax,
 )
 from workers import (
-    SequenceWork,
-    StepPlan,
     WorkerConfig,
     WorkerGroup,
     load_tokenizer,
@@ -76,41 +74,6 @@ def bf16_group() -> Iterator[WorkerGroup]:
     )
     yield group
     group.shutdown()
-
-
-def teacher_forced_argmax(
-    group: WorkerGroup, prompts: list[list[int]], forced: list[list[int]]
-) -> list[list[int]]:
-    """Our greedy token at each step when step `k` is fed `forced[i][k - 1]` (not our own)."""
-    steps = len(forced[0])
-    tables = scattered_tables(
-        [len(p) + steps for p in prompts], group.config.block_size, group.num_device_blocks, 3
-    )
-    ids = list(range(len(prompts)))
-    works = [
-        SequenceWork(i, prompt, 0, 0, tables[i], 1, sampling=GREEDY)
-        for i, prompt in enumerate(prompts)
-    ]
-    output = group.execute(StepPlan(0, works))
-    chosen = [[output.samples[i][0].token_id] for i in ids]
-    for k in range(1, steps):
-        works = [
-            SequenceWork(
-                i,
-                [forced[i][k - 1]],
-                len(prompts[i]) + k - 1,
-                len(tables[i]),
-                [],
-                1,
-                output_index=k,
-            )
-            for i in ids
-        ]
-        output = group.execute(StepPlan(k, works))
-        for i in ids:
-            chosen[i].append(output.samples[i][0].token_id)
-    group.execute(StepPlan(steps, released=ids))
-    return chosen
 
 
 @contextlib.contextmanager
@@ -167,17 +130,7 @@ def greedy_matches_hf_except_near_ties(
     for start in range(0, len(prompts), group_size):
         stop = start + group_size
         ours += teacher_forced_argmax(bf16_group, prompts[start:stop], forced[start:stop])
-    flips = []
-    for i, ((tokens, logits), chosen) in enumerate(zip(references, ours, strict=True)):
-        top2 = logits.topk(2, dim=-1).values
-        margins = (top2[:, 0] - top2[:, 1]).tolist()
-        for k, (want, got) in enumerate(zip(tokens, chosen, strict=True)):
-            if want != got:
-                flips.append((i, k, margins[k]))
-                assert margins[k] < NEAR_TIE, (
-                    f"prompt {i} step {k}: bfloat16 chose {got}, HF float32 {want} "
-                    f"with margin {margins[k]:.3f} >= {NEAR_TIE}"
-                )
+    flips = near_tie_flips(references, ours, NEAR_TIE)
     # Near ties are rare: most steps must agree outright.
     assert len(flips) <= len(prompts) * NEW_TOKENS // 10, flips
 
