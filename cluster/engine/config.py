@@ -183,8 +183,8 @@ class SpeculativeSettings(_Section):
             )
         return self
 
-    @classmethod
-    def from_vllm(cls, config: dict[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def from_vllm(config: dict[str, Any]) -> dict[str, Any]:
         """This section's fields from vLLM's `speculative_config` keys (`method`,
         `num_speculative_tokens`, `prompt_lookup_max`, `prompt_lookup_min`,
         `disable_by_batch_size`, and ours: `max_rows`); an unknown key is an error."""
@@ -202,6 +202,18 @@ class SpeculativeSettings(_Section):
         if unknown:
             raise ConfigError(f"speculative_config: unknown keys {unknown}; known: {sorted(names)}")
         return {names[key]: value for key, value in config.items()}
+
+    @staticmethod
+    def parse_flag(flag: str) -> dict[str, Any] | None:
+        """`--speculative-config`'s value: vLLM's JSON as this section's fields, or None for
+        "none" / "null" (speculative decoding off). Raises ConfigError for anything else."""
+        if flag.strip().lower() in ("none", "null"):
+            return None
+        try:
+            parsed = json.loads(flag)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--speculative-config is not JSON: {error}") from None
+        return SpeculativeSettings.from_vllm(parsed)
 
 
 class EngineConfig(_Section):
@@ -372,14 +384,9 @@ class EngineConfig(_Section):
         base = cls.from_yaml(args.config) if args.config is not None else cls()
         overrides: dict[str, dict[str, Any]] = {}
         vllm_speculative = getattr(args, "speculative_config", None)
-        if vllm_speculative is not None and vllm_speculative.strip().lower() in ("none", "null"):
-            overrides["speculative"] = {"speculative_method": None}
-        elif vllm_speculative is not None:
-            try:
-                parsed = json.loads(vllm_speculative)
-            except json.JSONDecodeError as error:
-                raise ConfigError(f"--speculative-config is not JSON: {error}") from None
-            overrides["speculative"] = SpeculativeSettings.from_vllm(parsed)
+        if vllm_speculative is not None:
+            section = SpeculativeSettings.parse_flag(vllm_speculative)
+            overrides["speculative"] = section or {"speculative_method": None}
         for key, value in vars(args).items():
             if value is None or "." not in key:
                 continue

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from block_manager import KVManager, NeverFits, NoFreeBlocks
 from cluster.engine.config import SchedulerSettings
@@ -146,10 +146,7 @@ class Scheduler:
 
     def speculation_counters(self) -> SpeculationCounters | None:
         """A copy of the speculator's counters (None: speculative decoding off)."""
-        if self.speculator is None:
-            return None
-        counters = self.speculator.counters
-        return replace(counters, accepted_per_position=list(counters.accepted_per_position))
+        return None if self.speculator is None else self.speculator.counters.copy()
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)

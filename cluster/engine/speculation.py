@@ -20,7 +20,7 @@ block the pool cannot spare is not proposed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from block_manager import KVManager, NoFreeBlocks
 from cluster.engine.config import SpeculativeSettings
@@ -78,6 +78,9 @@ class SpeculationCounters:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     """How often the draft at position i (0-based) was accepted."""
+
+    def copy(self) -> SpeculationCounters:
+        return replace(self, accepted_per_position=list(self.accepted_per_position))
 
 
 class DraftAllowance:

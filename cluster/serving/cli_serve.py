@@ -12,7 +12,6 @@ and it exits 0 (cluster/serving/serve_runner.py). `bench NAME` runs
 from __future__ import annotations
 
 import argparse
-import json
 import runpy
 import sys
 from importlib import resources
@@ -196,13 +195,7 @@ def apply_speculative_flag(config: dict[str, Any], flag: str | None) -> None:
     section; "none" removes it (speculative decoding off)."""
     if flag is None:
         return
-    section: dict[str, Any] | None = None
-    if flag.strip().lower() not in ("none", "null"):
-        try:
-            parsed = json.loads(flag)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"--speculative-config is not JSON: {error}") from None
-        section = SpeculativeSettings.from_vllm(parsed)
+    section = SpeculativeSettings.parse_flag(flag)
     for app in config.get("applications", []):
         engine = app.setdefault("args", {}).setdefault("engine", {})
         if section is None:
