@@ -10,7 +10,7 @@ import pytest
 from block_manager.virtual import VirtualKVManager
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
-from tests.cluster.slot_workers import SlotWorkers
+from tests.engine.slot_workers import SlotWorkers
 
 
 @pytest.fixture(scope="session")

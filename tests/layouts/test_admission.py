@@ -8,7 +8,7 @@ import pytest
 from block_manager import CacheKey, KVCacheManager, NeverFits, NoFreeBlocks
 from block_manager.contiguous import ContiguousKVManager
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.slot_workers import reference_tokens
+from tests.engine.slot_workers import reference_tokens
 from tests.layouts.conftest import SlotLayoutEngine
 
 SEED = b"\x00" * 32

@@ -10,7 +10,7 @@ import pytest
 from cluster.engine.config import EngineConfig
 from cluster.engine.errors import ConfigError
 from cluster.engine.llm import LLM
-from tests.cluster.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
+from tests.engine.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
 
 
 def _layout_config(model_dir: pathlib.Path, layout: str) -> EngineConfig:

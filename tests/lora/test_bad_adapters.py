@@ -19,7 +19,7 @@ from cluster.engine.errors import AdapterNotFound, InvalidAdapter
 from cluster.engine.llm import LLM
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.tiny_engine import tiny_config
+from tests.engine.tiny_engine import tiny_config
 from tests.lora.adapters import copy_adapter
 from workers.lora.peft_format import CONFIG_FILE, WEIGHTS_FILE
 

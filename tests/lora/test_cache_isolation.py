@@ -9,7 +9,7 @@ import pathlib
 from cluster.engine.llm import LLM
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.tiny_engine import tiny_config
+from tests.engine.tiny_engine import tiny_config
 from tests.lora.adapters import copy_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -13,7 +13,7 @@ from cluster.engine.errors import AdapterNotFound, RequestRejected
 from cluster.engine.llm import LLM
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.tiny_engine import tiny_config
+from tests.engine.tiny_engine import tiny_config
 from tests.lora.conftest import peft_oracle
 from tests.workers.paged_runner import hf_greedy
 

@@ -18,7 +18,7 @@ from cluster.engine.errors import AdapterNotFound, RequestFailed
 from cluster.engine.llm import LLM
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.tiny_engine import tiny_config
+from tests.engine.tiny_engine import tiny_config
 from workers.plan import StepPlan
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -72,7 +72,7 @@ def test_async_engine_over_ray_serves_adapters(
     from cluster.engine.llm import LLM
     from cluster.engine.lora_request import LoRARequest
     from cluster.engine.sampling_params import SamplingParams
-    from tests.cluster.tiny_engine import tiny_config
+    from tests.engine.tiny_engine import tiny_config
 
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     loras = [

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.prometheus import render_prometheus
-from tests.cluster.tiny_engine import tiny_config
+from tests.engine.tiny_engine import tiny_config
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -20,7 +20,7 @@ from cluster.engine.output_stream import (
     RequestDelta,
 )
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.tiny_engine import tiny_config
+from tests.engine.tiny_engine import tiny_config
 
 LONG_PROMPT = list(range(100, 700))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

@@ -22,7 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine.config import EngineConfig
-from tests.cluster.tiny_engine import tiny_config
+from tests.engine.tiny_engine import tiny_config
 
 TP = 2
 NODES = 2

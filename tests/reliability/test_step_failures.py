@@ -21,7 +21,7 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.errors import EngineDead, RequestFailed
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.tiny_engine import tiny_config
+from tests.engine.tiny_engine import tiny_config
 from workers import WorkerGroup
 from workers.plan import PlanRejected, StepOutput, StepPlan
 

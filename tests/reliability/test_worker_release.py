@@ -11,7 +11,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.llm import LLM
 from cluster.engine.scheduler import SchedulerStep
-from tests.cluster.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
+from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
 from workers.plan import StepPlan
 
 RECOMPUTE = {

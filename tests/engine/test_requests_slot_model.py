@@ -12,8 +12,8 @@ from block_manager import CacheIdentity, CacheKey, KVCacheManager
 from cluster.engine.cache_keys import CacheKeyFactory
 from cluster.engine.errors import EngineOverloaded, RequestRejected
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.conftest import SlotEngineFactory
-from tests.cluster.test_paging_slot_model import assert_all_blocks_free, run_all
+from tests.engine.conftest import SlotEngineFactory
+from tests.engine.test_paging_slot_model import assert_all_blocks_free, run_all
 
 PROMPT = list(range(400, 430))  # 30 tokens: 7 full blocks of 4 and a partial tail
 

@@ -10,9 +10,9 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.errors import ConfigError
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.conftest import SlotEngineFactory
-from tests.cluster.slot_workers import reference_tokens
-from tests.cluster.test_paging_slot_model import assert_all_blocks_free
+from tests.engine.conftest import SlotEngineFactory
+from tests.engine.slot_workers import reference_tokens
+from tests.engine.test_paging_slot_model import assert_all_blocks_free
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 

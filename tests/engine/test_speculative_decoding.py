@@ -29,7 +29,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.speculation import NgramIndex, NgramSpeculator, SpeculationCounters
 from cluster.serving.cli_serve import apply_speculative_flag
 from tests.block_manager.helpers import SEED, make_manager, prefill
-from tests.cluster.tiny_engine import PROMPTS, assert_all_free, tiny_config
+from tests.engine.tiny_engine import PROMPTS, assert_all_free, tiny_config
 from workers.batch import PackedBatch, SequenceRegistry, pack_batch
 from workers.plan import PlanRejected, SamplingSettings, SequenceWork, StepPlan
 

@@ -8,7 +8,7 @@ import pathlib
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
+from tests.engine.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
 
 
 async def collect(stream: object) -> list[RequestOutput]:

@@ -12,7 +12,7 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.errors import EngineDead
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.tiny_engine import tiny_config
+from tests.engine.tiny_engine import tiny_config
 
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 PROMPT = {"prompt_token_ids": list(range(10, 60))}  # 50 tokens: 6 full blocks of 8 hit-able

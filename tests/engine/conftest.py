@@ -12,8 +12,8 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
-from tests.cluster.slot_workers import SlotWorkers
-from tests.cluster.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
+from tests.engine.slot_workers import SlotWorkers
+from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
 
 
 @pytest.fixture(scope="session")

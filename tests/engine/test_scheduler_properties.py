@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.conftest import SlotEngineFactory
-from tests.cluster.slot_workers import reference_tokens
-from tests.cluster.test_paging_slot_model import assert_all_blocks_free
+from tests.engine.conftest import SlotEngineFactory
+from tests.engine.slot_workers import reference_tokens
+from tests.engine.test_paging_slot_model import assert_all_blocks_free
 
 request_strategy = st.fixed_dictionaries(
     {

@@ -15,7 +15,7 @@ import transformers
 from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.tiny_engine import GREEDY, PROMPTS, assert_all_free, greedy_ids, tiny_config
+from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, greedy_ids, tiny_config
 
 CASES: dict[str, dict[str, dict[str, Any]]] = {
     "recompute": {

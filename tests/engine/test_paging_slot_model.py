@@ -10,8 +10,8 @@ import pytest
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.conftest import SlotEngineFactory
-from tests.cluster.slot_workers import reference_tokens
+from tests.engine.conftest import SlotEngineFactory
+from tests.engine.slot_workers import reference_tokens
 
 
 def make_prompts(count: int, seed: int) -> list[list[int]]:

@@ -10,9 +10,9 @@ import pytest
 
 from cluster.engine.errors import RequestRejected
 from cluster.engine.sampling_params import SamplingParams
-from tests.cluster.conftest import SlotEngineFactory
-from tests.cluster.slot_workers import reference_tokens
-from tests.cluster.test_paging_slot_model import assert_all_blocks_free
+from tests.engine.conftest import SlotEngineFactory
+from tests.engine.slot_workers import reference_tokens
+from tests.engine.test_paging_slot_model import assert_all_blocks_free
 
 SYSTEM = list(range(500, 514))  # 14 tokens: 3 whole blocks of 4 shared, 2 tokens in block 3
 QUESTION_A = list(range(600, 611))

@@ -11,7 +11,7 @@ import pytest
 from cluster.engine.errors import RequestRejected
 from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
-from tests.cluster.tiny_engine import GREEDY, PROMPTS, assert_all_free, greedy_ids, tiny_config
+from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, greedy_ids, tiny_config
 
 SMALL_POOL: dict[str, Any] = {"num_device_blocks": 16, "block_size": 4, "verify_swaps": True}
 
