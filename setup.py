@@ -1,13 +1,14 @@
 """Builds the project's native pieces at install time with the machine's C++ compiler: the CPU
-4-bit and 8-bit matmuls (kernels/csrc/q4_cpu.cpp, q8_cpu.cpp), the CPU paged decode attention
+4-bit and 8-bit matmuls (kernels/csrc/q4_cpu.cpp, q8_cpu.cpp), the int8-activation products
+over 4- and 8-bit weights (kernels/csrc/quant_dot_cpu.cpp), the CPU paged decode attention
 (kernels/csrc/attention_cpu.cpp), a decoder layer's elementwise work
 (kernels/csrc/layer_ops_cpu.cpp), and the three chained into a decode step's whole decoder stack
 (kernels/csrc/decoder_stack_cpu.cpp). Everything else is in pyproject.toml.
 
 Each library has a plain C ABI (no Python headers needed) and is loaded with ctypes. All are
 optional: where one cannot be built the install still succeeds and the plain-torch path is used
-(`available()` in kernels.q4_cpu, kernels.q8_cpu, kernels.attention_cpu, kernels.layer_ops_cpu
-and kernels.decoder_stack_cpu says which).
+(`available()` in kernels.q4_cpu, kernels.q8_cpu, kernels.quant_dot_cpu, kernels.attention_cpu,
+kernels.layer_ops_cpu and kernels.decoder_stack_cpu says which).
 """
 
 from setuptools import Extension, setup
@@ -21,7 +22,11 @@ def native(name: str, linked: tuple[str, ...] = ()) -> Extension:
     return Extension(
         f"kernels._{name}",
         sources=[f"kernels/csrc/{source}.cpp" for source in (name, *linked)],
-        depends=["kernels/csrc/cpu_common.h", "kernels/csrc/cpu_kernels.h"],
+        depends=[
+            "kernels/csrc/cpu_common.h",
+            "kernels/csrc/cpu_kernels.h",
+            "kernels/csrc/quant_dot_tile.inc",
+        ],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],
         extra_link_args=["-fopenmp"],
@@ -33,6 +38,7 @@ setup(
     ext_modules=[
         *(native(name) for name in KERNELS),
         native("q8_cpu"),
+        native("quant_dot_cpu"),
         native("decoder_stack_cpu", linked=tuple(KERNELS)),
     ]
 )

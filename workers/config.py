@@ -60,6 +60,11 @@ class WorkerConfig:
     decode-sized calls (`workers.dense_matmul.Q4_MAX_ROWS`: 8 rows in bfloat16, 16 in float32)
     with them: the exact checkpoint weights, 0.75 bytes per weight read instead of 2 or 4. Off:
     every product uses the `dtype` weights (`workers.dense_matmul`)."""
+    quantized_activations: bool = False
+    """CPU ranks: the products the 4-bit copy does not take (prefill, larger batches; every
+    product where that kernel does not run) quantize their activations to int8 per row-block of
+    32 and multiply GGUF Q4_1 / Q8_0 codes with integer dot products (`kernels.quant_dot_cpu`,
+    AVX2 or better). Faster, not float32-exact (docs/quantized_activations.md)."""
 
     max_loras: int = 0
     """LoRA device slots per rank (0: LoRA off, no slot memory allocated)."""

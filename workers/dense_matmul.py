@@ -1,4 +1,5 @@
-"""The product `x W^T` of the linear layers: a oneDNN-prepacked weight, or 4-bit codes for decode.
+"""The product `x W^T` of the linear layers: a oneDNN-prepacked weight, 4-bit codes for decode,
+or (opt-in) int8-quantized activations against the 4-bit codes for every other call.
 
 `F.linear` on bfloat16 CPU tensors hands the plain `[out, in]` weight to oneDNN, which reorders
 it into its blocked layout on every call: for a decode step that is a second pass over every
@@ -19,16 +20,24 @@ bfloat16 a more exact one than the packed bfloat16 weight gives (the weights are
 the sums are float32, the result is rounded once), so a bfloat16 model's decode rows are closer
 to float32 than its larger batches.
 
+With `quantized_activations` (the model's setting, off by default) such a layer also keeps its
+codes in the layout of `kernels.quant_dot_cpu`, and every call the 4-bit copy does not take
+(more rows, or a CPU without AVX-512 where that kernel does not run) quantizes `x` to int8 per
+row-block of 32 and multiplies with integer dot products: not float32-exact
+(docs/quantized_activations.md).
+
 Invariants: `__call__` returns, in `x`'s dtype, what `F.linear(x, weight, bias)` returns (bitwise
 in bfloat16, to float32 rounding in float32), or for a call on the 4-bit copy what
 `F.linear(x.float(), source, bias)` returns rounded to `x`'s dtype (to float32 rounding, the
-bias added in `x`'s dtype); the packed copy is a snapshot taken by the last
+bias added in `x`'s dtype), or for an int8-activation call `quant_dot_cpu.quant_matmul(x, ...)`
+(within its stated bound of that product); the packed copy is a snapshot taken by the last
 `pack()`, so whoever changes the weight in place afterwards must call `pack()` again (the model
-packs once, at the end of its `load`); `pack()` keeps the 4-bit copy only while it still rounds
-to the weight, bit for bit. Only bfloat16 (with oneDNN bfloat16 support) and float32
-CPU weights are packed, and only inputs of the weight's dtype use the packed copy; everything
-else takes `F.linear`. The plain weight stays where it is (loading, tensor-parallel slicing and
-any later per-layer step, e.g. an adapter added after the base product, keep reading it).
+packs once, at the end of its `load`); `pack()` keeps the 4-bit copy and the panels only while
+they still round to the weight, bit for bit. Only bfloat16 (with oneDNN bfloat16 support) and
+float32 CPU weights are packed, and only inputs of the weight's dtype use the packed copy;
+everything else takes `F.linear`. The plain weight stays where it is (loading, tensor-parallel
+slicing and any later per-layer step, e.g. an adapter added after the base product, keep reading
+it).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
-from kernels import q4_cpu
+from kernels import q4_cpu, quant_dot_cpu
 
 PACK_BATCH_HINT = 16
 """The batch size oneDNN is told to expect when it picks the packed layout (decode batches)."""
@@ -69,38 +78,52 @@ class DenseMatmul:
         self.q4: q4_cpu.Q4Weight | None = None
         self.quantized_decode = True
         """Whether `adopt_exact_source` may keep a 4-bit copy (the model's setting)."""
+        self.panels: quant_dot_cpu.PanelWeight | None = None
+        self.quantized_activations = False
+        """Whether `adopt_exact_source` may keep the codes for int8-activation products of
+        more rows than the 4-bit copy takes (the model's setting; not float32-exact)."""
 
     def adopt_exact_source(self, *row_blocks: torch.Tensor) -> None:
         """Keep the float32 values the weight was loaded from (its rows, in one or more
         consecutive blocks: a fused layer's checkpoint tensors) as 4-bit codes if they are
-        exactly Q4_1 blocks and the kernel runs here; otherwise keep nothing. The blocks are
-        stacked only when a 4-bit copy can be kept, so other models pay no copy at load."""
-        self.q4 = None
-        usable = self.quantized_decode and self.weight.device.type == "cpu"
-        usable = usable and q4_cpu.available() and self.weight.dtype in Q4_MAX_ROWS
-        if not usable or sum(block.shape[0] for block in row_blocks) != self.weight.shape[0]:
+        exactly Q4_1 blocks and the kernel runs here (with `quantized_activations`, also as
+        `quant_dot_cpu` panels where that kernel runs); otherwise keep nothing. The blocks are
+        stacked only when a copy can be kept, so other models pay no copy at load."""
+        self.q4, self.panels = None, None
+        usable = self.weight.device.type == "cpu" and self.weight.dtype in Q4_MAX_ROWS
+        keep_q4 = usable and self.quantized_decode and q4_cpu.available()
+        keep_panels = usable and self.quantized_activations and quant_dot_cpu.available()
+        if not (keep_q4 or keep_panels):
+            return
+        if sum(block.shape[0] for block in row_blocks) != self.weight.shape[0]:
             return
         source = row_blocks[0] if len(row_blocks) == 1 else torch.cat(row_blocks)
-        if source.shape == self.weight.shape:
-            self.q4 = q4_cpu.Q4Weight.recover(source)
+        exact = q4_cpu.Q4Weight.recover(source) if source.shape == self.weight.shape else None
+        if exact is not None:
+            self.q4 = exact if keep_q4 else None
+            self.panels = quant_dot_cpu.PanelWeight.from_q4(exact) if keep_panels else None
 
     def pack(self) -> None:
         """Snapshot the weight into oneDNN's layout (a no-op where `can_pack` is false), and drop
-        a 4-bit copy that no longer rounds to the weight."""
+        the 4-bit copies that no longer round to the weight."""
         self.packed = None
         if can_pack(self.weight):
             weight = self.weight.detach().contiguous()
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-        if self.q4 is not None:
-            rounded = self.q4.dequantize().to(self.weight.dtype)
+        form = self.q4 if self.q4 is not None else self.panels  # both hold the same weights
+        if form is not None:
+            rounded = form.dequantize().to(self.weight.dtype)
             if not torch.equal(rounded, self.weight.detach()):
-                self.q4 = None
+                self.q4, self.panels = None, None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, bias)
         if self.q4 is not None and x.numel() <= Q4_MAX_ROWS.get(x.dtype, 0) * x.shape[-1]:
             y = q4_cpu.q4_matmul(x, self.q4)
+            return y if bias is None else y + bias
+        if self.panels is not None:
+            y = quant_dot_cpu.quant_matmul(x, self.panels)
             return y if bias is None else y + bias
         if self.packed is None:
             return F.linear(x, self.weight, bias)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import q8_cpu
+from kernels import q8_cpu, quant_dot_cpu
 from kernels.q8_cpu import Q8Weight
+from kernels.quant_dot_cpu import PanelWeight
 from workers.checkpoint import CheckpointReader
 from workers.dense_matmul import DenseMatmul
 from workers.lm_head import ScreenedHead
@@ -169,7 +170,9 @@ class VocabParallelEmbedding(torch.nn.Module):
     `keep_exact_q8` (the model calls it for its head): where the float32 weight is exactly GGUF
     Q8_0 blocks and the CPU kernel runs, `logits` of at most `Q8_MAX_ROWS` rows multiply those
     8-bit codes instead (`kernels.q8_cpu`): every logit is the float32 product over the exact
-    weights (up to summation order), read at 1.125 bytes per weight.
+    weights (up to summation order), read at 1.125 bytes per weight. With `activations` (the
+    model's `quantized_activations`) larger batches multiply the same codes with int8-quantized
+    hidden rows (`kernels.quant_dot_cpu`): not float32-exact, and not screened.
     """
 
     def __init__(
@@ -192,6 +195,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.screened = screened
         self.screen: ScreenedHead | None = None
         self.q8: Q8Weight | None = None
+        self.panels: PanelWeight | None = None
         self.head_matmul = DenseMatmul(self.weight)  # packed by the model when it is the head
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -205,6 +209,8 @@ class VocabParallelEmbedding(torch.nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.q8 is not None and hidden.shape[0] <= Q8_MAX_ROWS:
             local = q8_cpu.q8_matmul(hidden.to(torch.float32), self.q8)  # all of its rows
+        elif self.panels is not None:
+            local = quant_dot_cpu.quant_matmul(hidden.to(torch.float32), self.panels)
         elif self.screen is None:
             local = self.head_matmul(hidden)
         else:
@@ -220,11 +226,17 @@ class VocabParallelEmbedding(torch.nn.Module):
         if self.screened:
             self.screen = ScreenedHead.of(self.weight[:rows])
 
-    def keep_exact_q8(self) -> None:
-        """Keep the head's weight as Q8_0 codes where it is exactly that form, on one CPU rank
-        with the kernel built (else keep nothing; see the class doc)."""
-        self.q8 = None
+    def keep_exact_q8(self, decode: bool = True, activations: bool = False) -> None:
+        """Keep the head's weight as Q8_0 codes where it is exactly that form, on one CPU rank:
+        for `decode` the float32 kernel's copy, for `activations` the int8-activation panels
+        (where each kernel is built; else keep nothing; see the class doc)."""
+        self.q8, self.panels = None, None
         weight = self.weight
-        usable = q8_cpu.available() and self.tp.world_size == 1 and weight.device.type == "cpu"
-        if usable and weight.dtype == torch.float32:
-            self.q8 = Q8Weight.recover(weight.detach())
+        usable = self.tp.world_size == 1 and weight.device.type == "cpu"
+        keep_q8 = decode and q8_cpu.available()
+        keep_panels = activations and quant_dot_cpu.available()
+        if usable and weight.dtype == torch.float32 and (keep_q8 or keep_panels):
+            exact = Q8Weight.recover(weight.detach())
+            if exact is not None:
+                self.q8 = exact if keep_q8 else None
+                self.panels = PanelWeight.from_q8(exact) if keep_panels else None

@@ -74,9 +74,10 @@ def load_model_shard(
     device: torch.device,
     cache_root: pathlib.Path,
     quantized_decode: bool = True,
+    quantized_activations: bool = False,
 ) -> CausalLM:
     """Rank `tp.rank`'s shard of the model on `device` in `dtype`, weights loaded
-    (`quantized_decode`: see `CausalLM`)."""
+    (`quantized_decode`, `quantized_activations`: see `CausalLM`)."""
     if is_gguf(description.path):
         files = [
             ensure_dequantized_cache(
@@ -86,7 +87,7 @@ def load_model_shard(
     else:
         files = safetensors_files(description.path)
     with torch.device(device):
-        model = CausalLM(description.spec, tp, dtype, quantized_decode)
+        model = CausalLM(description.spec, tp, dtype, quantized_decode, quantized_activations)
     with CheckpointReader(files) as checkpoint:
         model.load(checkpoint)
     return model.eval()

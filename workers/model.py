@@ -229,6 +229,9 @@ class CausalLM(torch.nn.Module):
     stack in one native call (`workers.decoder_stack`, same bits as the 4-bit products here).
     An LM head stored as exact Q8_0 blocks multiplies a few rows on its 8-bit codes
     (`VocabParallelEmbedding.keep_exact_q8`): float32 logits over the exact weights.
+    With `quantized_activations` (off by default; not float32-exact) the products those copies
+    do not take (prefill, larger batches) multiply the same codes with int8-quantized activations
+    (`kernels.quant_dot_cpu`, docs/quantized_activations.md).
     """
 
     def __init__(
@@ -237,6 +240,7 @@ class CausalLM(torch.nn.Module):
         tp: TensorParallel,
         dtype: torch.dtype,
         quantized_decode: bool = True,
+        quantized_activations: bool = False,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -260,9 +264,11 @@ class CausalLM(torch.nn.Module):
         self.native_decode: NativeDecode | None = None
         """Set by `load` where the whole stack runs natively (None: per-operator only)."""
         self.quantized_decode = quantized_decode
+        self.quantized_activations = quantized_activations
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.matmul.quantized_decode = quantized_decode
+                module.matmul.quantized_activations = quantized_activations
 
     @torch.inference_mode()
     def forward(
@@ -310,6 +316,6 @@ class CausalLM(torch.nn.Module):
                 module.matmul.pack()
         if self.lm_head.screen is None:  # float32: the head's plain product, packed
             self.lm_head.head_matmul.pack()
-        if self.quantized_decode:
-            self.lm_head.keep_exact_q8()
+        if self.quantized_decode or self.quantized_activations:
+            self.lm_head.keep_exact_q8(self.quantized_decode, self.quantized_activations)
         self.native_decode = NativeDecode.build(self)

@@ -121,6 +121,7 @@ class WorkerRank:
             self.device,
             pathlib.Path(self.cache_root),
             self.config.quantized_decode,
+            self.config.quantized_activations,
         )
         if self.config.max_loras > 0:
             self.lora = RankLoRA(

@@ -1,5 +1,6 @@
-// The C ABI of the native CPU kernels (q4_cpu.cpp, q8_cpu.cpp, attention_cpu.cpp,
-// layer_ops_cpu.cpp); decoder_stack_cpu.cpp links and chains all but q8. Each kernel's source
+// The C ABI of the native CPU kernels (q4_cpu.cpp, q8_cpu.cpp, quant_dot_cpu.cpp,
+// attention_cpu.cpp, layer_ops_cpu.cpp); decoder_stack_cpu.cpp links and chains all but q8 and
+// quant_dot. Each kernel's source
 // includes this header too, so a signature changed in one place and not the other fails to
 // compile.
 // Every function returns 0, or a negative status (see its definition).
@@ -17,6 +18,14 @@ int q4_matmul(const void* x, int x_bf16, float* widened, int64_t M, int64_t K,
 int q8_supported(void);
 int q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* scales,
               int64_t N, float* out);
+
+int quant_dot_supported(void);
+int quant_dot_isa_supported(int isa);
+int quant_dot_quantize(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* codes, float* dx,
+                       float* sx);
+int quant_dot_matmul(int isa, const void* x, int x_bf16, int64_t M, int64_t K, int8_t* codes,
+                     float* dx, float* sx, const uint8_t* weight_codes, int bits,
+                     const float* scales, const float* mins, int64_t N, void* out, int out_bf16);
 
 int decode_attention_supported(void);
 int decode_attention(const void* query, int64_t query_row_stride, int64_t query_head_stride,
