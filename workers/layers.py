@@ -16,6 +16,7 @@ from kernels.q8_cpu import Q8Weight
 from kernels.quant_dot_cpu import PanelWeight
 from workers.checkpoint import CheckpointReader
 from workers.dense_matmul import DenseMatmul
+from workers.int8_head import Int8ScreenedHead
 from workers.lm_head import ScreenedHead
 from workers.parallel import TensorParallel, even_range
 
@@ -172,7 +173,8 @@ class VocabParallelEmbedding(torch.nn.Module):
     8-bit codes instead (`kernels.q8_cpu`): every logit is the float32 product over the exact
     weights (up to summation order), read at 1.125 bytes per weight. With `activations` (the
     model's `quantized_activations`) larger batches multiply the same codes with int8-quantized
-    hidden rows (`kernels.quant_dot_cpu`): not float32-exact, and not screened.
+    hidden rows and recompute in float32 the logits that could be a row's maximum
+    (`workers.int8_head`): the greedy choice stays the float32 head's.
     """
 
     def __init__(
@@ -195,7 +197,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.screened = screened
         self.screen: ScreenedHead | None = None
         self.q8: Q8Weight | None = None
-        self.panels: PanelWeight | None = None
+        self.int8_head: Int8ScreenedHead | None = None
         self.head_matmul = DenseMatmul(self.weight)  # packed by the model when it is the head
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -209,8 +211,8 @@ class VocabParallelEmbedding(torch.nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.q8 is not None and hidden.shape[0] <= Q8_MAX_ROWS:
             local = q8_cpu.q8_matmul(hidden.to(torch.float32), self.q8)  # all of its rows
-        elif self.panels is not None:
-            local = quant_dot_cpu.quant_matmul(hidden.to(torch.float32), self.panels)
+        elif self.int8_head is not None:
+            local = self.int8_head.logits(hidden)
         elif self.screen is None:
             local = self.head_matmul(hidden)
         else:
@@ -230,7 +232,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         """Keep the head's weight as Q8_0 codes where it is exactly that form, on one CPU rank:
         for `decode` the float32 kernel's copy, for `activations` the int8-activation panels
         (where each kernel is built; else keep nothing; see the class doc)."""
-        self.q8, self.panels = None, None
+        self.q8, self.int8_head = None, None
         weight = self.weight
         usable = self.tp.world_size == 1 and weight.device.type == "cpu"
         keep_q8 = decode and q8_cpu.available()
@@ -239,4 +241,6 @@ class VocabParallelEmbedding(torch.nn.Module):
             exact = Q8Weight.recover(weight.detach())
             if exact is not None:
                 self.q8 = exact if keep_q8 else None
-                self.panels = PanelWeight.from_q8(exact) if keep_panels else None
+                if keep_panels:
+                    panels = PanelWeight.from_q8(exact)
+                    self.int8_head = Int8ScreenedHead.of(weight.detach(), panels)

@@ -95,13 +95,30 @@ class ScreenedHead:
         bound = (hidden.abs() @ self.column_max.T).mul_(scale)  # a float32 sum: inflated above
         # output rounding, plus the float32 rounding of `high -/+ bound` near `largest`
         bound += largest * (u * (1 + u) + 2.0**-20) + ABSOLUTE_SLACK  # [rows, chunks]
-        best_lower = (high - bound).amax(1, keepdim=True)
-        near = torch.nonzero((high + bound >= best_lower).any(0)).view(-1)
-        inside = by_chunk.index_select(1, near) + bound.index_select(1, near).unsqueeze(-1)
-        hits = (inside >= best_lower.unsqueeze(-1)).any(0)  # [near chunks, CHUNK]
-        columns = (near.unsqueeze(1) * CHUNK + torch.arange(CHUNK)).masked_select(hits)
-        columns = columns[columns < vocab]
-        logits = estimate[:, :vocab]
-        if columns.numel():
-            logits.index_copy_(1, columns, F.linear(hidden, self.weight.index_select(0, columns)))
-        return logits.contiguous()
+        return refine_near_maxima(hidden, self.weight, estimate, high, bound)
+
+
+def refine_near_maxima(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    estimate: torch.Tensor,
+    high: torch.Tensor,
+    bound: torch.Tensor,
+) -> torch.Tensor:
+    """Float32 logits `[rows, vocab]`: `estimate` `[rows, chunks * CHUNK]` (each logit within
+    `bound[row, chunk]` of the float32 product; `high` its maxima per chunk), with every logit
+    whose upper bound reaches its row's best lower bound recomputed in float32 by `F.linear`
+    on `weight` `[vocab, hidden]` (for the whole batch: a candidate of one row is exact in
+    all)."""
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    by_chunk = estimate.view(rows, -1, CHUNK)
+    best_lower = (high - bound).amax(1, keepdim=True)
+    near = torch.nonzero((high + bound >= best_lower).any(0)).view(-1)
+    inside = by_chunk.index_select(1, near) + bound.index_select(1, near).unsqueeze(-1)
+    hits = (inside >= best_lower.unsqueeze(-1)).any(0)  # [near chunks, CHUNK]
+    columns = (near.unsqueeze(1) * CHUNK + torch.arange(CHUNK)).masked_select(hits)
+    columns = columns[columns < vocab]
+    logits = estimate[:, :vocab]
+    if columns.numel():
+        logits.index_copy_(1, columns, F.linear(hidden, weight.index_select(0, columns)))
+    return logits.contiguous()
