@@ -40,6 +40,16 @@ def test_quantized_decode_is_on_by_default_and_reaches_the_workers(tmp_path: pat
     assert parse(["--config", str(path)]).to_worker_config().quantized_decode is False
 
 
+def test_quantized_activations_is_off_by_default_and_reaches_the_workers(
+    tmp_path: pathlib.Path,
+) -> None:
+    assert parse([]).to_worker_config().quantized_activations is False
+    assert parse(["--quantized-activations"]).to_worker_config().quantized_activations is True
+    path = tmp_path / "engine.yaml"
+    path.write_text("model:\n  quantized_activations: true\n")
+    assert parse(["--config", str(path)]).to_worker_config().quantized_activations is True
+
+
 @pytest.mark.parametrize(
     ("argv", "field"),
     [
