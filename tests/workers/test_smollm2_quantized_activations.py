@@ -120,19 +120,23 @@ def test_int8_activations_greedy_matches_hf_float32_except_near_ties(
 
 
 @needs_kernel
-def test_a_layer_keeps_panels_only_with_the_option_and_uses_them_past_the_decode_rows() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_keeps_panels_only_with_the_option_and_uses_them_past_the_decode_rows(
+    dtype: torch.dtype,
+) -> None:
     source = q4_1_weights(48, 64, seed=4)
-    plain = DenseMatmul(source.clone())
+    plain = DenseMatmul(source.to(dtype))
     plain.adopt_exact_source(source)
     assert plain.panels is None
-    matmul = DenseMatmul(source.clone())
+    matmul = DenseMatmul(source.to(dtype))
     matmul.quantized_activations = True
     matmul.adopt_exact_source(source)
     matmul.pack()
     assert matmul.panels is not None and torch.equal(matmul.panels.dequantize(), source)
-    x = torch.randn(Q4_MAX_ROWS[torch.float32] + 1, 64)
+    x = torch.randn(Q4_MAX_ROWS[dtype] + 1, 64).to(dtype)
     assert torch.equal(matmul(x), quant_matmul(x, matmul.panels))
-    bias = torch.randn(48)
+    assert matmul(x).dtype == dtype
+    bias = torch.randn(48).to(dtype)
     assert torch.equal(matmul(x, bias), quant_matmul(x, matmul.panels) + bias)
     matmul.weight.mul_(2)  # no longer the checkpoint's blocks: both copies are dropped
     matmul.pack()
