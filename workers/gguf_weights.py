@@ -88,6 +88,7 @@ def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
             eos.append(int(value))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     head_dim = _field(reader, f"{arch_name}.attention.key_length") or hidden // heads
+    rope = _rope_from_gguf(reader, arch_name)
     return ModelSpec(
         architecture=family.name,
         vocab_size=vocab,
@@ -99,14 +100,14 @@ def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
         head_dim=int(head_dim),
         rms_norm_eps=float(_field(reader, f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=int(_field(reader, f"{arch_name}.context_length", 2048)),
-        rope=_rope_from_gguf(reader, arch_name),
+        rope=rope,
         attention_bias="blk.0.attn_q.bias" in shapes,
         mlp_bias=False,
         tie_word_embeddings="output.weight" not in shapes,
         layer_sliding_windows=tuple(family.sliding_windows_from_gguf(metadata, layers)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
-        variant=family.variant_from_gguf(metadata, layers),
+        variant=family.variant_from_gguf(metadata, layers, rope),
     )
 
 

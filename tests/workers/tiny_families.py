@@ -39,8 +39,34 @@ FAMILY_MODELS: dict[str, tuple[type[Any], type[Any], dict[str, Any]]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
         },
     ),
+    "gemma2": (
+        transformers.Gemma2ForCausalLM,
+        transformers.Gemma2Config,
+        {
+            "num_hidden_layers": 3,
+            "sliding_window": 6,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 1.5,
+            "final_logit_softcapping": 3.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
+    "gemma3": (
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig,
+        {
+            "num_hidden_layers": 7,
+            "sliding_window": 6,
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 2.0},
+            },
+        },
+    ),
 }
-"""Family name -> (HF model class, config class, config entries beyond `COMMON`)."""
+"""Family name -> (HF model class, config class, config entries beyond `COMMON`). Small
+windows and soft caps so that prompts cross the windows and the caps change the scores."""
 
 
 def write_family_model(name: str, directory: pathlib.Path) -> transformers.PreTrainedModel:

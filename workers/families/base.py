@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from workers.checkpoint import CheckpointReader
-from workers.config import ModelSpec, ModelVariant
+from workers.config import ModelSpec, ModelVariant, RopeSpec
 
 GgufMetadata = Callable[[str, Any], Any]
 """`metadata(key, default)`: a GGUF metadata value (its architecture prefix spelled out)."""
@@ -54,7 +54,9 @@ class Family(Protocol):
         self, config: Mapping[str, Any], layers: int
     ) -> list[int | None]: ...
 
-    def variant_from_gguf(self, metadata: GgufMetadata, layers: int) -> ModelVariant: ...
+    def variant_from_gguf(
+        self, metadata: GgufMetadata, layers: int, rope: RopeSpec
+    ) -> ModelVariant: ...
 
     def sliding_windows_from_gguf(
         self, metadata: GgufMetadata, layers: int
@@ -114,7 +116,9 @@ class DecoderFamily:
     def sliding_windows_from_hf(self, config: Mapping[str, Any], layers: int) -> list[int | None]:
         return [None] * layers
 
-    def variant_from_gguf(self, metadata: GgufMetadata, layers: int) -> ModelVariant:
+    def variant_from_gguf(
+        self, metadata: GgufMetadata, layers: int, rope: RopeSpec
+    ) -> ModelVariant:
         return ModelVariant()
 
     def sliding_windows_from_gguf(self, metadata: GgufMetadata, layers: int) -> list[int | None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from workers.config import ModelVariant
+from workers.config import ModelVariant, RopeSpec
 from workers.families.base import DecoderFamily, GgufMetadata, layer_type_windows
 
 
@@ -42,7 +42,9 @@ class Qwen2(DecoderFamily):
         super().variant_from_hf(config)
         return ModelVariant(output_bias=False)
 
-    def variant_from_gguf(self, metadata: GgufMetadata, layers: int) -> ModelVariant:
+    def variant_from_gguf(
+        self, metadata: GgufMetadata, layers: int, rope: RopeSpec
+    ) -> ModelVariant:
         return ModelVariant(output_bias=False)
 
     def sliding_windows_from_hf(self, config: Mapping[str, Any], layers: int) -> list[int | None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from workers.config import ModelVariant
+from workers.config import ModelVariant, RopeSpec
 from workers.families.base import LLAMA_GGUF_LAYER_TENSORS, DecoderFamily, GgufMetadata
 from workers.families.llama import qwen_sliding_windows
 
@@ -26,7 +26,9 @@ class Qwen3(DecoderFamily):
         super().variant_from_hf(config)
         return ModelVariant(qk_norm=True)
 
-    def variant_from_gguf(self, metadata: GgufMetadata, layers: int) -> ModelVariant:
+    def variant_from_gguf(
+        self, metadata: GgufMetadata, layers: int, rope: RopeSpec
+    ) -> ModelVariant:
         return ModelVariant(qk_norm=True)
 
     def sliding_windows_from_hf(self, config: Mapping[str, Any], layers: int) -> list[int | None]:
