@@ -90,6 +90,7 @@ def paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     metadata: PreparedAttention | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a packed mixed batch of prefill chunks and decodes.
 
@@ -97,12 +98,16 @@ def paged_attention(
     ``context_lens`` ``[num_seqs]`` counts cached tokens including this step's (already written);
     ``block_tables`` ``[num_seqs, max_blocks]``. Query token j of a sequence with q_len tokens is at
     position ``context_len - q_len + j`` and sees positions ``<=`` its own (and ``>`` its position
-    minus ``sliding_window``). Returns ``[num_tokens, H_q, D]`` in query's dtype, fp32 accumulation.
+    minus ``sliding_window``). With ``softcap``, each scaled score ``s`` becomes
+    ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2). Returns ``[num_tokens, H_q, D]``
+    in query's dtype, fp32 accumulation.
 
     Instead of the three metadata tensors (validated on every call), pass ``metadata`` from
     ``prepare_attention`` (validated once per step and shared by every layer).
     """
-    validation.check_attention_operands(query, k_cache, v_cache, scale, sliding_window, out)
+    validation.check_attention_operands(
+        query, k_cache, v_cache, scale, sliding_window, out, softcap
+    )
     tensors = (cu_query_lens, context_lens, block_tables)
     if metadata is None:
         if any(t is None for t in tensors):
@@ -130,10 +135,17 @@ def paged_attention(
         )
         return triton_attention.paged_attention(
             query, k_cache, v_cache, metadata.block_tables, batch, float(scale), sliding_window,
-            result,
+            result, softcap=None if softcap is None else float(softcap),
         )  # fmt: skip
     return torch_cpu.paged_attention(
-        query, k_cache, v_cache, metadata, float(scale), sliding_window, result
+        query,
+        k_cache,
+        v_cache,
+        metadata,
+        float(scale),
+        sliding_window,
+        result,
+        None if softcap is None else float(softcap),
     )
 
 
@@ -156,6 +168,7 @@ class AttentionStep(Protocol):
         *,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -173,6 +186,7 @@ class PagedAttentionStep:
         *,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         return paged_attention(
             query,
@@ -181,6 +195,7 @@ class PagedAttentionStep:
             scale=scale,
             sliding_window=sliding_window,
             metadata=self.prepared,
+            softcap=softcap,
         )
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.metadata import PreparedAttention
+from kernels.torch_cpu import capped_attention
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class RangeAttention:
         *,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of this step's packed queries over each sequence's contiguous run."""
         prepared = self.prepared
@@ -49,6 +51,7 @@ class RangeAttention:
             first_blocks=self.first_blocks,
             scale=scale,
             sliding_window=sliding_window,
+            softcap=softcap,
         )
 
 
@@ -77,13 +80,15 @@ def range_attention(
     first_blocks: Sequence[int],
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries `[tokens, H_q, D]` over contiguous per-sequence KV.
 
     Caches are `[num_blocks, block_size, H_kv, D]`; sequence s has `query_lens[s]` query rows
     from `query_starts[s]`, and its query token j sits at position `context_len - q_len + j` and
-    sees positions up to its own (and above its position minus `sliding_window`). Returns
-    `[tokens, H_q, D]` in the query's dtype.
+    sees positions up to its own (and above its position minus `sliding_window`); `softcap`
+    caps the scaled scores as `kernels.paged_attention` does. Returns `[tokens, H_q, D]` in the
+    query's dtype.
     """
     block_size = k_cache.shape[1]
     out = torch.empty_like(query)
@@ -106,13 +111,25 @@ def range_attention(
             mask = key_positions <= positions
             if sliding_window is not None:
                 mask &= key_positions > positions - sliding_window
-        attended = F.scaled_dot_product_attention(
-            query[start : start + q_len].transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
+        queries = query[start : start + q_len].transpose(0, 1).unsqueeze(0)
+        if softcap is not None:  # SDPA has no soft cap: the explicit float32 computation
+            group = query.shape[1] // k_cache.shape[2]
+            attended = capped_attention(
+                queries,
+                keys.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0),
+                values.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0),
+                mask,
+                scale,
+                softcap,
+            )
+        else:
+            attended = F.scaled_dot_product_attention(
+                queries,
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            )
         out[start : start + q_len] = attended[0].transpose(0, 1)
     return out

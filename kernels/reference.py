@@ -54,12 +54,14 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its paged context.
 
     Query token j of a sequence with ``q_len`` tokens sits at position ``context_len - q_len + j``
     and sees keys at positions ``p`` with ``p <= position`` (and ``p > position - sliding_window``
-    when a window is given). Query head h reads KV head ``h // (H_q // H_kv)``.
+    when a window is given). Query head h reads KV head ``h // (H_q // H_kv)``. With ``softcap``
+    each scaled score ``s`` is replaced by ``softcap * tanh(s / softcap)`` before the softmax.
     """
     batch = validation.check_paged_attention(
         query,
@@ -71,6 +73,7 @@ def paged_attention(
         scale,
         sliding_window,
         out,
+        softcap,
     )
     result = torch.empty_like(query) if out is None else out
     tables = block_tables.to("cpu")
@@ -90,6 +93,8 @@ def paged_attention(
             k = keys[lowest : position + 1]  # [n, H_q, D]
             v = values[lowest : position + 1]
             scores = torch.einsum("hd,nhd->hn", q, k) * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             weights = torch.softmax(scores, dim=-1)
             result[start + j] = torch.einsum("hn,nhd->hd", weights, v).to(query.dtype)
     return result

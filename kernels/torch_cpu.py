@@ -13,7 +13,8 @@ calls over that buffer as it lies (``_all_heads``: bfloat16, few KV heads, at le
 ``FOLDED_MIN_SEQS`` sequences) or one ``scaled_dot_product_attention`` call with a key mask, GQA
 folded into the query rows (``[seqs, H_kv, group, D]``). Neither repeats or copies a K/V head.
 A prefill chunk (several query tokens) gathers its own blocks and attends with one causal SDPA
-call.
+call. With a soft cap on the scores (SDPA has none, nor has the native kernel) every call is
+the explicit float32 product, cap, mask and softmax of ``capped_attention`` instead.
 """
 
 from __future__ import annotations
@@ -39,6 +40,28 @@ def write_kv(
         key, value = key.index_select(0, rows), value.index_select(0, rows)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
+
+
+def capped_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """SDPA's computation with each scaled score ``s`` capped to ``softcap * tanh(s / softcap)``,
+    in float32: ``query [..., rows, D]``, ``keys`` / ``values`` ``[..., n, D]`` (broadcast like
+    SDPA's), ``mask`` boolean (True: visible) or additive, broadcast to ``[..., rows, n]``.
+    Returns ``[..., rows, D]`` in the query's dtype."""
+    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask.float()
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, values.float()).to(query.dtype)
 
 
 def _visible_mask(
@@ -67,6 +90,7 @@ def _prefill_one(
     first_key: int,
     context_len: int,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Several query tokens ``[q_len, H_kv, group, D]`` over keys/values ``[n, H_kv, D]``.
 
@@ -78,9 +102,14 @@ def _prefill_one(
     mask = _visible_mask(q_len, first_key, context_len, sliding_window)
     if mask is not None:
         mask = mask.repeat(group, 1)
-    attended = F.scaled_dot_product_attention(
-        folded, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale
-    )
+    if softcap is not None:
+        attended = capped_attention(
+            folded, keys.transpose(0, 1), values.transpose(0, 1), mask, scale, softcap
+        )
+    else:
+        attended = F.scaled_dot_product_attention(
+            folded, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale
+        )
     return attended.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
 
 
@@ -156,6 +185,7 @@ def _attend_decodes(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    softcap: float | None = None,
 ) -> None:
     """One gather per cache and one attention call for every decode of ``group``; fills its rows.
 
@@ -171,13 +201,17 @@ def _attend_decodes(
     else:
         q = query.index_select(0, group.rows)
     q = q.reshape(seqs, num_kv_heads, group_size, head_dim)
-    folded = _folds(keys.dtype, num_kv_heads, seqs)
+    folded = _folds(keys.dtype, num_kv_heads, seqs) and softcap is None
     if sliding_window is not None:
         dtype = torch.float32 if folded else query.dtype
         bias = _window_bias(group, block_size, sliding_window, dtype)
     else:
         bias = key_bias
-    if folded:
+    if softcap is not None:
+        attended = capped_attention(
+            q, keys.transpose(1, 2), values.transpose(1, 2), bias, scale, softcap
+        ).reshape(seqs, num_kv_heads * group_size, head_dim)
+    elif folded:
         attended = _all_heads(q, keys, values, bias, scale)
     else:
         attended = F.scaled_dot_product_attention(
@@ -197,8 +231,10 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention over validated, prepared metadata; writes into ``out`` and returns it."""
+    """Attention over validated, prepared metadata; writes into ``out`` and returns it
+    (``softcap``: see ``kernels.paged_attention``)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group_size = query.shape[1] // num_kv_heads
     geometry = (block_size, num_kv_heads, group_size, head_dim)
@@ -207,15 +243,20 @@ def paged_attention(
     workspace = metadata.workspace
     buffers = workspace.buffers(k_cache)
     decodes, decode_groups = metadata.decode_rows, metadata.decode_groups
-    if decodes is not None and attention_cpu.accepts(query, k_cache, v_cache, out):
+    if (
+        decodes is not None
+        and softcap is None  # the native kernel has no soft cap
+        and attention_cpu.accepts(query, k_cache, v_cache, out)
+    ):
         attention_cpu.decode_attention(query, k_cache, v_cache, decodes, scale, sliding_window, out)
         decode_groups = ()
     for index, group in enumerate(decode_groups):
-        folded = _folds(k_cache.dtype, num_kv_heads, group.num_seqs)
+        folded = _folds(k_cache.dtype, num_kv_heads, group.num_seqs) and softcap is None
         bias = workspace.key_bias(index, group, torch.float32 if folded else query.dtype)
         _attend_decodes(
-            query, k_flat, v_flat, buffers, group, bias, geometry, scale, sliding_window, out
-        )
+            query, k_flat, v_flat, buffers, group, bias, geometry, scale, sliding_window, out,
+            softcap,
+        )  # fmt: skip
     for chunk in metadata.prefills:
         q_len, context_len, start = chunk.query_len, chunk.context_len, chunk.start
         first_query = context_len - q_len
@@ -229,7 +270,9 @@ def paged_attention(
         keys = keys.view(-1, num_kv_heads, head_dim)[skip : skip + context_len - first_key]
         values = values.view(-1, num_kv_heads, head_dim)[skip : skip + context_len - first_key]
         q = query[start : start + q_len].reshape(q_len, num_kv_heads, group_size, head_dim)
-        attended = _prefill_one(q, keys, values, scale, first_key, context_len, sliding_window)
+        attended = _prefill_one(
+            q, keys, values, scale, first_key, context_len, sliding_window, softcap
+        )
         out[start : start + q_len] = attended.reshape(q_len, num_kv_heads * group_size, head_dim)
     return out
 

@@ -8,7 +8,8 @@ One launch covers the whole batch. The grid is ``(query tiles, KV heads, KV spli
   prefill chunks share one launch without idle programs.
 * Each program walks the sequence's keys ``BLOCK_N`` at a time through the block table (any block
   size: the physical slot is looked up per key), with an online softmax in fp32, restricted to the
-  keys its tile can see (causal end, sliding-window start).
+  keys its tile can see (causal end, sliding-window start). With a soft cap, each scaled
+  score ``s`` becomes ``cap * tanh(s / cap)`` before the softmax.
 * *Split-KV* (flash-decoding): when the batch has too few tiles to fill the device, the key range
   is cut into partitions of ``partition_size`` keys; each split writes its normalised partial output
   and log-sum-exp, and a second kernel combines them. With one split the first kernel writes the
@@ -40,11 +41,11 @@ class LaunchPlan:
     partition_size: int
 
 
-@triton.jit(do_not_specialize=["num_tokens", "window", "partition"])
+@triton.jit(do_not_specialize=["num_tokens", "window", "partition", "softcap"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     tiles_ptr, cu_ptr, ctx_ptr, bt_ptr,
-    scale_log2, num_tokens, window, partition,
+    scale_log2, num_tokens, window, partition, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -53,7 +54,7 @@ def _attention_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,6 +105,9 @@ def _attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
+        if SOFTCAP:  # cap * tanh(s / cap) in natural units, tanh(x) = 1 - 2 / (exp(2x) + 1)
+            doubled = tl.exp(2.0 * (s / 1.4426950408889634) / softcap)
+            s = softcap * (1.0 - 2.0 / (doubled + 1.0)) * 1.4426950408889634
         visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
         if window > 0:
             visible = visible & (keys[None, :] > pos[:, None] - window)
@@ -231,8 +235,10 @@ def paged_attention(
     out: torch.Tensor,
     *,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Launch on a batch already checked by ``validation.check_paged_attention``; fills ``out``."""
+    """Launch on a batch already checked by ``validation.check_paged_attention``; fills ``out``
+    (``softcap``: see ``kernels.paged_attention``)."""
     device = query.device
     plan = plan_launch(
         batch, num_programs_target=_default_program_target(device), num_splits=num_splits
@@ -259,12 +265,13 @@ def paged_attention(
         query, k_cache, v_cache, out, part_out, part_lse,
         tiles, meta[0], meta[1], tables,
         scale * LOG2_E, num_tokens, sliding_window or 0, plan.partition_size,
+        1.0 if softcap is None else softcap,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=batch.group_size, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_SIZE=batch.block_size,
-        SPLIT=split, FP32_DOT=_dot_in_fp32(query.dtype),
+        SPLIT=split, FP32_DOT=_dot_in_fp32(query.dtype), SOFTCAP=softcap is not None,
     )  # fmt: skip
     if split:
         _combine_kernel[(num_tokens, num_q_heads)](

@@ -153,8 +153,10 @@ def check_attention_operands(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor | None,
+    softcap: float | None = None,
 ) -> None:
-    """Cheap facts of an attention call (no values read): shapes, dtypes, devices, scale, window."""
+    """Cheap facts of an attention call (no values read): shapes, dtypes, devices, scale, window,
+    soft cap."""
     check_cache_pair(k_cache, v_cache)
     _check_float_tensor("query", query, 3)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -175,6 +177,12 @@ def check_attention_operands(
         or sliding_window < 1
     ):
         _fail(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not 0.0 < softcap < float("inf")
+    ):
+        _fail(f"softcap must be None or a positive finite number, got {softcap!r}")
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != query.shape:
             _fail(f"out must be a tensor shaped like query {tuple(query.shape)}")
@@ -256,9 +264,10 @@ def check_paged_attention(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor | None,
+    softcap: float | None = None,
 ) -> AttentionBatch:
     """Validate a paged-attention call and return its host-side batch description."""
-    check_attention_operands(query, k_cache, v_cache, scale, sliding_window, out)
+    check_attention_operands(query, k_cache, v_cache, scale, sliding_window, out, softcap)
     checked = check_attention_metadata(
         cu_query_lens,
         context_lens,

@@ -168,10 +168,46 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """A Llama-family decoder, independent of where its weights come from.
+class ModelVariant:
+    """How a family's decoder departs from Llama's; the defaults are Llama's.
 
-    `layer_sliding_windows[i]` is layer i's sliding window in tokens (None: full attention).
+    Each family (`workers.families`) reads its fields from the HF config or GGUF metadata; the
+    model's layers follow them without asking which family they belong to.
+    """
+
+    qk_norm: bool = False
+    """An RMS norm over each query and key head before the rotary embedding."""
+    norm_offset: float = 0.0
+    """Added to every RMS norm weight at load (Gemma's checkpoints store `w` for `1 + w`)."""
+    sandwich_norms: bool = False
+    """Norms after attention and around the MLP too (`post_attention_layernorm` is then the
+    attention output's norm, `pre_feedforward_layernorm` the MLP input's)."""
+    activation: str = "silu"
+    """The gated MLP's activation of the gate: silu or gelu_tanh."""
+    embedding_multiplier: float = 1.0
+    """The embedded tokens are multiplied by it (Gemma: sqrt(hidden_size))."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scale `query_pre_attn_scalar ** -0.5` (None: `head_dim ** -0.5`)."""
+    attention_softcap: float | None = None
+    """Attention scores become `cap * tanh(scores / cap)` before the softmax (None: not)."""
+    final_softcap: float | None = None
+    """Logits become `cap * tanh(logits / cap)` (None: not)."""
+    output_bias: bool | None = None
+    """Whether `o_proj` has a bias (None: as the q/k/v projections, `attention_bias`)."""
+    layer_ropes: tuple[RopeSpec, ...] = ()
+    """Layer i's rotary settings where layers differ (empty: every layer uses `rope`)."""
+
+    @property
+    def is_default(self) -> bool:
+        return self == ModelVariant()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, independent of where its weights come from.
+
+    `layer_sliding_windows[i]` is layer i's sliding window in tokens (None: full attention);
+    `variant` says how the family departs from Llama's layer (defaults: not at all).
     """
 
     architecture: str
@@ -191,6 +227,7 @@ class ModelSpec:
     layer_sliding_windows: tuple[int | None, ...]
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    variant: ModelVariant = ModelVariant()
 
     def __post_init__(self) -> None:
         sizes = {
@@ -214,6 +251,12 @@ class ModelSpec:
             )
         if len(self.layer_sliding_windows) != self.num_layers:
             raise ValueError("model config: one sliding-window entry per layer is required")
+        if self.variant.layer_ropes and len(self.variant.layer_ropes) != self.num_layers:
+            raise ValueError("model config: one rope entry per layer is required")
+
+    def layer_rope(self, index: int) -> RopeSpec:
+        """Layer `index`'s rotary settings."""
+        return self.variant.layer_ropes[index] if self.variant.layer_ropes else self.rope
 
     @property
     def sliding_window(self) -> int | None:

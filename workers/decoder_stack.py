@@ -1,8 +1,9 @@
 """The model's decode steps through one native call (`kernels.decoder_stack_cpu`) where it can.
 
 `NativeDecode.build(model)` says once, after loading, whether the whole stack can run natively:
-a CPU model on one rank, float32 or bfloat16, with the native layer ops, every linear layer's
-exact 4-bit copy and no biases. `NativeDecode.forward` then takes each step that is all decodes
+a CPU model of Llama's layer (`ModelVariant` at its defaults) on one rank, float32 or
+bfloat16, with the native layer ops, every linear layer's exact 4-bit copy and no biases.
+`NativeDecode.forward` then takes each step that is all decodes
 (one token per sequence) of at most `max_rows` sequences (by default where the per-operator path
 multiplies on the 4-bit copy too: `Q4_MAX_ROWS`, 8 in bfloat16, 16 in float32), in the paged
 layout and without LoRA; it returns None for every other step, which keeps the per-operator
@@ -47,6 +48,7 @@ class NativeDecode:
             and isinstance(model.ops, NativeCpuLayerOps)
             and model.tp.world_size == 1
             and len(model.layers) > 0
+            and spec.variant.is_default  # the stack computes Llama's layer only
         )
         if not usable:
             return None

@@ -20,25 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from workers.config import ModelSpec, RopeSpec
-from workers.model_source import canonical_architecture
+from workers.families import Family, family_named
 
-PERMUTED_ARCHITECTURES = ("llama", "mistral")
-"""GGUF architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs)."""
-
-LAYER_TENSOR_NAMES: dict[str, str] = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 GLOBAL_TENSOR_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -86,7 +69,11 @@ def _rope_from_gguf(reader: gguf.GGUFReader, arch: str) -> RopeSpec:
 def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
     """The model description of a GGUF file's metadata."""
     arch_name = str(_field(reader, "general.architecture", ""))
-    architecture = canonical_architecture(arch_name)
+    family = family_named(arch_name)
+
+    def metadata(key: str, default: Any) -> Any:
+        return _field(reader, key, default)
+
     shapes = {tensor.name: tensor.shape for tensor in reader.tensors}
     if "token_embd.weight" not in shapes:
         raise ValueError("GGUF file has no token_embd.weight tensor")
@@ -94,7 +81,6 @@ def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
     heads = int(_field(reader, f"{arch_name}.attention.head_count"))
     layers = int(_field(reader, f"{arch_name}.block_count"))
     vocab = int(_field(reader, f"{arch_name}.vocab_size", int(shapes["token_embd.weight"][1])))
-    window = _field(reader, f"{arch_name}.attention.sliding_window")
     eos: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
         value = _field(reader, key)
@@ -102,8 +88,9 @@ def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
             eos.append(int(value))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     head_dim = _field(reader, f"{arch_name}.attention.key_length") or hidden // heads
+    rope = _rope_from_gguf(reader, arch_name)
     return ModelSpec(
-        architecture=architecture,
+        architecture=family.name,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch_name}.feed_forward_length")),
@@ -113,13 +100,14 @@ def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
         head_dim=int(head_dim),
         rms_norm_eps=float(_field(reader, f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=int(_field(reader, f"{arch_name}.context_length", 2048)),
-        rope=_rope_from_gguf(reader, arch_name),
+        rope=rope,
         attention_bias="blk.0.attn_q.bias" in shapes,
         mlp_bias=False,
         tie_word_embeddings="output.weight" not in shapes,
-        layer_sliding_windows=tuple([int(window) if window else None] * layers),
+        layer_sliding_windows=tuple(family.sliding_windows_from_gguf(metadata, layers)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
+        variant=family.variant_from_gguf(metadata, layers, rope),
     )
 
 
@@ -131,13 +119,14 @@ def quantization_name(reader: gguf.GGUFReader) -> str:
     return f"gguf:{counts.most_common(1)[0][0]}" if counts else "gguf:F32"
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, family: Family) -> str | None:
     """The HF parameter name of a GGUF tensor name (None for tensors the model does not use)."""
     if gguf_name in GLOBAL_TENSOR_NAMES:
         return GLOBAL_TENSOR_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSOR_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_TENSOR_NAMES[parts[2]]}"
+    layer_names = family.gguf_layer_tensors()
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     return None
 
 
@@ -151,10 +140,11 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def dequantized_tensors(reader: gguf.GGUFReader, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Every used tensor dequantized to float32 under its HF name, Q/K rows in HF order."""
-    arch = str(_field(reader, "general.architecture", ""))
+    family = family_named(str(_field(reader, "general.architecture", "")))
+    permuted = family.gguf_qk_permuted
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, family)
         if name is None:
             continue
         try:
@@ -164,13 +154,9 @@ def dequantized_tensors(reader: gguf.GGUFReader, spec: ModelSpec) -> dict[str, t
                 f"GGUF tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}"
             ) from error
         values = np.asarray(values, dtype=np.float32)
-        if arch in PERMUTED_ARCHITECTURES and tensor.name.endswith(
-            ("attn_q.weight", "attn_q.bias")
-        ):
+        if permuted and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
             values = unpermute_rows(values, spec.num_heads)
-        elif arch in PERMUTED_ARCHITECTURES and tensor.name.endswith(
-            ("attn_k.weight", "attn_k.bias")
-        ):
+        elif permuted and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             values = unpermute_rows(values, spec.num_kv_heads)
         tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C", copy=True))
     return tensors

@@ -22,12 +22,17 @@ from workers.parallel import TensorParallel, even_range
 
 
 class RMSNorm(torch.nn.Module):
-    """y = weight * x / sqrt(mean(x^2) + eps), normalized in float32 (replicated on every rank)."""
+    """y = weight * x / sqrt(mean(x^2) + eps), normalized in float32 (replicated on every rank).
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    `offset` is added to the checkpoint's weight at load (Gemma stores `w` for `1 + w`)."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, offset: float = 0.0
+    ) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The result is in the weight's dtype, whatever `x`'s (a float32 residual stream feeds
@@ -37,7 +42,8 @@ class RMSNorm(torch.nn.Module):
         return self.weight * x32.to(self.weight.dtype)
 
     def load(self, reader: CheckpointReader, name: str) -> None:
-        self.weight.copy_(reader.read(name, tuple(self.weight.shape)))
+        weight = reader.read(name, tuple(self.weight.shape))
+        self.weight.copy_(weight + self.offset if self.offset else weight)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 
 from workers.checkpoint import CheckpointReader, safetensors_files
 from workers.config import ModelSpec
+from workers.families import family_named
 from workers.gguf_weights import (
     ensure_dequantized_cache,
     open_gguf,
@@ -88,6 +89,7 @@ def load_model_shard(
         files = safetensors_files(description.path)
     with torch.device(device):
         model = CausalLM(description.spec, tp, dtype, quantized_decode, quantized_activations)
+    family = family_named(description.spec.architecture)
     with CheckpointReader(files) as checkpoint:
-        model.load(checkpoint)
+        model.load(family.checkpoint_view(checkpoint, description.spec))
     return model.eval()

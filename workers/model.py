@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""The decoder of every family we run (Llama's layer, as `ModelSpec.variant` varies it) over a
+paged KV cache.
 
 Attention metadata travels explicitly in `AttentionMetadata`; KV is written and read only through
 the `kernels` public API. Tensor parallelism lives in the parallel layers alone: query/KV heads
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels import AttentionStep, PagedAttentionStep, prepare_attention
 from kernels.range_attention import RangeAttention
@@ -84,7 +86,14 @@ class Attention(torch.nn.Module):
         self.num_q = layout.num_q
         self.num_kv = layout.num_kv
         self.sliding_window = spec.layer_sliding_windows[layer_index]
-        self.scale = d**-0.5
+        variant = spec.variant
+        scalar = variant.query_pre_attn_scalar
+        self.scale = d**-0.5 if scalar is None else scalar**-0.5
+        self.softcap = variant.attention_softcap
+        self.q_norm = self.k_norm = None
+        if variant.qk_norm:  # one weight per head dimension, shared by the heads
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype, variant.norm_offset)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype, variant.norm_offset)
         q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
         q_span = (layout.q_start * d, (layout.q_start + layout.num_q) * d)
         kv_span = (layout.kv_start * d, (layout.kv_start + layout.num_kv) * d)
@@ -102,7 +111,7 @@ class Attention(torch.nn.Module):
             q_rows,
             spec.hidden_size,
             q_span,
-            spec.attention_bias and spec.architecture != "qwen2",
+            spec.attention_bias if variant.output_bias is None else variant.output_bias,
             tp,
             dtype,
         )
@@ -121,17 +130,43 @@ class Attention(torch.nn.Module):
         if lora is not None:
             lora.column(self.layer_index, "qkv", hidden, qkv)
         heads = (self.num_q, self.num_kv, self.head_dim)
+        if self.q_norm is not None:
+            qkv = self._norm_query_key_heads(qkv)
         q = self.ops.rotary_write_kv(qkv, heads, cos_sin, step, k_cache, v_cache)
-        out = step.attend(q, k_cache, v_cache, scale=self.scale, sliding_window=self.sliding_window)
+        window = self.sliding_window
+        if self.softcap is None:
+            out = step.attend(q, k_cache, v_cache, scale=self.scale, sliding_window=window)
+        else:
+            out = step.attend(
+                q, k_cache, v_cache, scale=self.scale, sliding_window=window, softcap=self.softcap
+            )
         attended = out.reshape(tokens, self.num_q * self.head_dim)
         projected = self.o_proj(attended)
         if lora is not None:
             lora.row(self.layer_index, "o", attended, projected)
         return projected
 
+    def _norm_query_key_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused QKV rows with each query and key head RMS-normed (values as they are)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        tokens, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.num_q * d, self.num_kv * d, self.num_kv * d], dim=-1)
+        q = self.q_norm(q.reshape(tokens, self.num_q, d)).reshape(tokens, -1)
+        k = self.k_norm(k.reshape(tokens, self.num_kv, d)).reshape(tokens, -1)
+        return torch.cat((q, k, v.to(q.dtype)), dim=-1)
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        """Load this rank's projections (and head norms) from `<prefix>` (`...self_attn.`)."""
+        self.qkv_proj.load(reader, prefix)
+        self.o_proj.load(reader, f"{prefix}o_proj")
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.load(reader, f"{prefix}q_norm.weight")
+            self.k_norm.load(reader, f"{prefix}k_norm.weight")
+
 
 class GatedMLP(torch.nn.Module):
-    """down(silu(gate(x)) * up(x)), gate/up column-parallel (fused), down row-parallel."""
+    """down(act(gate(x)) * up(x)), gate/up column-parallel (fused), down row-parallel; `act` is
+    silu or gelu with the tanh approximation (`ModelVariant.activation`)."""
 
     def __init__(
         self,
@@ -155,12 +190,17 @@ class GatedMLP(torch.nn.Module):
         self.down_proj = RowParallelLinear(
             full, spec.hidden_size, (start, stop), spec.mlp_bias, tp, dtype
         )
+        self.gelu = spec.variant.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.column(self.layer_index, "gate_up", x, gate_up)
-        activated = self.ops.silu_mul(gate_up)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = F.gelu(gate, approximate="tanh") * up
+        else:
+            activated = self.ops.silu_mul(gate_up)
         down = self.down_proj(activated)
         if lora is not None:
             lora.row(self.layer_index, "down", activated, down)
@@ -183,9 +223,10 @@ class DecoderLayer(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.ops = ops
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        offset = spec.variant.norm_offset
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, offset)
         self.self_attn = Attention(spec, layer_index, tp, dtype, ops)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, offset)
         self.mlp = GatedMLP(spec, layer_index, tp, dtype, ops)
 
     def forward(
@@ -207,10 +248,48 @@ class DecoderLayer(torch.nn.Module):
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         self.input_layernorm.load(reader, f"{prefix}input_layernorm.weight")
         self.post_attention_layernorm.load(reader, f"{prefix}post_attention_layernorm.weight")
-        self.self_attn.qkv_proj.load(reader, f"{prefix}self_attn.")
-        self.self_attn.o_proj.load(reader, f"{prefix}self_attn.o_proj")
+        self.self_attn.load(reader, f"{prefix}self_attn.")
         self.mlp.gate_up_proj.load(reader, f"{prefix}mlp.")
         self.mlp.down_proj.load(reader, f"{prefix}mlp.down_proj")
+
+
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma's layer: the attention and MLP outputs are normed too before they join the
+    residual stream (`post_attention_layernorm`, `post_feedforward_layernorm`), and the MLP's
+    input norm is `pre_feedforward_layernorm`."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer_index: int,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        ops: LayerOps,
+    ) -> None:
+        super().__init__(spec, layer_index, tp, dtype, ops)
+        offset, eps = spec.variant.norm_offset, spec.rms_norm_eps
+        self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, dtype, offset)
+        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, dtype, offset)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        step: AttentionStep,
+        kv_layer: torch.Tensor,
+        lora: LoRAStep | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, normed = self.ops.add_norm(hidden, delta, self.input_layernorm)
+        attended = self.self_attn(normed, cos_sin, step, kv_layer[0], kv_layer[1], lora)
+        attended = self.post_attention_layernorm(attended)
+        hidden, normed = self.ops.add_norm(hidden, attended, self.pre_feedforward_layernorm)
+        return hidden, self.post_feedforward_layernorm(self.mlp(normed, lora))
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        super().load(reader, prefix)
+        self.pre_feedforward_layernorm.load(reader, f"{prefix}pre_feedforward_layernorm.weight")
+        self.post_feedforward_layernorm.load(reader, f"{prefix}post_feedforward_layernorm.weight")
 
 
 class CausalLM(torch.nn.Module):
@@ -248,11 +327,13 @@ class CausalLM(torch.nn.Module):
         self.reduced = dtype != torch.float32
         self.ops = layer_ops_for(torch.empty(0).device)  # the device being built on
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, dtype)
+        variant = spec.variant
+        layer_class = SandwichDecoderLayer if variant.sandwich_norms else DecoderLayer
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(spec, i, tp, dtype, self.ops) for i in range(spec.num_layers)
+            layer_class(spec, i, tp, dtype, self.ops) for i in range(spec.num_layers)
         )
         head_dtype = torch.float32 if self.reduced else dtype
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, head_dtype)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, head_dtype, variant.norm_offset)
         self.lm_head = (
             self.embed_tokens
             if spec.tie_word_embeddings and not self.reduced
@@ -260,7 +341,12 @@ class CausalLM(torch.nn.Module):
                 spec.vocab_size, spec.hidden_size, tp, head_dtype, screened=self.reduced
             )
         )
-        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
+        ropes = [spec.layer_rope(index) for index in range(spec.num_layers)]
+        distinct = list(dict.fromkeys([spec.rope, *ropes]))
+        self.rotaries = torch.nn.ModuleList(RotaryEmbedding(r, spec.head_dim) for r in distinct)
+        """Each distinct rope of the layers; the first is `spec.rope` (the native stack's)."""
+        self.layer_rotary = [distinct.index(rope) for rope in ropes]
+        """Layer i's index into `rotaries`."""
         self.native_decode: NativeDecode | None = None
         """Set by `load` where the whole stack runs natively (None: per-operator only)."""
         self.quantized_decode = quantized_decode
@@ -281,7 +367,13 @@ class CausalLM(torch.nn.Module):
         """Hidden states `[tokens, hidden]` after the final norm; writes this step's KV.
         `lora`: the step's adapters, added after every adapted base linear (None: none)."""
         hidden = self.embed_tokens.embed(token_ids)
-        cos_sin = self.ops.cos_sin(self.rotary, metadata.positions, hidden.dtype)
+        multiplier = self.spec.variant.embedding_multiplier
+        if multiplier != 1.0:
+            hidden = hidden * torch.tensor(multiplier, dtype=hidden.dtype)
+        cos_sins = [
+            self.ops.cos_sin(rotary, metadata.positions, hidden.dtype) for rotary in self.rotaries
+        ]
+        cos_sin = cos_sins[0]
         if self.reduced:
             hidden = hidden.to(torch.float32)  # the residual stream
         step = metadata.prepare_kernels(kv_pool)  # validated once, shared by every layer
@@ -292,13 +384,16 @@ class CausalLM(torch.nn.Module):
                 return stacked
         delta = None
         for index, layer in enumerate(self.layers):
-            hidden, delta = layer(hidden, delta, cos_sin, step, kv_pool[index], lora)
+            rotary = cos_sins[self.layer_rotary[index]]
+            hidden, delta = layer(hidden, delta, rotary, step, kv_pool[index], lora)
         return self.ops.add_norm(hidden, delta, self.norm)[1]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[rows, vocab]` of the given hidden rows (identical on every rank)."""
-        return self.lm_head.logits(hidden).to(torch.float32)
+        logits = self.lm_head.logits(hidden).to(torch.float32)
+        cap = self.spec.variant.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def load(self, reader: CheckpointReader) -> None:

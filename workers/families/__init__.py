@@ -1,0 +1,43 @@
+"""The model families we run, each in its own module behind the `Family` protocol.
+
+`family_named` maps an HF `model_type` / `architectures` entry or a GGUF
+`general.architecture` to its family; an unknown name raises a ValueError listing the
+supported ones.
+"""
+
+from __future__ import annotations
+
+from workers.families.base import DecoderFamily, Family, GgufMetadata
+from workers.families.gemma import Gemma2, Gemma3
+from workers.families.llama import Llama, Mistral, Qwen2
+from workers.families.qwen3 import Qwen3
+
+FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Gemma2(), Gemma3())
+"""Every family, in the order `supported_architectures` lists them."""
+
+
+def supported_architectures() -> list[str]:
+    return sorted(family.name for family in FAMILIES)
+
+
+def family_named(name: str) -> Family:
+    """The family an HF or GGUF architecture name means (ValueError naming the supported)."""
+    for family in FAMILIES:
+        if name in (*family.hf_names, family.gguf_architecture, family.name):
+            return family
+    raise ValueError(f"unknown model architecture {name!r}; supported: {supported_architectures()}")
+
+
+def knows(name: str) -> bool:
+    return any(name in family.hf_names or name == family.gguf_architecture for family in FAMILIES)
+
+
+__all__ = [
+    "FAMILIES",
+    "DecoderFamily",
+    "Family",
+    "GgufMetadata",
+    "family_named",
+    "knows",
+    "supported_architectures",
+]
