@@ -108,7 +108,7 @@ def run_layout(
             )
             requests.append((request, wanted))
         pending = {request.request_id: wanted for request, wanted in requests}
-        while engine.has_unfinished():
+        while engine.has_work():
             for output in engine.step():
                 if output.error is not None:
                     raise RuntimeError(f"{layout}: {output.request_id}: {output.error}")
@@ -118,7 +118,6 @@ def run_layout(
                 ):
                     engine.abort(request.request_id)  # the request's "EOS": it ends here
                     del pending[request.request_id]
-        engine.flush_decommits()
         seconds = time.perf_counter() - started
         produced = sum(len(r.branches[0].output_token_ids) for r, _ in requests)
         if produced != workload.output_tokens:

@@ -76,7 +76,7 @@ class Request:
     swapped_blocks: int = 0
     error: str | None = None
     failed: bool = False
-    """Ended by a failed step (see `EngineCore.fail_requests`); `error` says why."""
+    """Ended by a failed step (see `EngineCore.finish_step`); `error` says why."""
     announced: bool = False
     """A delta or output was made already (the prompt travels with the first one only)."""
     adapter_name: str | None = None

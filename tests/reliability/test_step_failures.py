@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 
 from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine_core import EngineCore
 from cluster.engine.errors import EngineDead, RequestFailed
+from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from tests.engine.tiny_engine import tiny_config
@@ -50,7 +52,7 @@ class FaultyWorkers:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def execute_async(self, plan: StepPlan) -> StepOutput:
+    def check(self, plan: StepPlan) -> None:
         poisoned = [
             w.seq_id for w in plan.sequences if w.start_pos == 0 and w.token_ids[0] == POISON
         ]
@@ -61,6 +63,13 @@ class FaultyWorkers:
             if self.mode == "refuse":
                 raise ValueError(f"step {plan.step_id}: refused")
             raise RuntimeError("rank 1 died")
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self.check(plan)
+        return self.inner.execute(plan)
+
+    async def execute_async(self, plan: StepPlan) -> StepOutput:
+        self.check(plan)
         return await self.inner.execute_async(plan)
 
 
@@ -143,3 +152,42 @@ def test_a_worker_failure_marks_the_engine_dead(tiny_model_dir: pathlib.Path) ->
         await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_the_offline_path_isolates_a_refused_plan_alike(tiny_model_dir: pathlib.Path) -> None:
+    """`EngineCore.step` (what `LLM` runs) judges a refusal as the async loop does: the blamed
+    request fails alone, the others of its step are recomputed to their exact greedy tokens."""
+    expected = expected_tokens(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
+    workers = FaultyWorkers(WorkerGroup(config.to_worker_config()), "blame")
+    core = EngineCore(config, workers)  # type: ignore[arg-type]
+    build = core.request_builder.build
+    good = [
+        core.add_request(build({"prompt_token_ids": ids}, params_of(i)))
+        for i, ids in enumerate(GOOD_PROMPTS)
+    ]
+    bad = core.add_request(build({"prompt_token_ids": [POISON, 1, 2, 3]}, PARAMS))
+    finals: dict[str, RequestOutput] = {}
+    while core.has_work():
+        for output in core.step():
+            if output.finished or output.error is not None:
+                finals[output.request_id] = output
+    assert workers.failures == 1 and bad.failed
+    assert "poisoned" in (finals[bad.request_id].error or "")
+    assert [finals[r.request_id].outputs[0].token_ids for r in good] == expected
+    assert core.metrics().pressure.device.used == 0
+    core.shutdown()
+
+
+def test_llm_raises_request_failed_and_serves_the_next_call(tiny_model_dir: pathlib.Path) -> None:
+    expected = expected_tokens(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
+    workers = FaultyWorkers(WorkerGroup(config.to_worker_config()), "refuse")
+    with LLM(config=config) as llm:
+        llm.engine.workers = workers  # type: ignore[assignment]
+        prompts = [{"prompt_token_ids": [POISON, 1, 2, 3]}, {"prompt_token_ids": GOOD_PROMPTS[1]}]
+        with pytest.raises(RequestFailed, match="refused"):
+            llm.generate(prompts, PARAMS)
+        again = llm.generate({"prompt_token_ids": GOOD_PROMPTS[1]}, PARAMS)
+        assert again[0].outputs[0].token_ids == expected[1]
+        assert llm.metrics().pressure.device.used == 0
