@@ -14,7 +14,7 @@ marks the engine dead and ends every stream with EngineDead.
 
 Streams cost O(new tokens) per step: the loop hands each stream a `RequestDelta`, which its
 `OutputMailbox` coalesces while the reader is behind (one pending item, never a queue of
-snapshots); `generate` folds them into cumulative `RequestOutput`s (see `output_stream`).
+snapshots); `generate` yields them as they are (see `output_stream`).
 
 Nothing here blocks the event loop on Ray: the engine is built (`AsyncEngine.create`) and shut
 down in a worker thread.
@@ -23,7 +23,6 @@ down in a worker thread.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,8 +36,7 @@ from cluster.engine.errors import EngineDead, RequestFailed, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics
-from cluster.engine.output_stream import OutputAccumulator, OutputMailbox, RequestDelta
-from cluster.engine.outputs import RequestOutput
+from cluster.engine.output_stream import OutputMailbox, RequestDelta
 from cluster.engine.request import Request
 from workers import ModelInfo, WorkerGroup
 from workers.plan import StepOutput
@@ -88,27 +86,15 @@ class AsyncEngine:
 
     # --- public API ---------------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs until it finishes: cumulative `text` / `token_ids`
-        plus the deltas since the previous output (see `output_stream` for what a reader may
-        keep). Raises RequestRejected / EngineOverloaded before the first output when it cannot
-        queue, RequestFailed / EngineDead when a step fails; leaving the iteration early aborts
-        the request."""
-        accumulator = OutputAccumulator()
-        stream = self.generate_deltas(request)
-        try:
-            async for delta in stream:
-                yield accumulator.apply(delta)
-        finally:
-            await stream.aclose()
-
-    async def generate_deltas(
+    async def generate(
         self, request: GenerateRequest, stream_interval: int = 1
     ) -> AsyncIterator[RequestDelta]:
-        """`generate` as the raw `RequestDelta`s (O(new tokens) each, what a replica sends
-        over a deployment handle); fold them with an `OutputAccumulator`. With
-        `stream_interval` N > 1 each delta after the first token carries at least N new tokens
-        unless it is the last (`OutputMailbox.get`)."""
+        """Streams the request's `RequestDelta`s until it finishes (O(new tokens) each, what a
+        replica sends over a deployment handle; fold them with an `OutputAccumulator` for a
+        whole answer). Raises RequestRejected / EngineOverloaded before the first delta when it
+        cannot queue, RequestFailed / EngineDead when a step fails; leaving the iteration early
+        aborts the request. With `stream_interval` N > 1 each delta after the first token
+        carries at least N new tokens unless it is the last (`OutputMailbox.get`)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         if self._dead is not None:
@@ -182,26 +168,10 @@ class AsyncEngine:
             num_unfinished=self.core.scheduler.num_unfinished(),
         )
 
-    def prompt_block_hashes(self, request: GenerateRequest) -> list[bytes]:
-        """Chain hashes of the request's blocks a cache lookup could hit, keyed exactly as
-        `generate` would cache them (see `EngineCore`)."""
-        return self.core.request_keys.block_hashes(request)
-
-    @property
-    def block_size(self) -> int:
-        return self.core.config.cache.block_size
-
     @property
     def request_builder(self) -> RequestBuilder:
         """Renders prompts for this engine's tokenizer (no operator shared prefixes)."""
         return self.core.request_builder
-
-    def cached_block_hashes(self, limit: int) -> list[bytes]:
-        """At most `limit` chain hashes of blocks the engine holds cached on the device now
-        (in use ones first, then evictable ones, those evicted last first)."""
-        if limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
-        return list(itertools.islice(self.core.block_manager.cached_block_hashes(), limit))
 
     def take_block_events(self) -> list[BlockEvent]:
         """The block manager's seals and evictions since the last call (see `BlockEvent`);

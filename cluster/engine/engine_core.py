@@ -59,12 +59,10 @@ class EngineCore:
         self.model_info = info
         self.max_model_len = info.max_model_len
         sched = config.scheduler
-        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"scheduler.max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= the "
-                f"model's context ({self.max_model_len}) when chunked prefill is off; raise it or "
-                "set model.max_model_len"
-            )
+        try:
+            sched.check_context(self.max_model_len)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         self.block_manager = build_kv_manager(
             config,
             info,

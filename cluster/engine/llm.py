@@ -36,9 +36,8 @@ def config_from_kwargs(
         if section is None:
             raise ConfigError(f"LLM() got an unknown setting {name!r}")
         overrides.setdefault(section, {})[name] = value
-    if base is None and "backend" not in kwargs and kwargs.get("tensor_parallel_size", 1) == 1:
-        overrides.setdefault("parallel", {})["backend"] = "local"
-    return (base or EngineConfig()).with_overrides(overrides)
+    config = (base or EngineConfig()).with_overrides(overrides)
+    return config if base is not None else config.single_rank_in_process("backend" in kwargs)
 
 
 class LLM:

@@ -21,42 +21,18 @@ Invariants:
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster.engine.metrics import EngineMetrics
-from cluster.engine.outputs import RequestOutput
-from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.autoscaling import kv_used_fraction
 from cluster.serving.prefix_index import PrefixIndex
 
 BLOCK_HASHES_KWARG = "block_hashes"
 PREFIX_BLOCKS_KWARG = "prefix_blocks"
 ROUTER_CLASS_PATH = "cluster.serving.routing:PrefixAwareRouter"
-
-
-@dataclass(frozen=True)
-class RoutedRequest:
-    """A generation request sent through a deployment handle (the router reads
-    `block_hashes`, passed as a keyword argument of the same name)."""
-
-    prompt: str | dict[str, list[int]]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    authorization: str | None = None
-    request_id: str | None = None
-    model: str | None = None
-    """The served model's name or a LoRA adapter's (None: the served model)."""
-
-
-@dataclass(frozen=True)
-class RoutedOutput:
-    """One output of a handle `generate` stream, with the replica that produced it."""
-
-    replica_id: str
-    output: RequestOutput
 
 
 @dataclass(frozen=True)
@@ -201,20 +177,3 @@ def request_block_hashes(pending_request: PendingRequest | None) -> list[bytes]:
         return []
     hashes = pending_request.kwargs.get(BLOCK_HASHES_KWARG) or []
     return [h for h in hashes if isinstance(h, bytes)]
-
-
-class RoutedClient:
-    """Calls the application's ingress (`OpenAIIngress.generate`) through a deployment handle:
-    the ingress renders and hashes the prompt once and routes it by prefix to an engine
-    replica; each output comes back with the replica that produced it."""
-
-    def __init__(self, handle: Any, authorization: str | None = None) -> None:
-        self.handle = handle
-        self.authorization = authorization
-
-    async def generate(
-        self, prompt: str | dict[str, list[int]], params: SamplingParams
-    ) -> AsyncIterator[RoutedOutput]:
-        request = RoutedRequest(prompt, params, self.authorization)
-        async for item in self.handle.options(stream=True).generate.remote(request):
-            yield item

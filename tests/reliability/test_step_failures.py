@@ -23,6 +23,7 @@ from cluster.engine.errors import EngineDead, RequestFailed
 from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
+from tests.engine.streams import engine_outputs
 from tests.engine.tiny_engine import tiny_config
 from workers import WorkerGroup
 from workers.plan import PlanRejected, StepOutput, StepPlan
@@ -85,10 +86,10 @@ async def run_scenario(engine: AsyncEngine) -> list[list[int] | BaseException]:
     build = engine.request_builder.build
     good = [build({"prompt_token_ids": ids}, params_of(i)) for i, ids in enumerate(GOOD_PROMPTS)]
     bad = build({"prompt_token_ids": [POISON, 1, 2, 3]}, PARAMS)
-    first = asyncio.create_task(collect(engine.generate(good[0])))
+    first = asyncio.create_task(collect(engine_outputs(engine, good[0])))
     while engine.metrics().num_generated_tokens < 2:  # the first request is decoding
         await asyncio.sleep(0.005)
-    others = asyncio.gather(*(collect(engine.generate(r)) for r in [bad, *good[1:]]))
+    others = asyncio.gather(*(collect(engine_outputs(engine, r)) for r in [bad, *good[1:]]))
     rest = await others
     return [await first, *rest]
 
@@ -98,7 +99,7 @@ def expected_tokens(model_dir: pathlib.Path) -> list[list[int]]:
         engine = await AsyncEngine.create(tiny_config(model_dir))
         build = engine.request_builder.build
         results = [
-            await collect(engine.generate(build({"prompt_token_ids": ids}, params_of(i))))
+            await collect(engine_outputs(engine, build({"prompt_token_ids": ids}, params_of(i))))
             for i, ids in enumerate(GOOD_PROMPTS)
         ]
         await engine.shutdown()
@@ -128,8 +129,8 @@ def test_a_refused_plan_fails_only_its_requests(tiny_model_dir: pathlib.Path, mo
         assert engine.health().alive
         # the engine goes on serving
         again = await collect(
-            engine.generate(
-                engine.request_builder.build({"prompt_token_ids": GOOD_PROMPTS[1]}, PARAMS)
+            engine_outputs(
+                engine, engine.request_builder.build({"prompt_token_ids": GOOD_PROMPTS[1]}, PARAMS)
             )
         )
         assert again == expected[1]
@@ -148,7 +149,7 @@ def test_a_worker_failure_marks_the_engine_dead(tiny_model_dir: pathlib.Path) ->
         assert all(isinstance(r, EngineDead) for r in results), results
         assert not engine.health().alive
         with pytest.raises(EngineDead):
-            await anext(engine.generate(engine.request_builder.build("Hello", PARAMS)))
+            await anext(engine_outputs(engine, engine.request_builder.build("Hello", PARAMS)))
         await engine.shutdown()
 
     asyncio.run(scenario())
