@@ -18,6 +18,7 @@ from typing import Any
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
+from cluster.engine.kv_layouts import LayoutRecorder
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import SamplingParams
 
@@ -95,7 +96,7 @@ def run_layout(
     """Runs the whole workload (all requests arrive at once) and gathers the layout's figures."""
     config = base.with_overrides({"cache": {"kv_layout": layout, "block_size": block_size}})
     engine = EngineCore(config)
-    engine.layout_recorder.keep_samples = True
+    recorder = LayoutRecorder.of(engine, keep_samples=True)
     try:
         started = time.perf_counter()
         requests: list[tuple[Request, int]] = []
@@ -109,7 +110,7 @@ def run_layout(
             requests.append((request, wanted))
         pending = {request.request_id: wanted for request, wanted in requests}
         while engine.has_work():
-            for output in engine.step():
+            for output in recorder.step(engine):
                 if output.error is not None:
                     raise RuntimeError(f"{layout}: {output.request_id}: {output.error}")
             for request, wanted in requests:
@@ -126,6 +127,7 @@ def run_layout(
             )
         return _summarize(
             engine,
+            recorder,
             workload,
             layout,
             block_size,
@@ -141,6 +143,7 @@ def run_layout(
 
 def _summarize(
     engine: EngineCore,
+    recorder: LayoutRecorder,
     workload: Workload,
     layout: str,
     block_size: int,
@@ -159,7 +162,7 @@ def _summarize(
         and r.metrics.ttft <= slo_ttft_s
         and (r.metrics.mean_tpot or 0.0) <= slo_tpot_s
     )
-    rec = engine.layout_recorder
+    rec = recorder
     backed = max(rec.sum_backed_bytes, 1.0)
     metrics = engine.metrics()
     info = {

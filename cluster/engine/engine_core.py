@@ -21,7 +21,7 @@ from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
 from cluster.engine.engine_lora import EngineAdapters
 from cluster.engine.errors import ConfigError, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
-from cluster.engine.kv_layouts import LayoutRecorder, build_kv_manager
+from cluster.engine.kv_layouts import build_kv_manager
 from cluster.engine.lora_manager import LoRAManager
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics, MetricsRecorder
@@ -69,9 +69,6 @@ class EngineCore:
             self.workers.num_device_blocks,
             self.workers.num_cpu_blocks,
             record_events=record_block_events,
-        )
-        self.layout_recorder = LayoutRecorder(
-            config.cache.kv_layout, info.kv_bytes_per_block / config.cache.block_size
         )
         if tokenizer is None:
             tokenizer = load_tokenizer(config.model.model)
@@ -234,10 +231,7 @@ class EngineCore:
         step.plan.decommit = bm.take_decommits()
         if self.config.scheduler.check_integrity:
             bm.check_integrity()
-        pressure = bm.pressure()
-        self.recorder.observe_pressure(pressure)
-        running = sum(len(r.active_branches) for r in self.scheduler.running)
-        self.layout_recorder.observe(bm.usage(), running)
+        self.recorder.observe_pressure(bm.pressure())
         return step
 
     def execute(self, step: SchedulerStep) -> StepOutput | Exception | None:
@@ -281,7 +275,6 @@ class EngineCore:
             reported += self._fail_corrupt_swap_ins(step, output.corrupt_swap_ins)
         if output is not None:
             self.recorder.num_steps += 1
-            self.layout_recorder.observe_output(output, len(step.plan.decommit))
             for work in step.works:
                 if work.request.metrics.first_scheduled_time is None:
                     work.request.metrics.first_scheduled_time = now
