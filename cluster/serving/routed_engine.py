@@ -1,11 +1,10 @@
 """`RoutedEngineClient`: the `EngineClient` an ingress uses to reach the engine deployment.
 
-Each request goes out through a Serve deployment handle with its prompt's block hashes (hashed
-once, when the front end prepared it: `GenerateRequest.block_hashes`) as the `block_hashes`
-keyword and the KV directory's answer for them (replica -> leading blocks held) as
-`prefix_blocks`, so `PrefixAwareRouter` sends it to the replica that holds the longest prefix
-(or, when overloaded, the least busy one); the deltas stream back through the handle as they
-are.
+Each request goes out through a Serve deployment handle carrying its prompt's block hashes
+(hashed once, when the front end prepared it: `GenerateRequest.block_hashes`), with the KV
+directory's answer for them (replica -> leading blocks held) as the `prefix_blocks` keyword, so
+`PrefixAwareRouter` sends it to the replica that holds the longest prefix (or, when overloaded,
+the least busy one); the deltas stream back through the handle as they are.
 
 Invariants:
 - what a replica raises for the client (RequestRejected, EngineOverloaded, EngineDead) comes
@@ -34,7 +33,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.output_stream import RequestDelta
-from cluster.serving.routing import BLOCK_HASHES_KWARG, PREFIX_BLOCKS_KWARG
+from cluster.serving.routing import PREFIX_BLOCKS_KWARG
 
 REPLICA_ERRORS = (RequestRejected, EngineOverloaded, EngineDead)
 """What a replica raises for the client: it comes out of the handle as itself."""
@@ -74,14 +73,13 @@ class RoutedEngineClient:
         self.queue_timeout_s = queue_timeout_s
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestDelta, None]:
-        hashes = list(request.block_hashes)
-        held = await self.holdings(hashes)
+        held = await self.holdings(list(request.block_hashes))
         finished = False
         stream = None
         try:
             # Inside the try: the router may refuse here already (BackPressureError).
             stream = self.handle.options(stream=True).generate.remote(
-                request, **{BLOCK_HASHES_KWARG: hashes, PREFIX_BLOCKS_KWARG: held}
+                request, **{PREFIX_BLOCKS_KWARG: held}
             )
             try:
                 async with asyncio.timeout(self.queue_timeout_s):
