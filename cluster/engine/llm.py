@@ -146,9 +146,9 @@ class LLM:
                         engine.abort(other)
                     error = RequestFailed if request.failed else RequestRejected
                     raise error(f"request {request.request_id}: {request.error}")
-                if request.finished:
+                if request.finished:  # its first output: its deltas cover everything
                     finals[request.request_id] = request.make_output()
-        return [_whole(finals[i]) for i in ids]
+        return [finals[i] for i in ids]
 
 
 def _per_prompt(
@@ -171,11 +171,3 @@ def _per_prompt_lora(
     if len(lora) != count:
         raise ValueError(f"{len(lora)} lora requests for {count} prompts")
     return list(lora)
-
-
-def _whole(output: RequestOutput) -> RequestOutput:
-    """The final output with deltas covering everything (an offline result is one delta)."""
-    for completion in output.outputs:
-        completion.delta_text = completion.text
-        completion.delta_token_ids = list(completion.token_ids)
-    return output
