@@ -1,10 +1,15 @@
 """The engine's per-step Python time with no model: schedule() + on_step_done() at N sequences.
 
-`python -m benchmarks.engine_overhead --json [--seqs 64]` runs `EngineCore` over a worker stand-in
-that answers every plan at once (no forward pass), so what is timed is the scheduler's own work
-per decode step with `--seqs` sequences running: building the plan (appends, block-table deltas,
-slot bookkeeping) and applying the step's output (marking KV computed). `engine_us_per_step`
-adds the rest of the engine's step (detokenizing, stop checks, outputs, metrics).
+`python -m benchmarks.engine_overhead --json [--seqs 64 256] [--stub-ms 10]` runs `EngineCore`
+over a worker stand-in that answers every plan at once (no forward pass), so what is timed is the
+scheduler's own work per decode step with `--seqs` sequences running: building the plan
+(appends, block-table deltas, slot bookkeeping) and applying the step's output (marking KV
+computed). `engine_us_per_step` adds the rest of the engine's step (detokenizing, stop checks,
+outputs, metrics); `engine_cpu_us_per_step` is the engine thread's CPU time per step.
+
+With `--stub-ms`, the stand-in's forward pass takes that long without using the CPU (a sleep,
+as a GPU's step leaves the host free), and `step_over_stub` is the step's wall time over the
+stub's: what the engine's own work adds at a GPU's step rate (1.0 = none; the goal is <= 1.05).
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ FIRST_TOKEN = 1000
 class EchoWorkers:
     """Answers a plan instantly: each sampled token is a function of its position."""
 
-    def __init__(self, *, num_device_blocks: int, block_size: int, max_model_len: int) -> None:
+    def __init__(
+        self, *, num_device_blocks: int, block_size: int, max_model_len: int, stub_s: float = 0.0
+    ) -> None:
+        self.stub_s = stub_s
         self.num_device_blocks = num_device_blocks
         self.num_cpu_blocks = 0
         self.model_info = ModelInfo(
@@ -38,6 +46,8 @@ class EchoWorkers:
         )  # fmt: skip
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        if self.stub_s:
+            time.sleep(self.stub_s)
         output = StepOutput(step_id=plan.step_id)
         for work in plan.sequences:
             if work.num_samples:
@@ -50,7 +60,9 @@ class EchoWorkers:
         pass
 
 
-def measure(num_seqs: int = 64, prompt_len: int = 200, steps: int = 300) -> dict[str, Any]:
+def measure(
+    num_seqs: int = 64, prompt_len: int = 200, steps: int = 300, stub_s: float = 0.0
+) -> dict[str, Any]:
     """Per-step timings once all `num_seqs` sequences are decoding (prefill steps excluded)."""
     block_size, max_model_len = 16, 2048
     config = EngineConfig().with_overrides(
@@ -61,9 +73,10 @@ def measure(num_seqs: int = 64, prompt_len: int = 200, steps: int = 300) -> dict
         }
     )
     workers = EchoWorkers(
-        num_device_blocks=num_seqs * (prompt_len + steps + 64) // block_size + 64,
+        num_device_blocks=num_seqs * (prompt_len + steps + 128) // block_size + 64,
         block_size=block_size,
         max_model_len=max_model_len,
+        stub_s=stub_s,
     )
     engine = EngineCore(config, workers, tokenizer=load_tokenizer("default"))  # type: ignore[arg-type]
     scheduler = engine.scheduler
@@ -79,7 +92,7 @@ def measure(num_seqs: int = 64, prompt_len: int = 200, steps: int = 300) -> dict
                 spent[_name] += time.perf_counter() - start
 
         setattr(scheduler, name, timed)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     for index in range(num_seqs):
         prompt = [FIRST_TOKEN + (index * 31 + t) % 20000 for t in range(prompt_len)]
         engine.add_request(engine.request_builder.build({"prompt_token_ids": prompt}, params))
@@ -89,15 +102,17 @@ def measure(num_seqs: int = 64, prompt_len: int = 200, steps: int = 300) -> dict
         engine.step()
     scheduler_us: list[float] = []
     engine_us: list[float] = []
+    cpu_us: list[float] = []
     for _ in range(steps):
         spent["schedule"] = spent["on_step_done"] = 0.0
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         step = engine.begin_step()
         output = workers.execute(step.plan)
         engine.finish_step(step, output)
         engine_us.append((time.perf_counter() - start) * 1e6)
+        cpu_us.append((time.thread_time() - cpu_start) * 1e6)
         scheduler_us.append((spent["schedule"] + spent["on_step_done"]) * 1e6)
-        assert len(step.plan.sequences) == num_seqs
+        assert len(step.plan.sequences) == num_seqs, (len(step.plan.sequences), num_seqs)
     engine.shutdown()
     p50 = statistics.median(scheduler_us)
     return {
@@ -108,19 +123,30 @@ def measure(num_seqs: int = 64, prompt_len: int = 200, steps: int = 300) -> dict
         "scheduler_steps_per_s": round(1e6 / p50, 1),
         "engine_us_per_step_p50": round(statistics.median(engine_us), 1),
         "engine_steps_per_s": round(1e6 / statistics.median(engine_us), 1),
+        "engine_cpu_us_per_step_p50": round(statistics.median(cpu_us), 1),
+        "stub_ms": stub_s * 1e3,
+        "step_over_stub": (
+            round(statistics.median(engine_us) / (stub_s * 1e6), 3) if stub_s else None
+        ),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
-    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[64])
+    parser.add_argument("--stub-ms", type=float, default=0.0, help="a forward pass of this long")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3, help="best p50 of this many runs")
     args = parser.parse_args()
-    runs = [measure(args.seqs, steps=args.steps) for _ in range(args.repeats)]
-    best = min(runs, key=lambda r: r["scheduler_us_per_step_p50"])
-    print(json.dumps(best, indent=None if args.json else 2))
+    results = []
+    for seqs in args.seqs:
+        runs = [
+            measure(seqs, steps=args.steps, stub_s=args.stub_ms / 1e3) for _ in range(args.repeats)
+        ]
+        results.append(min(runs, key=lambda r: r["engine_us_per_step_p50"]))
+    output = results[0] if len(results) == 1 else {"runs": results}
+    print(json.dumps(output, indent=None if args.json else 2))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,14 @@ from tqdm import tqdm
 
 @dataclass(frozen=True)
 class Job:
-    prompt: str | list[int]
-    """Text, or token ids that skip the server's tokenizer (the same tokens on any server)."""
+    prompt: str | list[int] | list[dict[str, str]]
+    """Text or token ids (token ids skip the server's tokenizer: the same tokens on any
+    server), sent to /v1/completions; or chat messages, sent to /v1/chat/completions."""
     max_tokens: int
+
+    @property
+    def is_chat(self) -> bool:
+        return bool(self.prompt) and isinstance(self.prompt[0], dict)
 
 
 @dataclass
@@ -43,7 +48,7 @@ class Result:
 async def one_request(client: httpx.AsyncClient, model: str, job: Job) -> Result:
     body = {
         "model": model,
-        "prompt": job.prompt,
+        ("messages" if job.is_chat else "prompt"): job.prompt,
         "max_tokens": job.max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -54,7 +59,8 @@ async def one_request(client: httpx.AsyncClient, model: str, job: Job) -> Result
     result = Result(ok=False)
     last = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        path = "/v1/chat/completions" if job.is_chat else "/v1/completions"
+        async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -64,7 +70,8 @@ async def one_request(client: httpx.AsyncClient, model: str, job: Job) -> Result
                     continue
                 chunk = json.loads(line.removeprefix("data: "))
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     if last is None:
                         result.ttft = now - start
                     else:

@@ -9,12 +9,17 @@ ids (so both see exactly the same tokens), ``temperature 0`` and ``ignore_eos``.
 
 - ``random``: prompts of 128 random token ids, 128 output tokens, Poisson at 2 req/s, 48 requests;
 - ``prefix``: 4 prefixes of 512 random token ids, each request one of them plus 64 unique ids,
-  32 output tokens, Poisson at 1 req/s, 32 requests.
+  32 output tokens, Poisson at 1 req/s, 32 requests;
+- ``burst``: 64 natural-text chats (``benchmarks.chat_corpus``: instructions over passages of
+  the Python reference, ~150-400 prompt tokens) sent at once through ``/v1/chat/completions``,
+  output budgets drawn from 60-400 tokens: a saturating burst, where refusals count as failed.
 
 Per workload and server it reports output tok/s, TTFT and TPOT p50/p99 and goodput (requests per
 second with TTFT <= 2 s and TPOT <= 150 ms), and ratios ours over theirs; the top-level keys
 ``random_output_tok_s_ratio``, ``random_tpot_p50_ratio``, ``random_ttft_p50_ratio`` and
-``prefix_ttft_p50_ratio`` are those ratios (None when a side did not run). When llama-server is
+``prefix_ttft_p50_ratio``, ``burst_output_tok_s_ratio`` and ``burst_tpot_p50_ratio`` are those
+ratios (None when a side did not run), and ``burst_failed`` each side's refused or failed
+requests. When llama-server is
 neither found nor buildable the run says why on stderr and reports ``skipped``.
 
 Load generation and statistics are ``benchmarks.serving``'s. ``--quick`` is a smaller load.
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shlex
@@ -37,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import llama_server
+from benchmarks.chat_corpus import chat_prompts
 from benchmarks.load import Job, Result, run_workload
 from benchmarks.serving import free_port, ratio, report
 
@@ -76,17 +83,29 @@ def prefix_workload(
     ]
 
 
+def burst_workload(seed: int, count: int, min_tokens: int, max_tokens: int) -> list[Job]:
+    """`count` natural-text chats with output budgets drawn from [min_tokens, max_tokens]."""
+    rng = random.Random(seed)
+    return [Job(chat, rng.randint(min_tokens, max_tokens)) for chat in chat_prompts(count, seed)]
+
+
+WORKLOADS = ("random", "prefix", "burst")
+
+
 def workloads(args: argparse.Namespace) -> list[Workload]:
     count = 16 if args.quick else args.num_requests
     prefix_count = 12 if args.quick else args.prefix_requests
-    return [
-        Workload("random", random_workload(args.seed, count, 128, 128), args.rate),
-        Workload(
+    burst_count = 16 if args.quick else args.burst_requests
+    every = {
+        "random": Workload("random", random_workload(args.seed, count, 128, 128), args.rate),
+        "prefix": Workload(
             "prefix",
             prefix_workload(args.seed + 1, prefix_count, 4, 512, 64, 32),
             args.prefix_rate,
         ),
-    ]
+        "burst": Workload("burst", burst_workload(args.seed + 2, burst_count, 60, 400), math.inf),
+    }
+    return [every[name] for name in args.workloads]
 
 
 def fill_token_counts(results: list[Result]) -> None:
@@ -173,7 +192,7 @@ def compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | N
         f"{workload}_{name}_ratio": ratio(
             metric(ours, workload, *path), metric(theirs, workload, *path)
         )
-        for workload in ("random", "prefix")
+        for workload in WORKLOADS
         for name, path in figures.items()
     }
 
@@ -194,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=2.0)
     parser.add_argument("--prefix-requests", type=int, default=32)
     parser.add_argument("--prefix-rate", type=float, default=1.0)
+    parser.add_argument("--burst-requests", type=int, default=64)
+    parser.add_argument(
+        "--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), help="which to run"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ttft-slo", type=float, default=2.0)
     parser.add_argument("--tpot-slo", type=float, default=0.15)
@@ -218,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     output: dict[str, Any] = {
         "benchmark": "vs_llamacpp",
         **{key: ratios[key] for key in HEADLINE},
+        "burst_failed": {
+            "pagedserve": metric(ours, "burst", "failed"),
+            "llama_server": metric(theirs, "burst", "failed"),
+        },
         "config": {k: str(v) for k, v in vars(args).items() if k not in ("json", "plot")},
         "model": str(model),
         "llama_server": theirs,
@@ -240,6 +267,8 @@ HEADLINE = (
     "random_tpot_p50_ratio",
     "random_ttft_p50_ratio",
     "prefix_ttft_p50_ratio",
+    "burst_output_tok_s_ratio",
+    "burst_tpot_p50_ratio",
 )
 
 
@@ -248,7 +277,7 @@ def print_table(ours: dict[str, Any], theirs: dict[str, Any], ratios: dict[str, 
         return "-" if value is None else f"{value * scale:.3g}"
 
     print("workload server     tok/s  TTFT p50/p99 (s)  TPOT p50/p99 (ms)  goodput (req/s)")
-    for workload in ("random", "prefix"):
+    for workload in WORKLOADS:
         for name, side in (("llama.cpp", theirs), ("pagedserve", ours)):
             tok_s = cell(metric(side, workload, "output_token_throughput_tps"))
             print(

@@ -28,6 +28,9 @@ class WorkerConfig:
 
     model: str = "default"
     dtype: str = "float32"
+    """float32 | bfloat16 | float16 | auto: `auto` (the engine's default) is resolved by
+    `WorkerGroup` for the ranks' device (`workers.cpu_features.auto_dtype`); ranks only ever
+    see a concrete dtype."""
     block_size: int = 16
     tensor_parallel_size: int = 1
     num_device_blocks: int | None = None
@@ -73,8 +76,10 @@ class WorkerConfig:
             raise ValueError(f"kv_layout {self.kv_layout!r} is not one of {list(KV_LAYOUTS)}")
         if self.kv_layout == "virtual" and self.kv_virtual_slots <= 0:
             raise ValueError("kv_layout 'virtual' needs kv_virtual_slots > 0")
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(SUPPORTED_DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"dtype {self.dtype!r} is not 'auto' or one of {sorted(SUPPORTED_DTYPES)}"
+            )
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.tensor_parallel_size <= 0:
@@ -112,6 +117,8 @@ class WorkerConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is resolved by WorkerGroup before the ranks start")
         return SUPPORTED_DTYPES[self.dtype]
 
     def cpu_threads(self) -> int | None:

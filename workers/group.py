@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from workers.config import ModelInfo, WorkerConfig
+from workers.cpu_features import auto_dtype
 from workers.kv_memory import KVShape
 from workers.loader import ModelDescription, describe_model
 from workers.lora import AdapterSummary
@@ -99,12 +100,10 @@ class WorkerGroup:
     """Loads the model on every rank, allocates the KV pools, and executes one plan per step."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        self.config = config
         cache_root = pathlib.Path(config.weights_cache_dir or default_cache_root())
         description = describe_model(resolve_model_path(config.model), cache_root)
         check_tensor_parallel(description.spec, config.tensor_parallel_size)
         max_model_len = _max_model_len(config, description)
-        self.model_info = _model_info(config, description, max_model_len)
         self.overhead = CallOverhead()
         self._local: WorkerRank | None = None
         # Local backend only (a RankThread starts its thread on first use). The rank thread
@@ -117,35 +116,42 @@ class WorkerGroup:
         )
         self._actors: list[Any] = []
         self.placement: RankPlacement | None = None
-        args = (config, description, str(cache_root))
         if config.backend == "local":
             cuda = torch.cuda.is_available() and config.device != "cpu"
             device = "cuda" if cuda or config.device == "cuda" else "cpu"
-            thread = self._rank_thread
-            try:
+        else:
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(include_dashboard=False)
+            self.placement = place_ranks(config.tensor_parallel_size, config.device)
+            device = self.placement.devices[0]
+        if config.dtype == "auto":
+            config = replace(config, dtype=auto_dtype(device))
+        self.config = config
+        self.model_info = _model_info(config, description, max_model_len)
+        args = (config, description, str(cache_root))
+        try:
+            if config.backend == "local":
+                thread = self._rank_thread
                 self._local = local = thread.call(WorkerRank, *args, 0, 1, device, max_model_len)
                 thread.call(local.load)
                 self.num_device_blocks = thread.call(local.measure_device_blocks)
                 self.num_cpu_blocks = thread.call(local.cpu_blocks)
                 thread.call(local.allocate, self.num_device_blocks, self.num_cpu_blocks)
-            except BaseException:
-                self.shutdown()
-                raise
-        else:
-            try:
+            else:
                 self._start_actors(args, max_model_len)
-            except BaseException:
-                self.shutdown()  # no actor or placement group outlives a failed start
-                raise
+        except BaseException:
+            self.shutdown()  # no actor or placement group outlives a failed start
+            raise
 
     def _start_actors(self, args: tuple[Any, ...], max_model_len: int) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         world = self.config.tensor_parallel_size
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False)
-        self.placement = placement = place_ranks(world, self.config.device)
+        placement = self.placement
+        assert placement is not None
         actor_class = ray.remote(WorkerRank)
         for rank in range(world):
             strategy = PlacementGroupSchedulingStrategy(

@@ -28,7 +28,11 @@ class _Section(BaseModel):
 
 class ModelSettings(_Section):
     model: str = Field("default", description="a .gguf file, an HF directory, or 'default'")
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description="auto: bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16, "
+        "AMX), float32 elsewhere; float32 is the exact mode",
+    )
     max_model_len: int | None = Field(None, gt=0, description="default: the model's context")
     seed: int = Field(0, ge=0, description="seed of requests that do not give one (with a counter)")
     weights_cache_dir: str | None = None
@@ -118,6 +122,12 @@ class SchedulerSettings(_Section):
     enable_chunked_prefill: bool = True
     preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
     max_waiting_requests: int = Field(4096, gt=0, description="admission queue limit")
+    max_queue_wait_s: float | None = Field(
+        300.0,
+        gt=0,
+        description="refuse a request (503 with Retry-After) when requests wait and the measured "
+        "drain rate predicts it would wait longer than this to start; unset: never by time",
+    )
     check_integrity: bool = Field(False, description="run the block manager's check every step")
 
     @model_validator(mode="after")

@@ -28,6 +28,7 @@ from cluster.engine.metrics import EngineMetrics, MetricsRecorder
 from cluster.engine.output_processor import StopLimits, apply_sampled_token
 from cluster.engine.outputs import RequestMetrics, RequestOutput
 from cluster.engine.preemption import PreemptionCostModel
+from cluster.engine.queue_wait import QueueWait
 from cluster.engine.request import Branch, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerStep
@@ -101,6 +102,7 @@ class EngineCore:
         )
         self.limits = StopLimits(frozenset(info.eos_token_ids), self.max_model_len)
         self.recorder = MetricsRecorder()
+        self.queue_wait = QueueWait()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
@@ -127,6 +129,7 @@ class EngineCore:
                 f"{len(self.scheduler.waiting)} requests are waiting "
                 f"(scheduler.max_waiting_requests = {self.config.scheduler.max_waiting_requests})"
             )
+        self._check_predicted_wait()
         params = generate.params
         ids = generate.token_ids
         digest = self.adapters.digest_for(generate.adapter)
@@ -201,6 +204,7 @@ class EngineCore:
             return None
         self.scheduler.abort(request)
         self._forget_limits(request)
+        self.queue_wait.observe_departure()
         request.metrics.finished_time = time.time()
         self.recorder.num_aborted_requests += 1
         return request
@@ -337,6 +341,7 @@ class EngineCore:
                 continue
             self.scheduler.abort(request)
             self._forget_limits(request)
+            self.queue_wait.observe_departure()
             request.error = reason
             request.failed = True
             request.metrics.finished_time = time.time()
@@ -489,7 +494,24 @@ class EngineCore:
             self.block_manager.forget(branch.seq_id)
         self.adapters.release(request)
 
+    def _check_predicted_wait(self) -> None:
+        """EngineOverloaded when requests already wait and a new one would wait longer than
+        `scheduler.max_queue_wait_s` by the measured drain rate; Retry-After is how much
+        longer, i.e. when the queue will have drained enough to start it in time."""
+        limit = self.config.scheduler.max_queue_wait_s
+        waiting = len(self.scheduler.waiting)
+        if limit is None or waiting == 0:
+            return
+        predicted = self.queue_wait.predict(waiting)
+        if predicted is not None and predicted > limit:
+            raise EngineOverloaded(
+                f"{waiting} requests are waiting; a new one would start in about "
+                f"{predicted:.0f} s (scheduler.max_queue_wait_s = {limit:g})",
+                retry_after_s=predicted - limit,
+            )
+
     def _complete(self, request: Request, now: float) -> None:
+        self.queue_wait.observe_departure()
         self._forget_limits(request)
         request.metrics.finished_time = now
         self.requests.pop(request.request_id, None)

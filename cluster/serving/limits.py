@@ -5,9 +5,11 @@ Invariants:
 - a body larger than `max_body_bytes` is refused with 413 in OpenAI's error shape before any of
   it is parsed: at once when `Content-Length` says so (nothing is read), otherwise as soon as
   the bytes read so far pass the limit (never more than one chunk past it is held);
-- a request that has produced no output within `queue_timeout_s` of being sent to the engines
-  (queued at a handle or in an engine's admission queue) is shed with 503 and Retry-After, and
-  its call is cancelled (which frees anything it held).
+- a request that has produced no output within `queue_timeout_s` (when set) of being sent to
+  the engines (queued at a handle or in an engine's admission queue) is shed with 503 and
+  Retry-After, and its call is cancelled (which frees anything it held). Unset by default: a
+  burst queues, and an engine refuses at admission only what its measured drain rate predicts
+  it cannot start within `scheduler.max_queue_wait_s`.
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ class LimitsArgs(BaseModel):
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1024, description="largest HTTP request body (413 beyond)"
     )
-    queue_timeout_s: float = Field(
-        30.0,
+    queue_timeout_s: float | None = Field(
+        None,
         gt=0,
-        description="longest a request may wait for its first output (503 with Retry-After)",
+        description="longest a request may wait for its first output (503 with Retry-After); "
+        "unset: no limit by the clock here (the engines refuse by predicted wait instead, "
+        "scheduler.max_queue_wait_s)",
     )
     metrics: MetricsArgs = Field(default_factory=MetricsArgs)
 

@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 def tiny_config(model_dir: pathlib.Path, **sections: dict[str, Any]) -> EngineConfig:
     base: dict[str, dict[str, Any]] = {
-        "model": {"model": str(model_dir)},
+        "model": {"model": str(model_dir), "dtype": "float32"},
         "cache": {"block_size": 8, "num_device_blocks": 200, "num_cpu_blocks": 64, "watermark": 0},
         "parallel": {"backend": "local"},
         "scheduler": {"check_integrity": True, "max_num_seqs": 8, "max_num_batched_tokens": 256},

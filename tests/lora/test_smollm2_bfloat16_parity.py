@@ -1,13 +1,14 @@
-"""SmolLM2-135M-Instruct with PEFT adapters in bfloat16 (what `make serve` runs) against HF
+"""SmolLM2-135M-Instruct with PEFT adapters in bfloat16 (what `dtype: auto` runs where bfloat16 is
+native) against HF
 transformers + PEFT in float32: the fast mode's rule, with adapters.
 
 The same adapters as `test_smollm2_parity.py` (built by PEFT on HF's float32 model of the same
 GGUF; rank 8 on all seven projections, rank 16 on q/v only). Teacher-forced on HF+PEFT's own
 greedy path (every step is fed HF's previous token, so one early flip cannot cascade), each
-adapter's prompts and a base-model prompt run in one batch through their LoRA slots; our greedy
-token must equal HF's at every step except where HF's top-2 logit margin is below `NEAR_TIE`,
-and such near-tie flips stay rare. Each adapter is also checked to change what the base model
-would choose, so the comparison can fail.
+adapter's prompts and a base-model prompt run in one batch through their LoRA slots; at every
+step our logits may move HF's top-2 margin by less than `BFLOAT16_NEAR_TIE` (so a flip is a
+near tie), the median move stays below `BFLOAT16_TYPICAL_MOVE`, and flips stay rare. Each
+adapter is also checked to change what the base model would choose, so the comparison can fail.
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ from tests.lora.adapters import SMOLLM2_ADAPTERS, Reference, peft_greedy_referen
 from tests.workers.conftest import smollm2_hf  # noqa: F401  (the session's HF oracle)
 from tests.workers.paged_runner import (
     chat_prompt_ids,
+    fast_mode_flips,
     hf_greedy,
-    near_tie_flips,
-    teacher_forced_argmax,
+    teacher_forced,
 )
 from workers import StepPlan, WorkerConfig, WorkerGroup, load_tokenizer
 from workers.plan import LoRASlotLoad
 
 NEW_TOKENS = 16
-NEAR_TIE = 0.1
 CHATS = [
     "What is the capital of France?",
     "List three prime numbers.",
@@ -89,8 +89,8 @@ def test_bfloat16_adapters_match_hf_peft_float32_except_near_ties(
         batch += prompts
         slots += [slot] * len(prompts)
         expected += references[name][1]
-    ours = teacher_forced_argmax(group, batch, [tokens for tokens, _ in expected], slots)
-    flips = near_tie_flips(expected, ours, NEAR_TIE)
+    ours = teacher_forced(group, batch, [tokens for tokens, _ in expected], slots)
+    flips = fast_mode_flips(expected, ours)
     assert len(flips) <= len(expected) * NEW_TOKENS // 10, flips
     # each adapter changes the greedy path HF's base model takes, so a dropped adapter fails
     base_tokens = [tokens for tokens, _ in references["base"][1]]

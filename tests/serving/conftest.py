@@ -31,7 +31,7 @@ def engine_section(model_dir: pathlib.Path) -> dict[str, Any]:
     """Small on purpose: 4 running sequences and 3 waiting requests at most, so overload is easy
     to provoke; 256 blocks of 4 tokens."""
     return {
-        "model": {"model": str(model_dir), "max_model_len": MAX_MODEL_LEN},
+        "model": {"model": str(model_dir), "dtype": "float32", "max_model_len": MAX_MODEL_LEN},
         "parallel": {"backend": "local"},
         "cache": {"block_size": 4, "num_device_blocks": 256, "num_cpu_blocks": 16},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_waiting_requests": 3},

@@ -155,7 +155,7 @@ def test_non_default_values_flow_into_every_object(chart: Any) -> None:
     engine = EngineConfig.build(app.args["engine"])
     assert engine.model.model == "/models/llama.gguf"
     assert engine.model.max_model_len == 4096
-    assert engine.model.dtype == "bfloat16"  # a default kept beside the overrides
+    assert engine.model.dtype == "auto"  # a default kept beside the overrides
     assert engine.parallel.tensor_parallel_size == 2
     assert engine.cache.block_size == 32
     ingress, deployment = app.deployments

@@ -1,0 +1,147 @@
+"""Offline throughput side by side with OpenVINO GenAI on the same GGUF and the same tokens.
+
+``python -m benchmarks.vs_openvino --json`` renders `--prompts` natural-text chats
+(``benchmarks.chat_corpus``) with the default model's chat template, then generates
+`--max-tokens` greedy tokens per prompt (EOS ignored) with all prompts submitted at once:
+
+- OpenVINO GenAI's ``ContinuousBatchingPipeline(model.gguf, SchedulerConfig(), "CPU")`` (paged
+  attention, continuous batching, prefix caching on), in its own virtual environment outside the
+  repository (``--openvino-python``, else ``$PAGEDSERVE_OPENVINO_PYTHON``, else
+  ``~/.cache/pagedserve/openvino-genai/bin/python``; made with ``pip install openvino-genai``);
+- ours: ``LLM()`` with its defaults (``--llm-args`` adds keyword arguments as JSON).
+
+Both get the same prompt token ids; each side runs a short warm-up first and is timed on the
+whole batch. It prints output tok/s per side, ``ours_over_openvino`` and the fraction of prompts
+whose greedy tokens agree exactly (the two compute in different precisions, so near ties may
+differ). A missing OpenVINO venv makes that side ``skipped`` with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.chat_corpus import chat_prompts
+
+RUNNER = Path(__file__).with_name("openvino_runner.py")
+ENV_VAR = "PAGEDSERVE_OPENVINO_PYTHON"
+
+
+def openvino_python(explicit: str | None) -> Path | None:
+    candidates = [explicit, os.environ.get(ENV_VAR)]
+    candidates.append(str(Path.home() / ".cache/pagedserve/openvino-genai/bin/python"))
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return Path(candidate)
+    return None
+
+
+def run_openvino(
+    python: Path, model: Path, prompts: list[list[int]], warmup: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
+    spec = {"model": str(model), "prompts": prompts, "warmup": warmup, "max_tokens": max_tokens}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as handle:
+        json.dump(spec, handle)
+        handle.flush()
+        done = subprocess.run(
+            [str(python), str(RUNNER), handle.name], capture_output=True, text=True, check=False
+        )
+    if done.returncode != 0:
+        return {"skipped": f"the OpenVINO runner failed: {done.stderr[-2000:]}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_ours(
+    prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, llm_args: dict[str, Any]
+) -> dict[str, Any]:
+    from pagedserve import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(**llm_args) as llm:
+        llm.generate([{"prompt_token_ids": ids} for ids in warmup], SamplingParams(max_tokens=8))
+        began = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy)
+        elapsed = time.perf_counter() - began
+        config = llm.engine.config
+        return {
+            "elapsed_s": elapsed,
+            "outputs": [r.outputs[0].token_ids for r in results],
+            "dtype": llm.engine.model_info.dtype,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--openvino-python", help=f"OpenVINO venv's python (else ${ENV_VAR})")
+    parser.add_argument("--llm-args", default="{}", help="JSON keyword arguments for LLM()")
+    parser.add_argument("--only", choices=("ours", "openvino"), help="run one side")
+    args = parser.parse_args(argv)
+
+    from workers import load_tokenizer
+    from workers.cpu_features import CpuFeatures
+    from workers.model_source import resolve_model_path
+
+    model = resolve_model_path("default")
+    tokenizer = load_tokenizer("default")
+
+    def render(messages: list[dict[str, str]]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prompts = [render(chat) for chat in chat_prompts(args.prompts, args.seed)]
+    warmup = [render(chat) for chat in chat_prompts(2, args.seed + 1)]
+    sides: dict[str, dict[str, Any]] = {}
+    if args.only != "ours":
+        python = openvino_python(args.openvino_python)
+        sides["openvino"] = (
+            run_openvino(python, model, prompts, warmup, args.max_tokens)
+            if python is not None
+            else {"skipped": "no OpenVINO GenAI venv (pip install openvino-genai in one)"}
+        )
+    if args.only != "openvino":
+        sides["pagedserve"] = run_ours(prompts, warmup, args.max_tokens, json.loads(args.llm_args))
+    for side in sides.values():
+        if "outputs" in side:
+            side["output_tokens"] = sum(len(o) for o in side["outputs"])
+            side["output_tok_s"] = side["output_tokens"] / side["elapsed_s"]
+    ours, theirs = sides.get("pagedserve", {}), sides.get("openvino", {})
+    ratio = None
+    agree = None
+    if "output_tok_s" in ours and "output_tok_s" in theirs:
+        ratio = ours["output_tok_s"] / theirs["output_tok_s"]
+        pairs = zip(ours["outputs"], theirs["outputs"], strict=True)
+        agree = sum(a == b for a, b in pairs) / len(prompts)
+    result = {
+        "benchmark": "vs_openvino",
+        "ours_over_openvino": ratio,
+        "greedy_agreement": agree,
+        "cpu": CpuFeatures.detect().kind,
+        "prompts": len(prompts),
+        "prompt_tokens": {"min": min(map(len, prompts)), "max": max(map(len, prompts))},
+        "max_tokens": args.max_tokens,
+        **{name: {k: v for k, v in side.items() if k != "outputs"} for name, side in sides.items()},
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for name, side in sides.items():
+            print(f"{name:10} {side.get('output_tok_s', side.get('skipped'))}")
+        print(f"ours/openvino {ratio}  greedy agreement {agree}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The x86 CPU features the precision defaults and native kernels depend on, read once.
+
+`CpuFeatures.detect()` reads the running CPU (Linux `/proc/cpuinfo` flags; torch's own checks
+elsewhere). `auto_dtype` is the one rule behind `dtype: auto`: bfloat16 where its products are
+native (CUDA, AVX512-BF16 or AMX-BF16 on the CPU), float32 everywhere else, where oneDNN only
+emulates bfloat16 (slower than float32, and not the rounding the bfloat16 tests were tuned on).
+Tests pass a `CpuFeatures` of another CPU kind to force its path.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What this CPU executes natively (each flag as Linux names it in /proc/cpuinfo)."""
+
+    avx2: bool = False
+    avx512: bool = False  # avx512f and avx512bw: what the native kernels' vector code needs
+    avx512_vnni: bool = False
+    avx_vnni: bool = False
+    avx512_bf16: bool = False
+    amx_bf16: bool = False
+
+    @property
+    def native_bfloat16(self) -> bool:
+        """Whether bfloat16 dot products run in hardware (not emulated through float32)."""
+        return self.avx512_bf16 or self.amx_bf16
+
+    @property
+    def kind(self) -> str:
+        """A short name of the CPU kind, for logs and benchmark reports."""
+        if self.amx_bf16:
+            return "amx-bf16"
+        if self.avx512_bf16:
+            return "avx512-bf16"
+        if self.avx512:
+            return "avx512-vnni" if self.avx512_vnni else "avx512"
+        return "avx2" if self.avx2 else "x86-64"
+
+    @staticmethod
+    def from_flags(flags: set[str]) -> CpuFeatures:
+        return CpuFeatures(
+            avx2="avx2" in flags,
+            avx512={"avx512f", "avx512bw"} <= flags,
+            avx512_vnni="avx512_vnni" in flags,
+            avx_vnni="avx_vnni" in flags,
+            avx512_bf16="avx512_bf16" in flags,
+            amx_bf16="amx_bf16" in flags,
+        )
+
+    @staticmethod
+    def detect() -> CpuFeatures:
+        """The running CPU's features."""
+        cpuinfo = pathlib.Path("/proc/cpuinfo")
+        if cpuinfo.exists():
+            for line in cpuinfo.read_text().splitlines():
+                if line.startswith("flags"):
+                    return CpuFeatures.from_flags(set(line.partition(":")[2].split()))
+        capability = torch.backends.cpu.get_cpu_capability()
+        return CpuFeatures(
+            avx2=capability in ("AVX2", "AVX512"),
+            avx512=capability == "AVX512",
+            avx512_bf16=bool(torch.cpu._is_avx512_bf16_supported()),
+            amx_bf16=bool(torch.cpu._is_amx_tile_supported()),
+        )
+
+
+def auto_dtype(device: str, features: CpuFeatures | None = None) -> str:
+    """The dtype `auto` means on `device` ("cuda" or "cpu"; `features`: the CPU's, detected
+    when None): the fastest mode that keeps its tests' rule on that hardware."""
+    if device == "cuda":
+        return "bfloat16"
+    cpu = features if features is not None else CpuFeatures.detect()
+    return "bfloat16" if cpu.native_bfloat16 else "float32"
