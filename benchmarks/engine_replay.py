@@ -99,7 +99,7 @@ async def replay(engine: AsyncEngine, args: argparse.Namespace) -> dict[str, Any
         sent = time.perf_counter()
         first = last = None
         count = 0
-        async for delta in engine.generate_deltas(request):
+        async for delta in engine.generate(request):
             new = sum(len(branch.token_ids) for branch in delta.branches)
             if new:
                 last = time.perf_counter()
@@ -136,7 +136,7 @@ async def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
             RenderedPrompt(list(range(1000, 1128)), None),
             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
         )
-        async for _ in engine.generate_deltas(warmup):
+        async for _ in engine.generate(warmup):
             pass
         group.execute_async = step_caller(group, variant, log)  # type: ignore[method-assign]
         result = await replay(engine, args)

@@ -18,6 +18,7 @@ from typing import Any
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
+from cluster.engine.kv_layouts import LayoutRecorder
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import SamplingParams
 
@@ -95,7 +96,7 @@ def run_layout(
     """Runs the whole workload (all requests arrive at once) and gathers the layout's figures."""
     config = base.with_overrides({"cache": {"kv_layout": layout, "block_size": block_size}})
     engine = EngineCore(config)
-    engine.layout_recorder.keep_samples = True
+    recorder = LayoutRecorder.of(engine, keep_samples=True)
     try:
         started = time.perf_counter()
         requests: list[tuple[Request, int]] = []
@@ -108,8 +109,8 @@ def run_layout(
             )
             requests.append((request, wanted))
         pending = {request.request_id: wanted for request, wanted in requests}
-        while engine.has_unfinished():
-            for output in engine.step():
+        while engine.has_work():
+            for output in recorder.step(engine):
                 if output.error is not None:
                     raise RuntimeError(f"{layout}: {output.request_id}: {output.error}")
             for request, wanted in requests:
@@ -118,7 +119,6 @@ def run_layout(
                 ):
                     engine.abort(request.request_id)  # the request's "EOS": it ends here
                     del pending[request.request_id]
-        engine.flush_decommits()
         seconds = time.perf_counter() - started
         produced = sum(len(r.branches[0].output_token_ids) for r, _ in requests)
         if produced != workload.output_tokens:
@@ -127,6 +127,7 @@ def run_layout(
             )
         return _summarize(
             engine,
+            recorder,
             workload,
             layout,
             block_size,
@@ -142,6 +143,7 @@ def run_layout(
 
 def _summarize(
     engine: EngineCore,
+    recorder: LayoutRecorder,
     workload: Workload,
     layout: str,
     block_size: int,
@@ -160,7 +162,7 @@ def _summarize(
         and r.metrics.ttft <= slo_ttft_s
         and (r.metrics.mean_tpot or 0.0) <= slo_tpot_s
     )
-    rec = engine.layout_recorder
+    rec = recorder
     backed = max(rec.sum_backed_bytes, 1.0)
     metrics = engine.metrics()
     info = {

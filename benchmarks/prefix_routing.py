@@ -25,6 +25,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from benchmarks.load import Job, one_request
+
 ROUTING_PREFIX_TOKENS = 512
 ROUTING_TAIL_TOKENS = 64
 ROUTING_REPEATS = 3
@@ -56,8 +58,6 @@ def best_cached_fraction(prompts: list[tuple[int, list[int]]], block_size: int) 
 async def drive(
     base: str, model: str, key: str, prompts: list[tuple[int, list[int]]], concurrency: int
 ) -> dict[str, Any]:
-    from benchmarks.serving import Job, one_request
-
     queue: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
     for item in prompts:
         queue.put_nowait(item)

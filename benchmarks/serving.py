@@ -33,17 +33,14 @@ import random
 import socket
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
-from tqdm import tqdm
 
+from benchmarks.load import Job, Result, run_workload
 from benchmarks.prefix_routing import routing_comparison
 
 CONFIG = Path(__file__).resolve().parent.parent / "cluster" / "serving" / "serve_config.yaml"
@@ -52,37 +49,6 @@ VOCABULARY_TEXT = (
     "river mountain engine memory block cache token kernel paper garden window music number"
 )
 WORDS = tuple(VOCABULARY_TEXT.split())
-
-
-@dataclass(frozen=True)
-class Job:
-    prompt: str | list[int] | list[dict[str, str]]
-    """Text or token ids (token ids skip the server's tokenizer: the same tokens on any
-    server), sent to /v1/completions; or chat messages, sent to /v1/chat/completions."""
-    max_tokens: int
-
-    @property
-    def is_chat(self) -> bool:
-        return bool(self.prompt) and isinstance(self.prompt[0], dict)
-
-
-@dataclass
-class Result:
-    ok: bool
-    ttft: float = 0.0
-    latency: float = 0.0
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    served_by: str = ""
-    gaps: list[float] = field(default_factory=list)
-    error: str = ""
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -102,75 +68,6 @@ def shared_prefix_workload(rng: random.Random, count: int) -> list[Job]:
         Job(prefix + "Question: " + words(rng, rng.randint(4, 12)) + "?", rng.randint(8, 64))
         for _ in range(count)
     ]
-
-
-async def one_request(client: httpx.AsyncClient, model: str, job: Job) -> Result:
-    body = {
-        "model": model,
-        ("messages" if job.is_chat else "prompt"): job.prompt,
-        "max_tokens": job.max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    result = Result(ok=False)
-    last = None
-    try:
-        path = "/v1/chat/completions" if job.is_chat else "/v1/completions"
-        async with client.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            result.served_by = response.headers.get("x-pagedserve-replica", "")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line.removeprefix("data: "))
-                now = time.perf_counter()
-                choice = chunk["choices"][0] if chunk.get("choices") else {}
-                if choice.get("text") or (choice.get("delta") or {}).get("content"):
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.gaps.append(now - last)
-                    last = now
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                    result.output_tokens = usage["completion_tokens"]
-                    result.prompt_tokens = usage["prompt_tokens"]
-                    details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = details.get("cached_tokens", 0)
-    except httpx.HTTPError as error:
-        result.error = repr(error)
-        return result
-    result.latency = time.perf_counter() - start
-    result.ok = last is not None
-    return result
-
-
-async def run_workload(
-    base_url: str, model: str, api_key: str, jobs: list[Job], rate: float, seed: int, label: str
-) -> tuple[list[Result], float]:
-    """Sends `jobs` with exponential inter-arrival gaps (Poisson at `rate` per second)."""
-    rng = random.Random(seed)
-    headers = {"Authorization": f"Bearer {api_key}"}
-    limits = httpx.Limits(max_connections=len(jobs))
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, timeout=600, limits=limits
-    ) as client:
-        progress = tqdm(total=len(jobs), desc=label, file=sys.stderr, leave=False)
-        tasks = []
-        start = time.perf_counter()
-        for job in jobs:
-            task = asyncio.create_task(one_request(client, model, job))
-            task.add_done_callback(lambda _: progress.update())
-            tasks.append(task)
-            await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        progress.close()
-    return list(results), time.perf_counter() - start
 
 
 def summary(values: list[float]) -> dict[str, float | None]:

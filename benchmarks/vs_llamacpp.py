@@ -44,7 +44,8 @@ from typing import Any
 
 from benchmarks import llama_server
 from benchmarks.chat_corpus import chat_prompts
-from benchmarks.serving import Job, Result, free_port, ratio, report, run_workload
+from benchmarks.load import Job, Result, run_workload
+from benchmarks.serving import free_port, ratio, report
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 TOKEN_RANGE = (1000, 40000)

@@ -114,9 +114,6 @@ class CacheViews:
         """Blocks an allocation could take now: free plus evictable cached."""
         return self._device.num_free
 
-    def num_free_cpu_blocks(self) -> int:
-        return self._cpu.num_free
-
     # ------------------------------------------------------------------ pools and the cache
     def pressure(self) -> PressureSnapshot:
         """Snapshot of both tiers and the cumulative counters."""

@@ -59,39 +59,6 @@ class PressureSnapshot:
             return 1.0
         return self.tokens_held / self.token_slots_allocated
 
-    # Flat aliases of the per-tier numbers, for callers that prefer ``snapshot.device_free``.
-    @property
-    def device_total(self) -> int:
-        return self.device.total
-
-    @property
-    def device_free(self) -> int:
-        return self.device.free
-
-    @property
-    def device_evictable_cached(self) -> int:
-        return self.device.evictable_cached
-
-    @property
-    def device_used(self) -> int:
-        return self.device.used
-
-    @property
-    def cpu_total(self) -> int:
-        return self.cpu.total
-
-    @property
-    def cpu_free(self) -> int:
-        return self.cpu.free
-
-    @property
-    def cpu_evictable_cached(self) -> int:
-        return self.cpu.evictable_cached
-
-    @property
-    def cpu_used(self) -> int:
-        return self.cpu.used
-
     @property
     def prefix_hit_rate(self) -> float:
         """prefix_hit_tokens / prefix_query_tokens (0.0 before any query)."""

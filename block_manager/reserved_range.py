@@ -175,9 +175,6 @@ class RangeKVManager(NoDecommits, NoCacheTier, ABC):
     def num_free_device_blocks(self) -> int:
         return self._num_blocks - self._device_used_blocks()
 
-    def num_free_cpu_blocks(self) -> int:
-        return 0
-
     def cached_block_hashes(self) -> Iterator[bytes]:
         """No block is ever sealed for reuse in a reserved-range layout: nothing to publish."""
         return iter(())

@@ -7,17 +7,14 @@ Invariants: the block manager and scheduler are touched only between steps (an a
 while the workers execute a step is applied right after it); every stream ends with an output
 whose `finished` is True, or with the exception that stopped the request.
 
-Failure isolation: a step whose plan the workers refuse (a ValueError: every rank validates the
-plan before any collective and applies none of it) does not stop the loop. When the refusal
-names its sequences (`PlanRejected`), their requests end with RequestFailed and the step's other
-requests are recomputed; otherwise every request of the step ends with RequestFailed. A token
-that cannot be applied to its request ends that request alone. Any
-other failure of the workers or their transport (a dead rank actor, a collective error) or of
-the scheduler marks the engine dead and ends every stream with EngineDead.
+Failure isolation is `EngineCore.finish_step`'s: a refused plan or a token that cannot be applied
+ends only the requests it is blamed on (their streams raise RequestFailed); any other failure of
+the workers or their transport (a dead rank actor, a collective error) or of the scheduler
+marks the engine dead and ends every stream with EngineDead.
 
 Streams cost O(new tokens) per step: the loop hands each stream a `RequestDelta`, which its
 `OutputMailbox` coalesces while the reader is behind (one pending item, never a queue of
-snapshots); `generate` folds them into cumulative `RequestOutput`s (see `output_stream`).
+snapshots); `generate` yields them as they are (see `output_stream`).
 
 Nothing here blocks the event loop on Ray: the engine is built (`AsyncEngine.create`) and shut
 down in a worker thread.
@@ -26,7 +23,6 @@ down in a worker thread.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -40,41 +36,14 @@ from cluster.engine.errors import EngineDead, RequestFailed, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics
-from cluster.engine.output_stream import OutputAccumulator, OutputMailbox, RequestDelta
-from cluster.engine.outputs import RequestOutput
+from cluster.engine.output_stream import OutputMailbox, RequestDelta
 from cluster.engine.request import Request
-from cluster.engine.scheduler import SchedulerStep
 from workers import ModelInfo, WorkerGroup
-from workers.plan import PlanRejected
+from workers.plan import StepOutput
 
 log = logging.getLogger(__name__)
 
 IDLE_STEP_PAUSE_S = 0.001
-
-
-def blamed_sequences(error: BaseException) -> frozenset[int]:
-    """The sequence ids a refused plan was blamed on (empty: the whole plan)."""
-    cause = getattr(error, "cause", None)  # a Ray task error wraps what the rank raised
-    for candidate in (error, cause):
-        if isinstance(candidate, PlanRejected):
-            return frozenset(candidate.seq_ids)
-    return frozenset()
-
-
-def step_failure_is_attributable(error: BaseException) -> bool:
-    """Whether a failed worker call can be blamed on the plan (and so on its requests) rather
-    than on the workers: a ValueError is the ranks' validation refusing the plan (a Ray task
-    error whose cause is a ValueError is one too); a dead actor, a lost connection, a timeout
-    or any other error is the workers' own failure."""
-    try:
-        from ray import exceptions as ray_errors
-    except ImportError:  # pragma: no cover - ray is a dependency
-        return isinstance(error, ValueError)
-    if isinstance(error, ray_errors.RayActorError | ray_errors.ActorUnavailableError):
-        return False
-    if isinstance(error, ray_errors.RayTaskError):
-        return isinstance(error.cause, ValueError)
-    return isinstance(error, ValueError)
 
 
 class AsyncEngine:
@@ -117,27 +86,15 @@ class AsyncEngine:
 
     # --- public API ---------------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs until it finishes: cumulative `text` / `token_ids`
-        plus the deltas since the previous output (see `output_stream` for what a reader may
-        keep). Raises RequestRejected / EngineOverloaded before the first output when it cannot
-        queue, RequestFailed / EngineDead when a step fails; leaving the iteration early aborts
-        the request."""
-        accumulator = OutputAccumulator()
-        stream = self.generate_deltas(request)
-        try:
-            async for delta in stream:
-                yield accumulator.apply(delta)
-        finally:
-            await stream.aclose()
-
-    async def generate_deltas(
+    async def generate(
         self, request: GenerateRequest, stream_interval: int = 1
     ) -> AsyncIterator[RequestDelta]:
-        """`generate` as the raw `RequestDelta`s (O(new tokens) each, what a replica sends
-        over a deployment handle); fold them with an `OutputAccumulator`. With
-        `stream_interval` N > 1 each delta after the first token carries at least N new tokens
-        unless it is the last (`OutputMailbox.get`)."""
+        """Streams the request's `RequestDelta`s until it finishes (O(new tokens) each, what a
+        replica sends over a deployment handle; fold them with an `OutputAccumulator` for a
+        whole answer). Raises RequestRejected / EngineOverloaded before the first delta when it
+        cannot queue, RequestFailed / EngineDead when a step fails; leaving the iteration early
+        aborts the request. With `stream_interval` N > 1 each delta after the first token
+        carries at least N new tokens unless it is the last (`OutputMailbox.get`)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         if self._dead is not None:
@@ -211,26 +168,10 @@ class AsyncEngine:
             num_unfinished=self.core.scheduler.num_unfinished(),
         )
 
-    def prompt_block_hashes(self, request: GenerateRequest) -> list[bytes]:
-        """Chain hashes of the request's blocks a cache lookup could hit, keyed exactly as
-        `generate` would cache them (see `EngineCore`)."""
-        return self.core.prompt_block_hashes(request)
-
-    @property
-    def block_size(self) -> int:
-        return self.core.config.cache.block_size
-
     @property
     def request_builder(self) -> RequestBuilder:
         """Renders prompts for this engine's tokenizer (no operator shared prefixes)."""
         return self.core.request_builder
-
-    def cached_block_hashes(self, limit: int) -> list[bytes]:
-        """At most `limit` chain hashes of blocks the engine holds cached on the device now
-        (in use ones first, then evictable ones, those evicted last first)."""
-        if limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
-        return list(itertools.islice(self.core.block_manager.cached_block_hashes(), limit))
 
     def take_block_events(self) -> list[BlockEvent]:
         """The block manager's seals and evictions since the last call (see `BlockEvent`);
@@ -270,10 +211,7 @@ class AsyncEngine:
         assert self._wakeup is not None
         try:
             while True:
-                if not self.core.has_unfinished():
-                    await self._flush_idle()
-                    if self.core.has_unfinished():
-                        continue
+                if not self.core.has_work():
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -287,62 +225,25 @@ class AsyncEngine:
             for mailbox in self._streams.values():
                 mailbox.fail(EngineDead(f"the engine stopped: {error!r}"))
 
-    async def _flush_idle(self) -> None:
-        """Sends the releases (and decommits) of the last requests that ended to the workers,
-        so they hold nothing of them once the engine is idle."""
-        plan = self.core.idle_plan()
-        if plan is None:
-            return
-        self._stepping = True
-        try:
-            output = await self.core.workers.execute_async(plan)
-        finally:
-            self._stepping = False
-        self.core.observe_idle_output(plan, output)
-        self._apply_pending_aborts()
-
     async def _one_step(self) -> None:
+        """`EngineCore`'s step, awaiting the workers' execution (aborts wait for its end)."""
         step = self.core.begin_step()
-        self._stepping = True
-        try:
-            output = None
-            if not step.is_empty:
-                output = await self.core.workers.execute_async(step.plan)
-        except Exception as error:
-            if not step_failure_is_attributable(error):
-                raise
-            self._fail_step(step, error)
-            return
-        finally:
-            self._stepping = False
-        requests = self.core.finish_step_requests(step, output)
-        requests += self.core.resolve_stall_requests(step)
+        result: StepOutput | Exception | None = None
+        if not step.is_empty:
+            self._stepping = True
+            try:
+                result = await self.core.workers.execute_async(step.plan)
+            except Exception as error:  # judged by finish_step: a refusal or broken workers
+                result = error
+            finally:
+                self._stepping = False
+        requests = self.core.finish_step(step, result)
         self._last_step_finished_s = time.monotonic()
         for request in requests:
             self._publish(request)
         self._apply_pending_aborts()
-        if not step.runs_anything and not requests:
+        if not step.runs_anything and not requests and self.core.has_unfinished():
             await asyncio.sleep(IDLE_STEP_PAUSE_S)  # nothing could run: do not spin
-
-    def _fail_step(self, step: SchedulerStep, error: BaseException) -> None:
-        """The workers refused the step's plan and applied none of it: end the requests it was
-        blamed on (all of the step's when it names none), recompute the others whose state
-        depended on it, send its releases again, and go on with everything else."""
-        log.warning("step %d refused by the workers: %r", step.plan.step_id, error)
-        self.core.scheduler.requeue_releases(step.plan.released)
-        self.core.invalidate_lora_slots()
-        blamed = blamed_sequences(error)
-        involved = step.requests()
-        guilty = [r for r in involved if not blamed or any(b.seq_id in blamed for b in r.branches)]
-        if not guilty:  # the blamed sequence is not this step's: trust nothing of it
-            guilty = involved
-        reason = f"the step running this request failed: {type(error).__name__}: {error}"
-        for request in self.core.fail_requests(guilty, reason):
-            self._publish(request)
-        guilty_ids = {r.request_id for r in guilty}
-        self.core.recompute_requests([r for r in involved if r.request_id not in guilty_ids])
-        self._last_step_finished_s = time.monotonic()
-        self._apply_pending_aborts()
 
     def _apply_pending_aborts(self) -> None:
         aborts, self._pending_aborts = self._pending_aborts, []
@@ -350,7 +251,7 @@ class AsyncEngine:
             self._apply_abort(request_id)
 
     def _apply_abort(self, request_id: str) -> None:
-        request = self.core.abort_request(request_id)
+        request = self.core.abort(request_id)
         if request is not None:
             self._publish(request)
 

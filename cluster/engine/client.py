@@ -6,22 +6,23 @@ The in-process `AsyncEngine` implements it; so can anything that forwards to eng
 protocol, never on a concrete engine.
 
 Invariants every implementation keeps:
-- `generate` raises RequestRejected / EngineOverloaded / EngineDead before its first output when
-  the request cannot run; every stream it returns ends with an output whose `finished` is True,
+- `generate` raises RequestRejected / EngineOverloaded / EngineDead before its first delta when
+  the request cannot run; every stream it returns ends with a delta whose `finished` is True,
   or raises; closing the stream early aborts the request and frees its blocks;
+- adapters are loaded through the application's registry (`AdapterService`), never through
+  one client;
 - an engine's metrics and health are the deployment's business (the engine replica reports
   them to Serve and to the ingress), not the client's.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
 from cluster.engine.generate_request import GenerateRequest
-from cluster.engine.lora_request import LoRARequest
-from cluster.engine.outputs import RequestOutput
+from cluster.engine.output_stream import RequestDelta
 from workers import ModelInfo
 
 __all__ = ["EngineClient", "EngineHealth", "ModelInfo"]
@@ -45,25 +46,6 @@ class EngineHealth:
 class EngineClient(Protocol):
     """An engine as a front end sees it."""
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs (deltas since the previous one) until it finishes."""
-        ...
-
-    async def abort(self, request_id: str) -> None:
-        """Frees every block of the request (now, or right after the step in flight)."""
-        ...
-
-    async def add_lora(self, lora: LoRARequest) -> None:
-        """Loads the adapter (PEFT format) and serves it under `lora.lora_name`; loading the same
-        name again with the same path is a no-op. Raises InvalidAdapter (nothing already loaded
-        is affected) or RequestRejected when LoRA is not enabled."""
-        ...
-
-    async def remove_lora(self, lora_name: str) -> None:
-        """Stops serving the adapter; requests already running with it finish. Raises
-        AdapterNotFound for a name that is not loaded."""
-        ...
-
-    async def list_loras(self) -> list[LoRARequest]:
-        """The adapters served now, in load order."""
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestDelta, None]:
+        """Streams the request's deltas (see `output_stream`) until it finishes."""
         ...

@@ -150,6 +150,16 @@ class SchedulerSettings(_Section):
             )
         return self
 
+    def check_context(self, max_model_len: int) -> None:
+        """Without chunked prefill a prompt is scheduled whole, so one step's token budget must
+        hold the longest context. Raises ValueError naming both settings."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"the model's context ({max_model_len}) when chunked prefill is off; raise it "
+                "or set model.max_model_len"
+            )
+
 
 class LoRASettings(_Section):
     """Multi-LoRA serving (vLLM's flags): adapters live in a CPU-resident LRU of
@@ -262,19 +272,18 @@ class EngineConfig(_Section):
                 "scheduler.preemption_mode 'swap' needs a CPU tier: set cache.num_cpu_blocks > 0 "
                 "or cache.swap_space_bytes > 0"
             )
-        max_len = self.model.max_model_len
-        if (
-            not self.scheduler.enable_chunked_prefill
-            and max_len is not None
-            and self.scheduler.max_num_batched_tokens < max_len
-        ):
-            raise ValueError(
-                f"scheduler.max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must "
-                f"be >= model.max_model_len ({max_len}) when chunked prefill is off"
-            )
+        if self.model.max_model_len is not None:
+            self.scheduler.check_context(self.model.max_model_len)
         return self
 
     # --- construction helpers -------------------------------------------------------------
+
+    def single_rank_in_process(self, backend_given: bool) -> EngineConfig:
+        """For offline use (`LLM`, `pagedserve generate`): with one rank and no backend asked
+        for, the rank runs in this process (`parallel.backend` "local") instead of a Ray actor."""
+        if backend_given or self.parallel.tensor_parallel_size != 1:
+            return self
+        return self.with_overrides({"parallel": {"backend": "local"}})
 
     @classmethod
     def build(cls, data: dict[str, Any]) -> EngineConfig:
@@ -367,26 +376,7 @@ class EngineConfig(_Section):
         )
         for section_name, section_type in _SECTIONS.items():
             group = parser.add_argument_group(f"{section_name} settings")
-            for name, info in section_type.model_fields.items():
-                flag = "--" + name.replace("_", "-")
-                help_text = info.description or ""
-                default_text = f"(default: {info.default!r})"
-                if info.annotation is bool:
-                    group.add_argument(
-                        flag,
-                        dest=f"{section_name}.{name}",
-                        action=argparse.BooleanOptionalAction,
-                        default=None,
-                        help=f"{help_text} {default_text}".strip(),
-                    )
-                else:
-                    group.add_argument(
-                        flag,
-                        dest=f"{section_name}.{name}",
-                        default=None,
-                        metavar=name.upper(),
-                        help=f"{help_text} {default_text}".strip(),
-                    )
+            add_section_flags(group, section_name, section_type)
 
     @staticmethod
     def section_of(field_name: str) -> str | None:
@@ -404,12 +394,10 @@ class EngineConfig(_Section):
         if vllm_speculative is not None:
             section = SpeculativeSettings.parse_flag(vllm_speculative)
             overrides["speculative"] = section or {"speculative_method": None}
-        for key, value in vars(args).items():
-            if value is None or "." not in key:
-                continue
-            section, name = key.split(".", 1)
-            if section in _SECTIONS:
-                overrides.setdefault(section, {})[name] = _parse_flag_value(value)
+        for section in _SECTIONS:
+            values = section_values(args, section)
+            if values:
+                overrides.setdefault(section, {}).update(values)
         return base.with_overrides(overrides)
 
 
@@ -437,3 +425,40 @@ def _describe(error: ValidationError) -> str:
         message = item["msg"].removeprefix("Value error, ")
         problems.append(f"{location}: {message}" if location else message)
     return "invalid engine configuration: " + "; ".join(problems)
+
+
+def add_section_flags(
+    group: argparse._ArgumentGroup, section_name: str, section_type: type[BaseModel]
+) -> None:
+    """One `--field-name` flag per field of a section, stored as `section.field` (None when not
+    given; a string for pydantic to coerce, 'none' meaning None: `section_values`); booleans take
+    `--no-field-name` too."""
+    for name, info in section_type.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{info.description or ''} (default: {info.default!r})".strip()
+        if info.annotation is bool:
+            group.add_argument(
+                flag,
+                dest=f"{section_name}.{name}",
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                flag,
+                dest=f"{section_name}.{name}",
+                default=None,
+                metavar=name.upper(),
+                help=help_text,
+            )
+
+
+def section_values(args: argparse.Namespace, section: str) -> dict[str, Any]:
+    """The flags of `section` that were given (see `add_section_flags`), as raw values."""
+    prefix = f"{section}."
+    return {
+        key.removeprefix(prefix): _parse_flag_value(value)
+        for key, value in vars(args).items()
+        if key.startswith(prefix) and value is not None
+    }

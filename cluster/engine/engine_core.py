@@ -2,13 +2,15 @@
 
 `EngineCore` owns the worker group, the block manager (sized from what the workers agreed on),
 the scheduler and the tokenizer. A step is `begin_step()` (schedule, giving the plan), the
-workers' execution, then `finish_step()` (KV marked computed, tokens applied, outputs built); the
-async engine awaits the execution in between, `step()` runs all three in a row.
+workers' execution, then `finish_step()` (KV marked computed, tokens applied, or a refused plan
+isolated to its requests); the offline `LLM` runs the three in a row (`step()`), the async
+engine awaits the execution in between. Nothing else drives a step.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -19,7 +21,7 @@ from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
 from cluster.engine.engine_lora import EngineAdapters
 from cluster.engine.errors import ConfigError, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
-from cluster.engine.kv_layouts import LayoutRecorder, build_kv_manager
+from cluster.engine.kv_layouts import build_kv_manager
 from cluster.engine.lora_manager import LoRAManager
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics, MetricsRecorder
@@ -31,10 +33,13 @@ from cluster.engine.request import Branch, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerStep
 from cluster.engine.speculation import NgramSpeculator
+from cluster.engine.step_failures import blamed_sequences, step_failure_is_attributable
 from cluster.engine.tokenization import PromptRenderer
 from workers import ModelInfo, WorkerGroup, load_tokenizer
 from workers.lora import AdapterSummary
-from workers.plan import StepOutput, StepPlan
+from workers.plan import StepOutput
+
+log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -55,21 +60,16 @@ class EngineCore:
         self.model_info = info
         self.max_model_len = info.max_model_len
         sched = config.scheduler
-        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"scheduler.max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= the "
-                f"model's context ({self.max_model_len}) when chunked prefill is off; raise it or "
-                "set model.max_model_len"
-            )
+        try:
+            sched.check_context(self.max_model_len)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         self.block_manager = build_kv_manager(
             config,
             info,
             self.workers.num_device_blocks,
             self.workers.num_cpu_blocks,
             record_events=record_block_events,
-        )
-        self.layout_recorder = LayoutRecorder(
-            config.cache.kv_layout, info.kv_bytes_per_block / config.cache.block_size
         )
         if tokenizer is None:
             tokenizer = load_tokenizer(config.model.model)
@@ -196,18 +196,9 @@ class EngineCore:
         """The key the request's blocks are cached under (see `RequestKeys.key_for`)."""
         return self.request_keys.key_for(generate)
 
-    def prompt_block_hashes(self, generate: GenerateRequest) -> list[bytes]:
-        """Chain hashes of the request's blocks a prefix lookup could hit, exactly as the block
-        manager keys them."""
-        return self.request_keys.block_hashes(generate)
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Frees everything the request holds; its final output (finish_reason "abort")."""
-        request = self.abort_request(request_id)
-        return None if request is None else request.make_output()
-
-    def abort_request(self, request_id: str) -> Request | None:
-        """`abort`, returning the ended request (None when unknown) instead of its output."""
+    def abort(self, request_id: str) -> Request | None:
+        """Frees everything the request holds; the ended request (finish_reason "abort"), None
+        when the id is unknown."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -218,72 +209,76 @@ class EngineCore:
         self.recorder.num_aborted_requests += 1
         return request
 
-    def fail_requests(self, requests: list[Request], reason: str) -> list[Request]:
-        """Ends `requests` (those still unfinished) with `reason` as their error, freeing what
-        they hold, while every other request goes on; returns the ones it ended. Used when a
-        step failed in a way attributable to its own requests (see `AsyncEngine`)."""
-        ended = []
-        for request in requests:
-            if self.requests.pop(request.request_id, None) is None:
-                continue
-            self.scheduler.abort(request)
-            self._forget_limits(request)
-            self.queue_wait.observe_departure()
-            request.error = reason
-            request.failed = True
-            request.metrics.finished_time = time.time()
-            self.recorder.num_failed_requests += 1
-            ended.append(request)
-        return ended
-
-    def recompute_requests(self, requests: list[Request]) -> None:
-        """Sends unfinished `requests` back to wait for a recompute of their KV (their tokens
-        and text so far are kept), e.g. the innocent requests of a plan the workers refused."""
-        for request in requests:
-            if request.request_id in self.requests and not request.finished:
-                self.scheduler.recompute(request)
-
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished() > 0
 
+    def has_work(self) -> bool:
+        """A step has something to give the workers: an unfinished request, or releases and
+        decommits of ended ones that no plan has carried yet (without them the workers would
+        keep the state of the last requests that ended)."""
+        return (
+            self.has_unfinished()
+            or self.scheduler.has_releases()
+            or self.block_manager.has_pending_decommits()
+        )
+
     # --- steps -------------------------------------------------------------------------------
+    # One path for every driver: `begin_step()`, the workers execute `step.plan` (unless
+    # `step.is_empty`), then `finish_step(step, output or the exception the execution raised)`.
+    # `step()` runs the three in this thread; the async engine awaits the execution instead.
 
     def begin_step(self) -> SchedulerStep:
+        """Schedules the next step; its plan carries every pending release and decommit."""
         step = self.scheduler.schedule()
         bm = self.block_manager
         self.adapters.place(step)
-        if not step.is_empty:
-            step.plan.decommit = bm.take_decommits()
+        step.plan.decommit = bm.take_decommits()
         if self.config.scheduler.check_integrity:
             bm.check_integrity()
-        pressure = bm.pressure()
-        self.recorder.observe_pressure(pressure)
-        running = sum(len(r.active_branches) for r in self.scheduler.running)
-        self.layout_recorder.observe(bm.usage(), running)
+        self.recorder.observe_pressure(bm.pressure())
         return step
 
-    def invalidate_lora_slots(self) -> None:
-        """After a refused plan: its slot loads may have half run; load again on next use."""
-        self.adapters.invalidate_slots()
+    def execute(self, step: SchedulerStep) -> StepOutput | Exception | None:
+        """Runs the step's plan on the workers in this thread: their output, None for an empty
+        plan, or the exception the execution raised (for `finish_step` to judge)."""
+        if step.is_empty:
+            return None
+        try:
+            return self.workers.execute(step.plan)
+        except Exception as error:  # judged by finish_step: a refusal or a broken worker
+            return error
 
-    def finish_step(self, step: SchedulerStep, output: StepOutput | None) -> list[RequestOutput]:
-        """Applies the workers' output (None for an empty plan); outputs of touched requests."""
-        return [request.make_output() for request in self.finish_step_requests(step, output)]
+    def finish_step(
+        self, step: SchedulerStep, result: StepOutput | BaseException | None
+    ) -> list[Request]:
+        """Ends the step with what executing its plan gave; returns the requests it touched
+        (to make outputs or deltas of), the ones it ended included.
 
-    def finish_step_requests(self, step: SchedulerStep, output: StepOutput | None) -> list[Request]:
-        """`finish_step`, returning the touched requests (to make outputs or deltas of).
-
-        A token whose text or stop handling raises ends its request only (`fail_requests`,
-        `request.failed` set); the other requests of the step go on."""
-        now = time.time()
+        `result` is the workers' output, None for an empty plan, or the exception the
+        execution raised. A refused plan (`step_failure_is_attributable`) ends the requests it
+        is blamed on with `request.failed` set and sends the step's other requests back to be
+        recomputed; any other exception is raised again (the workers are broken). A token
+        whose text or stop handling raises ends its request alone."""
         reported = [self._reject_during_admission(request) for request in step.rejected]
+        if isinstance(result, BaseException):
+            return reported + self._refuse_step(step, result)
+        reported += self._apply_output(step, result)
+        return reported + self._resolve_stall(step)
+
+    def step(self) -> list[RequestOutput]:
+        """One whole step in this thread: the outputs of the requests it touched."""
+        step = self.begin_step()
+        return [request.make_output() for request in self.finish_step(step, self.execute(step))]
+
+    def _apply_output(self, step: SchedulerStep, output: StepOutput | None) -> list[Request]:
+        now = time.time()
+        reported: list[Request] = []
         touched: dict[str, Request] = {}
         broken: dict[str, tuple[Request, str]] = {}
         if output is not None and output.corrupt_swap_ins:
             reported += self._fail_corrupt_swap_ins(step, output.corrupt_swap_ins)
         if output is not None:
             self.recorder.num_steps += 1
-            self.layout_recorder.observe_output(output, len(step.plan.decommit))
             for work in step.works:
                 if work.request.metrics.first_scheduled_time is None:
                     work.request.metrics.first_scheduled_time = now
@@ -302,7 +297,7 @@ class EngineCore:
                     broken[request.request_id] = (request, f"{type(error).__name__}: {error}")
         for request, reason in broken.values():
             touched.pop(request.request_id, None)
-            reported += self.fail_requests(
+            reported += self._fail_requests(
                 [request], f"the engine could not apply a token of this request: {reason}"
             )
         if self.config.scheduler.check_integrity:
@@ -314,57 +309,52 @@ class EngineCore:
             reported.append(request)
         return reported
 
-    def step(self) -> list[RequestOutput]:
-        step = self.begin_step()
-        try:
-            output = None if step.is_empty else self.workers.execute(step.plan)
-        except ValueError:  # refused: its slot loads may have half run
-            self.invalidate_lora_slots()
-            raise
-        outputs = self.finish_step(step, output) + self.resolve_stall(step)
-        if not self.has_unfinished():
-            self.flush_idle()
-        return outputs
+    def _refuse_step(self, step: SchedulerStep, error: BaseException) -> list[Request]:
+        """The workers refused the step's plan and applied none of it: end the requests it was
+        blamed on (all of the step's when it names none), recompute the others whose state
+        depended on it, send its releases again; everything else goes on."""
+        if not step_failure_is_attributable(error):
+            raise error
+        log.warning("step %d refused by the workers: %r", step.plan.step_id, error)
+        self.scheduler.requeue_releases(step.plan.released)
+        self.adapters.invalidate_slots()  # its slot loads may have half run
+        blamed = blamed_sequences(error)
+        involved = step.requests()
+        guilty = [r for r in involved if not blamed or any(b.seq_id in blamed for b in r.branches)]
+        if not guilty:  # the blamed sequence is not this step's: trust nothing of it
+            guilty = involved
+        reason = f"the step running this request failed: {type(error).__name__}: {error}"
+        ended = self._fail_requests(guilty, reason)
+        guilty_ids = {r.request_id for r in guilty}
+        for request in involved:  # the innocent: their tokens and text so far are kept
+            alive = request.request_id in self.requests and not request.finished
+            if alive and request.request_id not in guilty_ids:
+                self.scheduler.recompute(request)
+        return ended
 
-    def idle_plan(self) -> StepPlan | None:
-        """With nothing left to run: a plan of its own (step id -1, no work) carrying the
-        releases and `virtual`-layout decommits no plan has carried yet, or None when there are
-        none. Without it the workers would keep the state of the last requests that ended."""
-        released = self.scheduler.take_releases()
-        bm = self.block_manager
-        decommit = bm.take_decommits() if bm.has_pending_decommits() else []
-        if not released and not decommit:
-            return None
-        return StepPlan(step_id=-1, released=released, decommit=decommit)
+    def _fail_requests(self, requests: list[Request], reason: str) -> list[Request]:
+        """Ends `requests` (those still unfinished) with `reason` as their error, freeing what
+        they hold, while every other request goes on; returns the ones it ended."""
+        ended = []
+        for request in requests:
+            if self.requests.pop(request.request_id, None) is None:
+                continue
+            self.scheduler.abort(request)
+            self._forget_limits(request)
+            self.queue_wait.observe_departure()
+            request.error = reason
+            request.failed = True
+            request.metrics.finished_time = time.time()
+            self.recorder.num_failed_requests += 1
+            ended.append(request)
+        return ended
 
-    def observe_idle_output(self, plan: StepPlan, output: StepOutput) -> None:
-        if plan.decommit:
-            self.layout_recorder.observe_output(output, len(plan.decommit))
-
-    def flush_idle(self) -> None:
-        """Sends `idle_plan()` to the workers now (blocking), when there is one."""
-        plan = self.idle_plan()
-        if plan is not None:
-            self.observe_idle_output(plan, self.workers.execute(plan))
-
-    def flush_decommits(self) -> None:
-        """`virtual` layout: return the memory of ended sequences now (see `flush_idle`)."""
-        self.flush_idle()
-
-    def resolve_stall(self, step: SchedulerStep) -> list[RequestOutput]:
-        """`resolve_stall_requests`, as outputs."""
-        return [request.make_output() for request in self.resolve_stall_requests(step)]
-
-    def resolve_stall_requests(self, step: SchedulerStep) -> list[Request]:
-        """After an empty step with nothing running (and nothing preempted), the head of the
-        queues cannot fit even in an empty device pool: a swapped head is sent back to be
-        recomputed, a waiting head is finished with an error instead of waiting forever."""
-        if (
-            step.runs_anything
-            or step.preempted
-            or self.scheduler.running
-            or not self.has_unfinished()
-        ):
+    def _resolve_stall(self, step: SchedulerStep) -> list[Request]:
+        """After a `stalled` step the head of the queues cannot fit even in an empty device
+        pool: a swapped head is sent back to be recomputed, a waiting head is finished with an
+        error instead of waiting forever. (Judged when scheduling: a request that arrived while
+        the plan executed was never considered.)"""
+        if not step.stalled or self.scheduler.running or not self.has_unfinished():
             return []
         request = self.scheduler.unstick_head()
         if request is None:
@@ -397,7 +387,7 @@ class EngineCore:
             )
         ]
         step.works = [work for work in step.works if work.request not in victims]
-        return self.fail_requests(
+        return self._fail_requests(
             victims,
             f"KV integrity: {len(pairs)} block(s) copied back from the CPU tier failed their "
             "checksum; the request is failed rather than served from wrong KV",

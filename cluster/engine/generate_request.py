@@ -42,6 +42,9 @@ class GenerateRequest:
     tenant_salt: bytes | None = None
     adapter: str | None = None
     shared_prefix_tokens: int = 0
+    block_hashes: tuple[bytes, ...] = ()
+    """The chain of its blocks a prefix lookup could hit, hashed once where it was prepared
+    (a routing ingress: the router reads it); empty where nothing routes by it."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -2,10 +2,11 @@
 
 `build_kv_manager` returns the paged `KVCacheManager` or a range manager (`ContiguousKVManager`,
 `VirtualKVManager`) behind the one `block_manager.KVManager` protocol, so the scheduler, model,
-sampling and workload are the same under every layout. `LayoutRecorder` samples, every step,
-bytes reserved, bytes physically backed and bytes holding live tokens (plus internal
-fragmentation and reservation waste apart), and sums the page faults and decommits the workers
-report.
+sampling and workload are the same under every layout. `LayoutRecorder` is the layouts
+benchmark's: it runs an engine's steps (`LayoutRecorder.step`, in place of `EngineCore.step`) and
+samples, at each, bytes reserved, bytes physically backed and bytes holding live tokens (plus
+internal fragmentation and reservation waste apart), and sums the page faults and decommits the
+workers report; an engine that is not recorded pays for none of it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from block_manager import (
     ContiguousKVManager,
@@ -22,8 +24,12 @@ from block_manager import (
     VirtualKVManager,
 )
 from cluster.engine.config import EngineConfig
+from cluster.engine.outputs import RequestOutput
 from workers import ModelInfo
 from workers.plan import StepOutput
+
+if TYPE_CHECKING:
+    from cluster.engine.engine_core import EngineCore
 from workers.virtual_pool import virtual_geometry
 
 
@@ -108,6 +114,24 @@ class LayoutRecorder:
     forward_seconds: float = 0.0
     measured_backed_bytes: list[tuple[float, int]] = field(default_factory=list)
     """(time, bytes) the workers measured resident (virtual layout), kept with `keep_samples`."""
+
+    @classmethod
+    def of(cls, engine: EngineCore, keep_samples: bool = False) -> LayoutRecorder:
+        """A recorder for `engine`'s layout (its bytes per token slot from the model)."""
+        cache = engine.config.cache
+        per_slot = engine.model_info.kv_bytes_per_block / cache.block_size
+        return cls(cache.kv_layout, per_slot, keep_samples=keep_samples)
+
+    def step(self, engine: EngineCore) -> list[RequestOutput]:
+        """`engine.step()`, sampling the layout's memory once the step is scheduled and the
+        workers' page faults and decommits once it ran."""
+        step = engine.begin_step()
+        running = sum(len(r.active_branches) for r in engine.scheduler.running)
+        self.observe(engine.block_manager.usage(), running)
+        result = engine.execute(step)
+        if isinstance(result, StepOutput):
+            self.observe_output(result, len(step.plan.decommit))
+        return [request.make_output() for request in engine.finish_step(step, result)]
 
     def observe(self, usage: LayoutUsage, running_sequences: int) -> None:
         scale = self.bytes_per_slot

@@ -1,6 +1,8 @@
 """The offline facade: `LLM(model=...).generate(prompts, SamplingParams(...))`, no Ray knowledge
-needed. It drives `EngineCore` step by step in the calling thread and returns finished outputs in
-the order of the prompts."""
+needed. It drives `EngineCore`'s one step path in the calling thread and returns finished outputs
+in the order of the prompts. A request the workers refuse raises RequestFailed (the others of the
+call are aborted and the engine serves the next call); one that can never be served raises
+RequestRejected."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 
 from cluster.engine.config import EngineConfig, SpeculativeSettings
 from cluster.engine.engine_core import EngineCore
-from cluster.engine.errors import ConfigError, RequestRejected
+from cluster.engine.errors import ConfigError, RequestFailed, RequestRejected
 from cluster.engine.generate_request import PromptInput
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics
@@ -34,9 +36,8 @@ def config_from_kwargs(
         if section is None:
             raise ConfigError(f"LLM() got an unknown setting {name!r}")
         overrides.setdefault(section, {})[name] = value
-    if base is None and "backend" not in kwargs and kwargs.get("tensor_parallel_size", 1) == 1:
-        overrides.setdefault("parallel", {})["backend"] = "local"
-    return (base or EngineConfig()).with_overrides(overrides)
+    config = (base or EngineConfig()).with_overrides(overrides)
+    return config if base is not None else config.single_rank_in_process("backend" in kwargs)
 
 
 class LLM:
@@ -127,24 +128,27 @@ class LLM:
             )
             for prompt, p, adapter in zip(prompts, params, adapters, strict=True)
         ]
+        engine = self.engine
         ids: list[str] = []
         try:
             for request in requests:
-                ids.append(self.engine.add_request(request).request_id)
+                ids.append(engine.add_request(request).request_id)
         except BaseException:  # none of a refused batch is left queued for the next call
             for queued in ids:
-                self.engine.abort(queued)
+                engine.abort(queued)
             raise
         finals: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for output in self.engine.step():
-                if output.error is not None:
+        while engine.has_work():
+            step = engine.begin_step()
+            for request in engine.finish_step(step, engine.execute(step)):
+                if request.error is not None:
                     for other in ids:
-                        self.engine.abort(other)
-                    raise RequestRejected(f"request {output.request_id}: {output.error}")
-                if output.finished:
-                    finals[output.request_id] = output
-        return [_whole(finals[i]) for i in ids]
+                        engine.abort(other)
+                    error = RequestFailed if request.failed else RequestRejected
+                    raise error(f"request {request.request_id}: {request.error}")
+                if request.finished:  # its first output: its deltas cover everything
+                    finals[request.request_id] = request.make_output()
+        return [finals[i] for i in ids]
 
 
 def _per_prompt(
@@ -167,11 +171,3 @@ def _per_prompt_lora(
     if len(lora) != count:
         raise ValueError(f"{len(lora)} lora requests for {count} prompts")
     return list(lora)
-
-
-def _whole(output: RequestOutput) -> RequestOutput:
-    """The final output with deltas covering everything (an offline result is one delta)."""
-    for completion in output.outputs:
-        completion.delta_text = completion.text
-        completion.delta_token_ids = list(completion.token_ids)
-    return output

@@ -44,6 +44,8 @@ class Branch:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     emitted_tokens: int = 0
+    finish_streamed: bool = False
+    """Its finish went out in a delta (a finished branch is in no later delta)."""
     worker_knows: bool = False
     ngrams: NgramIndex | None = None
     """Speculative decoding's n-gram index over `token_ids` (built on first use)."""
@@ -76,7 +78,7 @@ class Request:
     swapped_blocks: int = 0
     error: str | None = None
     failed: bool = False
-    """Ended by a failed step (see `EngineCore.fail_requests`); `error` says why."""
+    """Ended by a failed step (see `EngineCore.finish_step`); `error` says why."""
     announced: bool = False
     """A delta or output was made already (the prompt travels with the first one only)."""
     adapter_name: str | None = None
@@ -100,18 +102,25 @@ class Request:
         return all(b.finished for b in self.branches)
 
     def make_delta(self) -> RequestDelta:
-        """What is new since the previous delta or output; advances each branch's streamed
-        position. Costs O(new tokens): nothing cumulative is copied (see `output_stream`)."""
+        """What is new since the previous delta or output: the branches with new tokens or text
+        and those that have just finished (each finish is in exactly one delta); advances each
+        branch's streamed position. Costs O(new tokens): nothing cumulative is copied (see
+        `output_stream`)."""
         first = not self.announced
         self.announced = True
         branches = []
         for branch in self.branches:
             start = branch.emitted_tokens
+            text = branch.text.take_delta(finished=branch.finished)
+            newly_finished = branch.finished and not branch.finish_streamed
+            if not (text or start < len(branch.output_token_ids) or newly_finished):
+                continue
             branch.emitted_tokens = len(branch.output_token_ids)
+            branch.finish_streamed = branch.finished
             branches.append(
                 BranchDelta(
                     index=branch.index,
-                    text=branch.text.take_delta(finished=branch.finished),
+                    text=text,
                     token_ids=branch.output_token_ids[start:],
                     logprobs=branch.logprobs[start:] if branch.logprobs is not None else None,
                     cumulative_logprob=branch.cumulative_logprob,

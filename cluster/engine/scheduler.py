@@ -71,6 +71,9 @@ class SchedulerStep:
     """Something was preempted, so swapped and waiting requests were not considered."""
     swapped: list[Request] = field(default_factory=list)
     """Requests whose blocks this plan swaps out or in (their KV moves only if the plan runs)."""
+    stalled: bool = False
+    """Nothing runs, nothing was preempted and nothing is running, yet a request waits or is
+    swapped: the head of the queues cannot fit even in an empty pool (see `unstick_head`)."""
 
     def requests(self) -> list[Request]:
         """Every request whose state depends on this plan running: its work and its swaps."""
@@ -85,10 +88,10 @@ class SchedulerStep:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing for the workers to do: no work, no swaps or copies and no releases (a plan
-        that only releases sequences must still reach the workers, or their registries keep
-        the state of requests that ended)."""
-        return not (self.runs_anything or self.plan.released)
+        """Nothing for the workers to do: no work, no swaps or copies, no releases and no
+        decommits (a plan that only releases sequences must still reach the workers, or their
+        registries keep the state of requests that ended)."""
+        return not (self.runs_anything or self.plan.released or self.plan.decommit)
 
     @property
     def runs_anything(self) -> bool:
@@ -151,17 +154,16 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
-    def take_releases(self) -> list[int]:
-        """Sequence ids the workers must forget and no plan has carried yet (cleared)."""
-        released, self._releases = self._releases, []
-        return released
+    def has_releases(self) -> bool:
+        """Some sequence ids the workers must forget have not been carried by a plan yet."""
+        return bool(self._releases)
 
     def requeue_releases(self, seq_ids: list[int]) -> None:
         """Releases of a plan the workers refused (they applied none of it): send them again."""
         self._releases[:0] = seq_ids
 
     def unstick_head(self) -> Request | None:
-        """Called when nothing runs and nothing could be scheduled. A swapped head that cannot
+        """Called after a `stalled` step. A swapped head that cannot
         come back is turned into a recompute (its CPU copy dropped, it waits again) and None is
         returned; a waiting head that cannot fit is removed and returned, to be rejected."""
         if self.swapped:
@@ -209,6 +211,9 @@ class Scheduler:
         self._releases = []
         transfers = self.bm.take_transfers()  # the CPU cache tier's copies of this step
         step.plan.demote, step.plan.promote = transfers.demote, transfers.promote
+        step.stalled = not (step.runs_anything or step.preempted or self.running) and bool(
+            self.waiting or self.swapped
+        )
         return step
 
     def on_step_done(

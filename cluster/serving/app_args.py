@@ -18,6 +18,10 @@ from cluster.engine.lora_request import LoRARequest
 from cluster.serving.limits import LimitsArgs
 from cluster.serving.lora_args import LoRAModuleArgs, check_unique, normalise_lora_modules
 
+DEPLOYMENT_NAME = "GenerationServer"
+"""The engine deployment's name (`cluster.serving.engine_server`), also its key in a Serve
+config (`pagedserve serve` edits that deployment's options by it)."""
+
 
 class DirectoryArgs(BaseModel):
     """The KV directory: the application's cluster-wide prefix index (kv_directory.py)."""

@@ -48,8 +48,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from cluster.engine.sampling_params import SamplingParams
 
     config = EngineConfig.from_cli_args(args)
-    if vars(args).get("parallel.backend") is None and config.parallel.tensor_parallel_size == 1:
-        config = config.with_overrides({"parallel": {"backend": "local"}})
+    config = config.single_rank_in_process(vars(args).get("parallel.backend") is not None)
     params = SamplingParams(
         n=args.n,
         max_tokens=args.max_tokens,

@@ -20,9 +20,14 @@ from typing import Any
 
 import yaml
 
-from cluster.engine.config import LoRASettings, SpeculativeSettings
+from cluster.engine.config import (
+    LoRASettings,
+    SpeculativeSettings,
+    add_section_flags,
+    section_values,
+)
 from cluster.engine.errors import ConfigError
-from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S
+from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S, DEPLOYMENT_NAME
 from cluster.serving.lora_args import parse_module_item
 from cluster.serving.serve_runner import apply_grace_period, run_config
 from workers.config import available_cores
@@ -38,10 +43,6 @@ BENCHMARKS: tuple[str, ...] = (
     "engine_replay",
 )
 """Modules under `benchmarks/` that `pagedserve bench NAME` runs."""
-
-
-ENGINE_DEPLOYMENT = "GenerationServer"
-"""The engine deployment's name in a Serve config (`cluster.serving.engine_server`)."""
 
 
 def shipped_serve_config() -> Path:
@@ -129,20 +130,7 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin API keys "
         "only when keys are configured); turns LoRA on (default: from config, off)",
     )
-    for name, info in LoRASettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if info.annotation is bool:
-            group.add_argument(
-                flag,
-                dest=f"lora.{name}",
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=info.description or None,
-            )
-        else:
-            group.add_argument(
-                flag, dest=f"lora.{name}", type=int, default=None, help=info.description
-            )
+    add_section_flags(group, "lora", LoRASettings)
 
 
 def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -182,7 +170,7 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
     else:
         cap_replicas_to_cores(config, available_cores())
     grace_s = resolve_grace_s(config, args.grace_period)
-    apply_grace_period(config, grace_s, ENGINE_DEPLOYMENT)
+    apply_grace_period(config, grace_s, DEPLOYMENT_NAME)
     try:
         ServeDeploySchema.model_validate(config)
     except Exception as error:  # pydantic's ValidationError, named by Ray's schema
@@ -210,11 +198,9 @@ def apply_lora_flags(config: dict[str, Any], args: argparse.Namespace) -> None:
     flags = vars(args)
     modules = flags.get("lora_modules")
     parsed = [parse_module_item(item) for item in modules] if modules is not None else None
-    section = {
-        key.removeprefix("lora."): value
-        for key, value in flags.items()
-        if key.startswith("lora.") and value is not None
-    }
+    given = section_values(args, "lora")
+    # coerced as the engine will read them ("4" -> 4), so the printed config shows what runs
+    section = LoRASettings.model_validate(given).model_dump(include=set(given))
     for app in config.get("applications", []):
         app_args = app.setdefault("args", {})
         if parsed is not None:
@@ -248,7 +234,7 @@ def shutdown_grace_s(config: dict[str, Any]) -> float:
     """The grace period `resolve_serve_config` settled on (the engine deployment's)."""
     for app in config.get("applications", []):
         for deployment in app.get("deployments", []):
-            if deployment.get("name") == ENGINE_DEPLOYMENT:
+            if deployment.get("name") == DEPLOYMENT_NAME:
                 return float(deployment["graceful_shutdown_timeout_s"])
     return DEFAULT_SHUTDOWN_GRACE_S
 
@@ -261,7 +247,7 @@ def pin_replicas(config: dict[str, Any], replicas: int) -> None:
         raise ConfigError(f"--replicas must be at least 1, got {replicas}")
     for app in config.get("applications", []):
         for deployment in app.get("deployments", []):
-            if deployment.get("name") == ENGINE_DEPLOYMENT:
+            if deployment.get("name") == DEPLOYMENT_NAME:
                 deployment.pop("autoscaling_config", None)
                 deployment["num_replicas"] = replicas
 
@@ -288,7 +274,7 @@ def cap_replicas_to_cores(config: dict[str, Any], cores: int) -> None:
         engine = (app.get("args") or {}).get("engine") or {}
         for deployment in app.get("deployments", []):
             autoscaling = deployment.get("autoscaling_config")
-            if deployment.get("name") != ENGINE_DEPLOYMENT or not autoscaling:
+            if deployment.get("name") != DEPLOYMENT_NAME or not autoscaling:
                 continue
             fits = max(1, cores // engine_cores(deployment, engine))
             low = int(autoscaling.get("min_replicas", 1))

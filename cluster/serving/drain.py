@@ -204,7 +204,7 @@ class DrainGate:
 
 class DrainingClient:
     """An `EngineClient` that refuses new requests while draining and ends running ones when
-    the drain expires; everything else is `inner`'s."""
+    the drain expires."""
 
     def __init__(self, inner: Any, gate: DrainGate) -> None:
         self.inner = inner
@@ -222,9 +222,3 @@ class DrainingClient:
                     yield output
         finally:
             gate.in_flight -= 1
-
-    async def abort(self, request_id: str) -> None:
-        await self.inner.abort(request_id)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)

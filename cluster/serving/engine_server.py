@@ -3,10 +3,10 @@ the `GenerateRequest`s the ingress sends it through a deployment handle.
 
 The replica renders nothing: requests arrive rendered and tokenized by the ingress, with what
 `PrefixAwareRouter` reads to choose the replica holding the longest prefix (`prefix_blocks`,
-from the KV directory, and `block_hashes`). The replica streams its block manager's events to the
-KV directory (`DirectoryPublisher`), reports its load to the routers (`record_routing_stats`) and
-KV pressure to the autoscaler (`record_autoscaling_stats`), and reports itself unhealthy when
-its step loop died or stopped moving (`check_health`).
+from the KV directory, and the request's own `block_hashes`). The replica streams its block
+manager's events to the KV directory (`DirectoryPublisher`), reports its load to the routers
+(`record_routing_stats`) and KV pressure to the autoscaler (`record_autoscaling_stats`), and
+reports itself unhealthy when its step loop died or stopped moving (`check_health`).
 
 Invariants:
 - a replica touches its engine only from its own event loop (every method here is async);
@@ -37,7 +37,7 @@ from cluster.engine.client import ModelInfo
 from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.output_stream import RequestDelta
-from cluster.serving.app_args import ServeAppArgs
+from cluster.serving.app_args import DEPLOYMENT_NAME, ServeAppArgs
 from cluster.serving.autoscaling import autoscaling_stats
 from cluster.serving.kv_directory import CacheSource, DirectoryPublisher, directory_handle
 from cluster.serving.lora_registry import registry_handle
@@ -45,7 +45,6 @@ from cluster.serving.lora_sync import AdapterSync
 from cluster.serving.replica_health import StepProgress, replica_problem
 from cluster.serving.routing import ROUTER_CLASS_PATH, LoadReport, routing_stats
 
-DEPLOYMENT_NAME = "GenerationServer"
 ROUTING_STATS_PERIOD_S = 1.0
 HEARTBEAT_S = 1.0
 """An idle replica still tells the KV directory it is alive this often (at most a quarter of
@@ -130,13 +129,12 @@ class GenerationServer:
     async def generate(
         self,
         request: GenerateRequest,
-        block_hashes: list[bytes] | None = None,
         prefix_blocks: dict[str, int] | None = None,
     ) -> AsyncIterator[RequestDelta]:
-        """Streams the engine's deltas (fold them with an `OutputAccumulator`); `block_hashes`
-        and `prefix_blocks` are read by the router only. Raises RequestRejected,
-        EngineOverloaded, EngineDead like the engine, before the first output."""
-        stream = self.engine.generate_deltas(request, self.args.stream_interval)
+        """Streams the engine's deltas (fold them with an `OutputAccumulator`); the request's
+        `block_hashes` and `prefix_blocks` are read by the router only. Raises RequestRejected,
+        EngineOverloaded, EngineDead like the engine, before the first delta."""
+        stream = self.engine.generate(request, self.args.stream_interval)
         try:
             async for delta in stream:
                 delta.served_by = self.replica_id

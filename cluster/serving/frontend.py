@@ -1,37 +1,42 @@
-"""What both front ends (OpenAI HTTP and gRPC) share: turning an API prompt into one
-`GenerateRequest`, the context-length check, engine-error kinds, and reporting each branch's
-finish exactly once in a stream.
+"""What both front ends (OpenAI HTTP and gRPC) share: the one admission path (`FrontEnd.submit`),
+the context-length check and what a stream of deltas adds up to.
 
 Invariants:
 - a prompt is rendered and tokenized once, in `FrontEnd.prepare`; the length check, the shared
-  prefix and (on a routing replica) the block hashes all read that one rendering;
-- `prepare` raises `ContextOverflow` (a RequestRejected) before anything is queued when the
-  prompt plus `max_tokens` cannot fit in the model's context; the engine itself would silently
-  shorten `max_tokens`;
+  prefix and the block-hash chain the router reads (`GenerateRequest.block_hashes`) all read
+  that one rendering, off the event loop;
+- `submit` resolves the model name to an adapter, prepares every prompt and waits for each
+  engine stream's first delta, so every refusal (AdapterNotFound, RequestRejected,
+  `ContextOverflow`, EngineOverloaded, EngineDead) is raised before a front end answers
+  anything; `cluster.serving.error_map` says what each front end answers for it;
 - CPU-heavy request work (parsing a body, rendering and tokenizing a prompt) runs through
   `off_loop` on the front end's own thread pool, never on the caller's event loop, so health
   checks and other requests stay responsive while a large prompt is handled;
-- `FinishTracker` yields a branch of a snapshot only when it has new tokens or text or has just
-  finished, and each finish once.
+- front ends read the engine's deltas as they come: a branch appears in a delta only with new
+  tokens or text or when it has just finished (each finish once); only a unary answer folds
+  them (`OutputAccumulator`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
-from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
+from cluster.engine.cache_keys import RequestKeys
+from cluster.engine.client import EngineClient
+from cluster.engine.errors import RequestRejected
 from cluster.engine.generate_request import GenerateRequest, PromptInput, RequestBuilder
-from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from cluster.engine.output_stream import BranchDelta, RequestDelta
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenization import PromptRenderer
+from cluster.serving.lora_admin import AdapterService
 
-ENGINE_ERRORS = (RequestRejected, EngineOverloaded, EngineDead, ValueError)
-"""Errors an engine raises that are the client's business (each front end maps them)."""
-
+DeltaStream = AsyncGenerator[RequestDelta, None]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -60,12 +65,23 @@ def context_overflow(
 
 
 class FrontEnd:
-    """Prepares API prompts for one engine: its request builder (tokenizer, operator-shared
-    prefixes) and its context length."""
+    """Admits API prompts to one engine client: its request builder (tokenizer, operator-shared
+    prefixes), its context length, the served adapters and, on a routing ingress, the engines'
+    cache keys (to hash each prompt's blocks once, for the router)."""
 
-    def __init__(self, builder: RequestBuilder, max_model_len: int) -> None:
+    def __init__(
+        self,
+        builder: RequestBuilder,
+        max_model_len: int,
+        engine: EngineClient,
+        adapters: AdapterService,
+        keys: RequestKeys | None = None,
+    ) -> None:
         self.builder = builder
         self.max_model_len = max_model_len
+        self.engine = engine
+        self.adapters = adapters
+        self.keys = keys
         self._executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="frontend")
 
     async def off_loop(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -89,8 +105,9 @@ class FrontEnd:
         adapter: str | None = None,
     ) -> GenerateRequest:
         """Renders `prompt` once into a request for the base model or the LoRA `adapter` (a name
-        the front end resolved). Raises RequestRejected for a prompt that cannot be rendered
-        and ContextOverflow for one that does not fit (`what` names it)."""
+        the front end resolved), with its block-hash chain when the front end routes. Raises
+        RequestRejected for a prompt that cannot be rendered and ContextOverflow for one that
+        does not fit (`what` names it)."""
         request = self.builder.build(
             prompt, params, request_id=request_id, tenant_salt=tenant_salt, adapter=adapter
         )
@@ -99,32 +116,106 @@ class FrontEnd:
         )
         if overflow is not None:
             raise ContextOverflow(overflow)
-        return request
+        if self.keys is None:
+            return request
+        return dataclasses.replace(request, block_hashes=tuple(self.routing_hashes(request)))
+
+    def routing_hashes(self, request: GenerateRequest) -> list[bytes]:
+        """The chain the router reads: none for an adapter without a digest every replica
+        agreed on (routing never uses a key the engines would not use). Raises RequestRejected
+        for a bad shared prefix."""
+        assert self.keys is not None
+        if request.adapter is not None:
+            digests = self.adapters.view.digests
+            if request.adapter not in digests:
+                return []
+            self.keys.adapters = dict(digests)  # this front end's copy of the engines' map
+        return self.keys.block_hashes(request)
+
+    async def submit(
+        self,
+        prompts: Sequence[PromptInput],
+        params: SamplingParams,
+        *,
+        model: str,
+        request_id: str,
+        tenant_salt: bytes | None,
+        what: str = "prompt",
+    ) -> Submission:
+        """The one admission path: resolve `model`, prepare every prompt off the loop, start one
+        engine stream per prompt (ids `request_id`, or `request_id-i` for several) and wait for
+        each first delta. Raises what the module doc lists; closing a returned stream aborts
+        its request."""
+        adapter = await self.adapters.resolve(model)
+        requests = [
+            await self.off_loop(
+                self.prepare,
+                prompt,
+                params,
+                request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                tenant_salt=tenant_salt,
+                what=what,
+                adapter=adapter,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        streams: list[DeltaStream] = []
+        served_by = None
+        try:
+            for request in requests:
+                stream = self.engine.generate(request)
+                first = await anext(stream)
+                served_by = served_by or first.served_by
+                streams.append(_chain(first, stream))
+        except BaseException:
+            for started in streams:
+                await started.aclose()
+            raise
+        return Submission(streams, adapter, served_by)
 
     def token_text(self, token_id: int, *, skip_special_tokens: bool = False) -> str:
         return self.renderer.decode([token_id], skip_special_tokens)
 
 
-def new_logprobs(output: CompletionOutput, whole: bool) -> list[Logprob]:
-    """Logprob entries of the output's new tokens (of all its tokens when `whole`)."""
-    if output.logprobs is None:
-        return []
-    return output.logprobs[0 if whole else len(output.token_ids) - len(output.delta_token_ids) :]
+@dataclass
+class Submission:
+    """A request admitted by `submit`: one started stream per prompt (each one's first delta
+    already arrived), the adapter it runs under (None: the base model) and the engine replica
+    that served the first prompt (None in process)."""
+
+    streams: list[DeltaStream]
+    adapter: str | None
+    served_by: str | None
 
 
-class FinishTracker:
-    """Which branches of a stream's snapshots have something to send: new tokens or text, or a
-    finish not yet reported. Streams are told apart by `index` (one per prompt)."""
+async def _chain(first: RequestDelta, rest: DeltaStream) -> DeltaStream:
+    try:
+        yield first
+        async for delta in rest:
+            yield delta
+    finally:
+        await rest.aclose()
 
-    def __init__(self) -> None:
-        self._reported: set[tuple[int, int]] = set()
 
-    def changed(self, output: RequestOutput, index: int = 0) -> Sequence[CompletionOutput]:
-        changed = []
-        for branch in output.outputs:
-            newly_finished = branch.finished and (index, branch.index) not in self._reported
-            if branch.delta_token_ids or branch.delta_text or newly_finished:
-                changed.append(branch)
-            if newly_finished:
-                self._reported.add((index, branch.index))
-        return changed
+@dataclass
+class StreamTally:
+    """What a stream of deltas adds up to without keeping its tokens: the usage and, per
+    branch, the characters already streamed (a completion's logprob `text_offset`)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    streamed_chars: dict[int, int] = field(default_factory=dict)
+
+    def add(self, delta: RequestDelta) -> None:
+        if delta.prompt_token_ids is not None:
+            self.prompt_tokens = len(delta.prompt_token_ids)
+        self.cached_tokens = delta.num_cached_tokens
+        for branch in delta.branches:
+            self.completion_tokens += len(branch.token_ids)
+
+    def text_offset(self, branch: BranchDelta) -> int:
+        """Characters of the branch streamed before `branch` (call once per branch delta)."""
+        offset = self.streamed_chars.get(branch.index, 0)
+        self.streamed_chars[branch.index] = offset + len(branch.text)
+        return offset

@@ -1,4 +1,4 @@
-"""Closes the gRPC "lost cancel" of Serve's proxy (issue 13, item 9): a client's cancel that
+"""Closes the gRPC "lost cancel" of Serve's proxy: a client's cancel that
 lands while the proxy writes a message never reached the replica, so the request ran on to its
 end and held its KV blocks meanwhile.
 
@@ -16,7 +16,9 @@ servicer functions there) so that every response it sends a request to is cancel
 wrapper is closed before the stream ended. Cancelling a finished or cancelled response is a
 no-op; nothing here touches the grpc call's context, which is gone by then.
 
-Invariant: installed at most once per process; a Ray without that method is left alone.
+Invariant: installed at most once per process, and only on the Ray versions it was written
+against (`PATCHED_RAY`, the range `pyproject.toml` pins): another Ray, or one without that
+method, is left alone with a warning naming why.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 PATCHED_FLAG = "_pagedserve_cancel_on_close"
+PATCHED_RAY = ((2, 60), (2, 61))
+"""[first, end) of the Ray minor versions whose private `send_request_to_replica` this wraps."""
 
 log = logging.getLogger("pagedserve.grpc")
 
@@ -81,14 +85,33 @@ def cancel_on_close(
     return send_request_to_replica
 
 
+def ray_minor(version: str) -> tuple[int, int]:
+    major, minor, *_ = version.split(".")
+    return int(major), int(minor)
+
+
 def install() -> bool:
     """Wraps `gRPCProxy.send_request_to_replica` once; True when it is (now) wrapped."""
+    import ray
+
+    first, end = PATCHED_RAY
+    if not first <= ray_minor(ray.__version__) < end:
+        log.warning(
+            "Ray %s is outside the versions the gRPC cancel fix was written for (%d.%d to "
+            "before %d.%d): Serve's proxy is left as it is",
+            ray.__version__,
+            *first,
+            *end,
+        )
+        return False
     try:
         from ray.serve._private.proxy import gRPCProxy
     except ImportError:
+        log.warning("ray.serve._private.proxy has no gRPCProxy: the gRPC cancel fix is off")
         return False
     send = getattr(gRPCProxy, "send_request_to_replica", None)
     if send is None:
+        log.warning("gRPCProxy has no send_request_to_replica: the gRPC cancel fix is off")
         return False
     if not getattr(send, PATCHED_FLAG, False):
         gRPCProxy.send_request_to_replica = cancel_on_close(send)  # type: ignore[method-assign]

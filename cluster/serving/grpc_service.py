@@ -27,11 +27,13 @@ import grpc
 from grpc_health.v1 import health_pb2
 from ray.serve.grpc_util import RayServegRPCContext
 
-from cluster.engine.client import EngineClient, ModelInfo
-from cluster.engine.errors import AdapterNotFound, EngineDead, EngineOverloaded, RequestRejected
+from cluster.engine.client import ModelInfo
+from cluster.engine.errors import RequestRejected
 from cluster.engine.metrics import EngineMetrics
-from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from cluster.serving.frontend import ENGINE_ERRORS, FinishTracker, FrontEnd, new_logprobs
+from cluster.engine.output_stream import BranchDelta, RequestDelta
+from cluster.engine.outputs import Logprob
+from cluster.serving.error_map import ANSWERED, grpc_abort
+from cluster.serving.frontend import FrontEnd, StreamTally
 from cluster.serving.grpc_validation import (
     CorruptRequest,
     GrpcAbort,
@@ -40,7 +42,6 @@ from cluster.serving.grpc_validation import (
     requested_model,
     validated_generate,
 )
-from cluster.serving.lora_admin import AdapterService
 from protos import generation_pb2 as pb
 
 GRPC_SERVICE_NAME = "pagedserve.v1.Generation"
@@ -52,22 +53,6 @@ FINISH_REASONS = {
 
 Decode = Callable[[Sequence[int]], str]
 MessageT = TypeVar("MessageT")
-
-
-def abort_for_engine_error(error: Exception) -> GrpcAbort | None:
-    """The status an engine error maps to; None for an error that is not the client's business."""
-    if isinstance(error, AdapterNotFound):
-        return GrpcAbort(grpc.StatusCode.NOT_FOUND, str(error))
-    if isinstance(error, RequestRejected | ValueError):
-        return GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-    if isinstance(error, EngineOverloaded):
-        return GrpcAbort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"{error}; retry after {error.retry_after_s:g} s",
-        )
-    if isinstance(error, EngineDead):
-        return GrpcAbort(grpc.StatusCode.UNAVAILABLE, str(error))
-    return None
 
 
 def _token_logprob(token_id: int, logprob: float | None, decode: Decode) -> pb.TokenLogprob:
@@ -90,46 +75,47 @@ def position_logprobs(entries: Sequence[Logprob], decode: Decode) -> list[pb.Pos
     ]
 
 
-def completion_delta(output: CompletionOutput, decode: Decode) -> pb.CompletionDelta:
+def completion_delta(branch: BranchDelta, decode: Decode) -> pb.CompletionDelta:
     delta = pb.CompletionDelta(
-        index=output.index,
-        text=output.delta_text,
-        token_ids=output.delta_token_ids,
-        finish_reason=FINISH_REASONS.get(output.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+        index=branch.index,
+        text=branch.text,
+        token_ids=branch.token_ids,
+        finish_reason=FINISH_REASONS.get(branch.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
     )
-    if isinstance(output.stop_reason, str):
-        delta.stop_string = output.stop_reason
-    elif isinstance(output.stop_reason, int):
-        delta.stop_token_id = output.stop_reason
-    if output.logprobs is not None and output.delta_token_ids:
-        delta.logprobs.extend(position_logprobs(new_logprobs(output, whole=False), decode))
+    if isinstance(branch.stop_reason, str):
+        delta.stop_string = branch.stop_reason
+    elif isinstance(branch.stop_reason, int):
+        delta.stop_token_id = branch.stop_reason
+    if branch.logprobs:
+        delta.logprobs.extend(position_logprobs(branch.logprobs, decode))
     return delta
 
 
 class GenerateStreamEncoder:
-    """Turns one request's stream of `RequestOutput` snapshots into `GenerateResponse` messages:
-    a branch appears in a response when it has new tokens or text, or has just finished (each
-    finish is reported exactly once); the final response carries the usage."""
+    """Turns one request's stream of `RequestDelta`s into `GenerateResponse` messages: a branch
+    appears in a response when the engine's delta carries it (new tokens or text, or a finish,
+    each reported once); the final response carries the usage."""
 
     def __init__(self, decode: Decode) -> None:
         self._decode = decode
-        self._changes = FinishTracker()
+        self._tally = StreamTally()
 
-    def encode(self, output: RequestOutput) -> pb.GenerateResponse | None:
-        response = pb.GenerateResponse(request_id=output.request_id, finished=output.finished)
-        for branch in self._changes.changed(output):
+    def encode(self, delta: RequestDelta) -> pb.GenerateResponse | None:
+        self._tally.add(delta)
+        response = pb.GenerateResponse(request_id=delta.request_id, finished=delta.finished)
+        for branch in delta.branches:
             response.choices.append(completion_delta(branch, self._decode))
-        if output.finished:
-            usage = output.usage
+        if delta.finished:
+            tally = self._tally
             response.usage.CopyFrom(
                 pb.Usage(
-                    prompt_tokens=usage.prompt_tokens,
-                    completion_tokens=usage.completion_tokens,
-                    total_tokens=usage.total_tokens,
-                    cached_prompt_tokens=usage.cached_tokens,
+                    prompt_tokens=tally.prompt_tokens,
+                    completion_tokens=tally.completion_tokens,
+                    total_tokens=tally.prompt_tokens + tally.completion_tokens,
+                    cached_prompt_tokens=tally.cached_tokens,
                 )
             )
-        if not response.choices and not output.finished:
+        if not response.choices and not delta.finished:
             return None
         return response
 
@@ -170,10 +156,9 @@ def health_response(serving: bool) -> health_pb2.HealthCheckResponse:
 class GenerationRpc:
     """The four `Generation` RPCs over one engine serving one base model and its adapters."""
 
-    def __init__(self, engine: EngineClient, frontend: FrontEnd, adapters: AdapterService) -> None:
-        self.engine = engine
+    def __init__(self, frontend: FrontEnd) -> None:
         self.frontend = frontend
-        self.adapters = adapters
+        self.adapters = frontend.adapters
 
     @property
     def served_model_name(self) -> str:
@@ -185,47 +170,29 @@ class GenerationRpc:
         if model and not self.adapters.known(model):
             raise GrpcAbort(grpc.StatusCode.NOT_FOUND, f"The model `{model}` does not exist.")
 
-    async def resolve(self, request: pb.GenerateRequest) -> str | None:
-        """The request's adapter (None: the base model); NOT_FOUND for an unknown name."""
-        name = requested_model(request.model, request.adapter, self.served_model_name)
-        try:
-            return await self.adapters.resolve(name)
-        except AdapterNotFound as error:
-            raise GrpcAbort(grpc.StatusCode.NOT_FOUND, str(error)) from None
-
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.frontend.renderer.decode(token_ids)
 
     async def generate(
         self, request: pb.GenerateRequest, *, request_id: str, tenant_salt: bytes | None
     ) -> AsyncIterator[pb.GenerateResponse]:
-        adapter = await self.resolve(request)
+        model = requested_model(request.model, request.adapter, self.served_model_name)
         prompt, params = validated_generate(request)  # the HTTP checks, INVALID_ARGUMENT
-        try:
-            generate = await self.frontend.off_loop(
-                self.frontend.prepare,
-                prompt,
-                params,
-                request_id=request_id,
-                tenant_salt=tenant_salt,
-                adapter=adapter,
-            )
-        except RequestRejected as error:
-            raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         encoder = GenerateStreamEncoder(self.decode)
         # Closing the engine stream is what aborts the request and frees its blocks, so a cancelled
         # call closes it at once here rather than whenever the generator is garbage-collected.
         try:
-            stream = self.engine.generate(generate)
+            submission = await self.frontend.submit(
+                [prompt], params, model=model, request_id=request_id, tenant_salt=tenant_salt
+            )
+            (stream,) = submission.streams
             async with contextlib.aclosing(stream):
-                async for output in stream:
-                    response = encoder.encode(output)
+                async for delta in stream:
+                    response = encoder.encode(delta)
                     if response is not None:
                         yield response
-        except ENGINE_ERRORS as error:
-            mapped = abort_for_engine_error(error)
-            assert mapped is not None
-            raise mapped from None
+        except ANSWERED as error:
+            raise grpc_abort(error) from None
 
     def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         self.check_model(request.model)
@@ -240,7 +207,7 @@ class GenerationRpc:
             try:
                 ids = renderer.render_chat(messages).token_ids
             except RequestRejected as error:
-                raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+                raise grpc_abort(error) from None
         else:
             raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "set one of input.text, input.chat")
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.frontend.max_model_len)

@@ -1,11 +1,11 @@
 """The application's entry: `OpenAIIngress`, in front of the engine deployment.
 
-Every way in lands here: OpenAI HTTP (a FastAPI ingress), gRPC (`GrpcMethods`, which Serve's gRPC
-proxy routes to by RPC name) and handle callers (`generate`, see `RoutedClient`). The ingress
-authenticates, validates, renders and tokenizes each prompt once (`FrontEnd`, with the engines'
-own tokenizer and cache keys, fetched from an engine replica at start), hashes its blocks, and
-calls the engine deployment through a handle (`RoutedEngineClient`), so `PrefixAwareRouter`
-sends it to the replica holding the longest prefix. Ingress and engine replicas scale
+Every way in lands here: OpenAI HTTP (a FastAPI ingress) and gRPC (`GrpcMethods`, which Serve's
+gRPC proxy routes to by RPC name). The ingress authenticates, validates, and admits each request
+through the one `FrontEnd.submit` (rendered and tokenized once, with the engines' own tokenizer
+and cache keys fetched from an engine replica at start, its blocks hashed once), which calls the
+engine deployment through a handle (`RoutedEngineClient`), so `PrefixAwareRouter` sends it to
+the replica holding the longest prefix. Ingress and engine replicas scale
 independently; the engines never tokenize.
 
 Invariants:
@@ -33,10 +33,8 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -48,27 +46,25 @@ from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.directory_metrics import render_directory
 from cluster.serving.drain import DrainGate, DrainingClient, find_coordinator
 from cluster.serving.engine_server import EngineDescription
+from cluster.serving.error_map import grpc_abort, http_error
 from cluster.serving.frontend import FrontEnd
-from cluster.serving.grpc_service import GenerationRpc, GrpcAbort, GrpcMethods, cache_stats
+from cluster.serving.grpc_service import GenerationRpc, GrpcMethods, cache_stats
 from cluster.serving.kv_directory import DirectoryClient, directory_handle
 from cluster.serving.limits import read_body
 from cluster.serving.lora_admin import AdapterService
 from cluster.serving.lora_registry import registry_handle
-from cluster.serving.lora_routes import install_lora_routes, model_cards, resolve_http
+from cluster.serving.lora_routes import install_lora_routes, model_cards
 from cluster.serving.metrics_listener import MetricsListener
 from cluster.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
-    authentication_error,
     parse_request,
-    permission_error,
 )
 from cluster.serving.openai_serving import OpenAIServing, ResponseMeta
 from cluster.serving.openapi_schema import install_openapi, request_body
 from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
 from cluster.serving.routed_engine import RoutedEngineClient, client_error
-from cluster.serving.routing import RoutedOutput, RoutedRequest
 from cluster.serving.tenancy import Forbidden, Tenancy, Unauthenticated
 from protos import generation_pb2 as pb
 
@@ -122,12 +118,11 @@ def build_http_api(ingress: OpenAIIngress) -> FastAPI:
         salt = ingress.http_tenant_salt(request)
         body = await read_body(request, ingress.args.limits.max_body_bytes)
         parsed = await ingress.frontend.off_loop(parse_request, body, model)
-        adapter = await resolve_http(ingress.adapters, parsed.model)
         meta = ResponseMeta()
         if parsed.stream:
-            events = await stream(parsed, salt, meta, adapter)
+            events = await stream(parsed, salt, meta)
             return StreamingResponse(events, media_type="text/event-stream", headers=meta_of(meta))
-        response = await unary(parsed, salt, meta, adapter)
+        response = await unary(parsed, salt, meta)
         return JSONResponse(response.model_dump(exclude_none=True), headers=meta_of(meta))
 
     @api.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
@@ -169,7 +164,6 @@ class OpenAIIngress(GrpcMethods):
         info = description.model_info
         renderer = PromptRenderer(description.tokenizer, info.vocab_size)
         builder = RequestBuilder(renderer, description.block_size, self.args.shared_prefixes)
-        self.frontend = FrontEnd(builder, info.max_model_len)
         self.tenancy = Tenancy(self.args.tenants_by_key(), self.args.admin_keys())
         settings = self.args.directory
         app_name = serve.get_replica_context().app_name
@@ -190,15 +184,14 @@ class OpenAIIngress(GrpcMethods):
         )
         self.drain.start()
         routed = RoutedEngineClient(
-            engine,
-            description.keys,
-            self.directory.holdings,
-            self.args.limits.queue_timeout_s,
-            self.adapters,
+            engine, self.directory.holdings, self.args.limits.queue_timeout_s
         )
-        self.client = DrainingClient(routed, self.drain)
-        self.openai = OpenAIServing(self.client, self.frontend, name)
-        self.rpc = GenerationRpc(self.client, self.frontend, self.adapters)
+        client = DrainingClient(routed, self.drain)
+        self.frontend = FrontEnd(
+            builder, info.max_model_len, client, self.adapters, description.keys
+        )
+        self.openai = OpenAIServing(self.frontend, name)
+        self.rpc = GenerationRpc(self.frontend)
         self.created = int(time.time())
         self.metrics_listener: MetricsListener | None = None
         metrics_args = self.args.limits.metrics
@@ -246,41 +239,18 @@ class OpenAIIngress(GrpcMethods):
             return str(mapped if mapped is not None else error)
         return problem
 
-    async def generate(self, request: RoutedRequest) -> AsyncIterator[RoutedOutput]:
-        """For handle callers: streams the engine's outputs. Raises Unauthenticated,
-        RequestRejected, EngineOverloaded like the engine."""
-        salt = self.tenancy.salt_for(request.authorization)
-        adapter = await self.adapters.resolve(request.model or self.args.served_model_name)
-        request_id = request.request_id or f"handle-{time.time_ns()}"
-        prepared = await self.frontend.off_loop(
-            self.frontend.prepare,
-            request.prompt,
-            request.params,
-            request_id=request_id,
-            tenant_salt=salt,
-            adapter=adapter,
-        )
-        stream = self.client.generate(prepared)
-        try:
-            async for output in stream:
-                yield RoutedOutput(output.served_by or "", output)
-        finally:
-            await stream.aclose()
-
     def http_tenant_salt(self, request: Request) -> bytes | None:
         try:
             return self.tenancy.salt_for(request.headers.get("authorization"))
         except Unauthenticated as error:
-            raise authentication_error(str(error)) from None
+            raise http_error(error) from None
 
     def http_admin(self, request: Request) -> None:
         """Passes for an admin key (or without API keys); 401 / 403 otherwise."""
         try:
             self.tenancy.authorize_admin(request.headers.get("authorization"))
-        except Unauthenticated as error:
-            raise authentication_error(str(error)) from None
-        except Forbidden as error:
-            raise permission_error(str(error)) from None
+        except (Unauthenticated, Forbidden) as error:
+            raise http_error(error) from None
 
     # --- gRPC hooks (GrpcMethods) ------------------------------------------------------------
 
@@ -291,7 +261,7 @@ class OpenAIIngress(GrpcMethods):
         try:
             return self.tenancy.salt_for(authorization)
         except Unauthenticated as error:
-            raise GrpcAbort(grpc.StatusCode.UNAUTHENTICATED, str(error)) from None
+            raise grpc_abort(error) from None
 
     async def grpc_model_info(self) -> pb.ModelInfo:
         description = self.description

@@ -29,7 +29,6 @@ from cluster.serving.openai_protocol import (
     ModelList,
     OpenAIError,
     invalid_request,
-    model_not_found,
     parse_object,
 )
 from cluster.serving.openapi_schema import request_body
@@ -77,14 +76,6 @@ def model_cards(adapters: AdapterService, created: int, max_model_len: int) -> M
             )
         )
     return ModelList(data=cards)
-
-
-async def resolve_http(adapters: AdapterService, model: str) -> str | None:
-    """`AdapterService.resolve` with its refusal as OpenAI's 404 `model_not_found`."""
-    try:
-        return await adapters.resolve(model)
-    except AdapterNotFound as error:
-        raise model_not_found(str(error)) from None
 
 
 def install_lora_routes(

@@ -62,34 +62,6 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return OpenAIError(400, message, param=param, code=code)
 
 
-def model_not_found(message: str) -> OpenAIError:
-    """404: the `model` names neither the served model nor an adapter it serves (vLLM's body)."""
-    return OpenAIError(
-        404, message, error_type="NotFoundError", param="model", code="model_not_found"
-    )
-
-
-def permission_error(message: str) -> OpenAIError:
-    """403: a valid API key that may not do this."""
-    return OpenAIError(403, message, error_type="permission_error", code="forbidden")
-
-
-def authentication_error(message: str) -> OpenAIError:
-    """401: missing or unknown API key."""
-    return OpenAIError(401, message, error_type="authentication_error", code="invalid_api_key")
-
-
-def overloaded(message: str, retry_after_s: int) -> OpenAIError:
-    """503 with Retry-After: admission control refused the request; the client may retry."""
-    return OpenAIError(
-        503,
-        message,
-        error_type="server_error",
-        code="engine_overloaded",
-        headers={"Retry-After": str(retry_after_s)},
-    )
-
-
 class ErrorBody(BaseModel):
     message: str
     type: str

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -28,18 +27,12 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from cluster.engine.client import EngineClient
-from cluster.engine.errors import AdapterNotFound, EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import PromptInput
+from cluster.engine.output_stream import BranchDelta, OutputAccumulator, RequestDelta
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from cluster.serving.frontend import (
-    ENGINE_ERRORS,
-    ContextOverflow,
-    FinishTracker,
-    FrontEnd,
-    new_logprobs,
-)
+from cluster.serving.error_map import ANSWERED, http_error
+from cluster.serving.frontend import DeltaStream, FrontEnd, StreamTally, Submission
 from cluster.serving.openai_protocol import (
     SSE_DONE,
     AssistantMessage,
@@ -56,18 +49,13 @@ from cluster.serving.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     FinishReason,
-    OpenAIError,
     Prompt,
     SamplingKwargs,
     TopLogprob,
     Usage,
     invalid_request,
-    model_not_found,
-    overloaded,
     sse_event,
 )
-
-Stream = AsyncGenerator[RequestOutput, None]
 
 
 def engine_prompt(prompt: Prompt) -> PromptInput:
@@ -75,33 +63,11 @@ def engine_prompt(prompt: Prompt) -> PromptInput:
     return prompt if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
 
 
-def http_error(error: Exception, param: str | None = None) -> OpenAIError:
-    """The HTTP error an engine or front-end error maps to (`param`: the prompt's field)."""
-    if isinstance(error, AdapterNotFound):  # unloaded after the front end resolved it
-        return model_not_found(str(error))
-    if isinstance(error, ContextOverflow):
-        return invalid_request(str(error), param=param, code="context_length_exceeded")
-    if isinstance(error, EngineOverloaded):
-        return overloaded(str(error), retry_after_s=max(1, math.ceil(error.retry_after_s)))
-    if isinstance(error, EngineDead):
-        return OpenAIError(503, str(error), error_type="server_error", code="engine_unavailable")
-    return invalid_request(str(error), param=param)  # RequestRejected, ValueError
-
-
 def sampling_params(kwargs: SamplingKwargs) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
     except ValueError as error:
         raise invalid_request(str(error)) from None
-
-
-async def _chain(first: RequestOutput, rest: Stream) -> Stream:
-    try:
-        yield first
-        async for output in rest:
-            yield output
-    finally:
-        await rest.aclose()
 
 
 @dataclass
@@ -117,12 +83,23 @@ class _End:
     error: Exception | None = None
 
 
-async def merge_streams(streams: Sequence[Stream]) -> AsyncGenerator[tuple[int, RequestOutput]]:
-    """Interleaves streams as `(stream index, output)` in arrival order. Closing the merged
-    stream, or an error in any input, closes every input (which aborts their requests)."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | _End]] = asyncio.Queue()
+async def merge_streams(
+    streams: Sequence[DeltaStream],
+) -> AsyncGenerator[tuple[int, RequestDelta]]:
+    """Interleaves streams as `(stream index, delta)` in arrival order (one stream is read as
+    it is, without a task). Closing the merged stream, or an error in any input, closes every
+    input (which aborts their requests)."""
+    if len(streams) == 1:
+        (stream,) = streams
+        try:
+            async for item in stream:
+                yield 0, item
+        finally:
+            await stream.aclose()
+        return
+    queue: asyncio.Queue[tuple[int, RequestDelta | _End]] = asyncio.Queue()
 
-    async def pump(index: int, stream: Stream) -> None:
+    async def pump(index: int, stream: DeltaStream) -> None:
         try:
             async for item in stream:
                 await queue.put((index, item))
@@ -149,112 +126,87 @@ async def merge_streams(streams: Sequence[Stream]) -> AsyncGenerator[tuple[int, 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def total_usage(finals: Sequence[RequestOutput]) -> Usage:
-    usages = [final.usage for final in finals]
+def total_usage(tallies: Sequence[StreamTally]) -> Usage:
     return Usage.of(
-        prompt_tokens=sum(u.prompt_tokens for u in usages),
-        completion_tokens=sum(u.completion_tokens for u in usages),
-        cached_tokens=sum(u.cached_tokens for u in usages),
+        prompt_tokens=sum(t.prompt_tokens for t in tallies),
+        completion_tokens=sum(t.completion_tokens for t in tallies),
+        cached_tokens=sum(t.cached_tokens for t in tallies),
     )
 
 
-def finish_reason(output: CompletionOutput) -> FinishReason | None:
+def finish_reason(output: CompletionOutput | BranchDelta) -> FinishReason | None:
     if output.finish_reason is None:
         return None
     return "length" if output.finish_reason == "length" else "stop"
 
 
 class ChunkEncoder(Protocol):
-    def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]: ...
+    def chunks(self, index: int, delta: RequestDelta) -> list[BaseModel]: ...
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
 
 class OpenAIServing:
     """Runs OpenAI requests on an engine and shapes its outputs into OpenAI responses."""
 
-    def __init__(self, engine: EngineClient, frontend: FrontEnd, served_model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, frontend: FrontEnd, served_model_name: str) -> None:
         self.frontend = frontend
         self.model = served_model_name
 
     def token_text(self, token_id: int) -> str:
         return self.frontend.token_text(token_id)
 
-    async def start(
+    async def submit(
         self,
+        model: str,
         prompts: Sequence[PromptInput],
         params: SamplingParams,
         rid: str,
         salt: bytes | None,
-        meta: ResponseMeta | None = None,
-        adapter: str | None = None,
-    ) -> list[Stream]:
-        """Renders every prompt once, queues one engine request per prompt (for the LoRA
-        `adapter`, None: the base model) and waits for each one's first output, so a refusal
-        becomes an HTTP status before any byte is sent; `meta` learns which engine replica
-        served the first prompt."""
+        meta: ResponseMeta | None,
+    ) -> Submission:
+        """`FrontEnd.submit`, its refusals raised as `OpenAIError` before any byte is sent;
+        `meta` learns which engine replica served the first prompt."""
         param = "prompt" if isinstance(prompts[0], str | Mapping) else "messages"
         try:
-            requests = [
-                await self.frontend.off_loop(
-                    self.frontend.prepare,
-                    prompt,
-                    params,
-                    request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
-                    tenant_salt=salt,
-                    what=param,
-                    adapter=adapter,
-                )
-                for i, prompt in enumerate(prompts)
-            ]
-        except RequestRejected as error:
+            submission = await self.frontend.submit(
+                prompts, params, model=model, request_id=rid, tenant_salt=salt, what=param
+            )
+        except ANSWERED as error:
             raise http_error(error, param) from None
-        streams: list[Stream] = []
-        try:
-            for request in requests:
-                stream = self.engine.generate(request)
-                try:
-                    first = await anext(stream)
-                except ENGINE_ERRORS as error:
-                    raise http_error(error) from None
-                if meta is not None and meta.served_by is None:
-                    meta.served_by = first.served_by
-                streams.append(_chain(first, stream))
-        except BaseException:
-            for started in streams:
-                await started.aclose()
-            raise
-        return streams
+        if meta is not None:
+            meta.served_by = submission.served_by
+        return submission
 
-    async def finals(self, streams: list[Stream]) -> list[RequestOutput]:
+    async def finals(self, streams: list[DeltaStream]) -> list[RequestOutput]:
+        """Each stream's whole answer (the one place deltas are folded)."""
+        folded = [OutputAccumulator() for _ in streams]
         last: dict[int, RequestOutput] = {}
         try:
             async with contextlib.aclosing(merge_streams(streams)) as merged:
-                async for index, output in merged:
-                    last[index] = output
-        except ENGINE_ERRORS as error:
+                async for index, delta in merged:
+                    last[index] = folded[index].apply(delta)
+        except ANSWERED as error:
             raise http_error(error) from None
         return [last[i] for i in range(len(streams))]
 
     async def events(
-        self, streams: list[Stream], encoder: ChunkEncoder, include_usage: bool
+        self, streams: list[DeltaStream], encoder: ChunkEncoder, include_usage: bool
     ) -> AsyncIterator[str]:
         """SSE text: the encoder's chunks, the usage chunk when asked, then `[DONE]`. An engine
         error mid-stream becomes an OpenAI error event (the client raises it), then `[DONE]`."""
-        finals: list[RequestOutput] = []
+        tallies = [StreamTally() for _ in streams]
         try:
             async with contextlib.aclosing(merge_streams(streams)) as merged:
-                async for index, output in merged:
-                    for chunk in encoder.chunks(index, output):
+                async for index, delta in merged:
+                    tallies[index].add(delta)
+                    for chunk in encoder.chunks(index, delta):
                         yield sse_event(chunk)
-                    if output.finished:
-                        finals.append(output)
-        except ENGINE_ERRORS as error:
+        except ANSWERED as error:
             yield sse_event(http_error(error).body())
             yield SSE_DONE  # as vLLM ends a failed stream: clients stop reading at [DONE]
             return
         if include_usage:
-            yield sse_event(encoder.usage_chunk(total_usage(finals)))
+            yield sse_event(encoder.usage_chunk(total_usage(tallies)))
         yield SSE_DONE
 
     def completion_logprobs(self, entries: list[Logprob], offset: int) -> CompletionLogprobs:
@@ -269,18 +221,18 @@ class OpenAIServing:
         )
 
     def completion_choice(
-        self, prompt_index: int, output: CompletionOutput, n: int, whole: bool
+        self,
+        index: int,
+        text: str,
+        logprobs: list[Logprob] | None,
+        offset: int,
+        finish: FinishReason | None,
     ) -> CompletionChoice:
-        """Choice `prompt_index * n + branch`; `whole` for the full text, else the delta."""
-        offset = 0 if whole else len(output.text) - len(output.delta_text)
-        logprobs = None
-        if output.logprobs is not None:
-            logprobs = self.completion_logprobs(new_logprobs(output, whole), offset)
         return CompletionChoice(
-            index=prompt_index * n + output.index,
-            text=output.text if whole else output.delta_text,
-            logprobs=logprobs,
-            finish_reason=finish_reason(output),
+            index=index,
+            text=text,
+            logprobs=None if logprobs is None else self.completion_logprobs(logprobs, offset),
+            finish_reason=finish,
         )
 
     def chat_logprobs(self, entries: list[Logprob]) -> ChatLogprobs:
@@ -300,55 +252,46 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     async def completion(
-        self,
-        request: CompletionRequest,
-        salt: bytes | None,
-        meta: ResponseMeta | None = None,
-        adapter: str | None = None,
+        self, request: CompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> CompletionResponse:
         params = sampling_params(request.sampling_kwargs())
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
-        finals = await self.finals(await self.start(prompts, params, rid, salt, meta, adapter))
+        submission = await self.submit(request.model, prompts, params, rid, salt, meta)
+        finals = await self.finals(submission.streams)
         choices = [
-            self.completion_choice(i, output, params.n, whole=True)
+            self.completion_choice(
+                i * params.n + output.index, output.text, output.logprobs, 0, finish_reason(output)
+            )
             for i, final in enumerate(finals)
             for output in final.outputs
         ]
         return CompletionResponse(
             id=rid,
             created=int(time.time()),
-            model=adapter or self.model,
+            model=submission.adapter or self.model,
             choices=choices,
-            usage=total_usage(finals),
+            usage=whole_usage(finals),
         )
 
     async def stream_completion(
-        self,
-        request: CompletionRequest,
-        salt: bytes | None,
-        meta: ResponseMeta | None = None,
-        adapter: str | None = None,
+        self, request: CompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> AsyncIterator[str]:
         params = sampling_params(request.sampling_kwargs())
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
-        streams = await self.start(prompts, params, rid, salt, meta, adapter)
-        encoder = CompletionChunks(self, rid, adapter or self.model, params.n)
-        return self.events(streams, encoder, request.include_usage)
+        submission = await self.submit(request.model, prompts, params, rid, salt, meta)
+        encoder = CompletionChunks(self, rid, submission.adapter or self.model, params.n)
+        return self.events(submission.streams, encoder, request.include_usage)
 
     async def chat(
-        self,
-        request: ChatCompletionRequest,
-        salt: bytes | None,
-        meta: ResponseMeta | None = None,
-        adapter: str | None = None,
+        self, request: ChatCompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> ChatCompletionResponse:
         params = sampling_params(request.sampling_kwargs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        (final,) = await self.finals(
-            await self.start([request.chat_messages()], params, rid, salt, meta, adapter)
-        )
+        prompts = [request.chat_messages()]
+        submission = await self.submit(request.model, prompts, params, rid, salt, meta)
+        (final,) = await self.finals(submission.streams)
         choices = [
             ChatChoice(
                 index=output.index,
@@ -363,36 +306,42 @@ class OpenAIServing:
         return ChatCompletionResponse(
             id=rid,
             created=int(time.time()),
-            model=adapter or self.model,
+            model=submission.adapter or self.model,
             choices=choices,
-            usage=total_usage([final]),
+            usage=whole_usage([final]),
         )
 
     async def stream_chat(
-        self,
-        request: ChatCompletionRequest,
-        salt: bytes | None,
-        meta: ResponseMeta | None = None,
-        adapter: str | None = None,
+        self, request: ChatCompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> AsyncIterator[str]:
         params = sampling_params(request.sampling_kwargs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start([request.chat_messages()], params, rid, salt, meta, adapter)
-        encoder = ChatChunks(self, rid, adapter or self.model)
-        return self.events(streams, encoder, request.include_usage)
+        prompts = [request.chat_messages()]
+        submission = await self.submit(request.model, prompts, params, rid, salt, meta)
+        encoder = ChatChunks(self, rid, submission.adapter or self.model)
+        return self.events(submission.streams, encoder, request.include_usage)
+
+
+def whole_usage(finals: Sequence[RequestOutput]) -> Usage:
+    usages = [final.usage for final in finals]
+    return Usage.of(
+        prompt_tokens=sum(u.prompt_tokens for u in usages),
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=sum(u.cached_tokens for u in usages),
+    )
 
 
 class _StreamChunks:
     """What both chunk encoders share: the stream's id, model name (the adapter's for an adapter
-    request) and creation time, the finish tracker, and the chunk model (`response_model`)
-    every chunk and the final usage chunk are built as."""
+    request) and creation time, and the chunk model (`response_model`) every chunk and the
+    final usage chunk are built as. Every branch of a delta is a chunk: the engine puts a
+    branch in a delta only with something new or a finish not reported yet."""
 
     response_model: type[CompletionResponse] | type[ChatCompletionChunk]
 
     def __init__(self, serving: OpenAIServing, rid: str, model: str) -> None:
         self.serving, self.rid, self.model = serving, rid, model
         self.created = int(time.time())
-        self.changes = FinishTracker()
 
     def _chunk(self, choices: list[Any], usage: Usage | None = None) -> BaseModel:
         return self.response_model(
@@ -416,10 +365,24 @@ class CompletionChunks(_StreamChunks):
         super().__init__(serving, rid, model)
         self.n = n
 
-    def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]:
+        self.tallies: dict[int, StreamTally] = {}
+
+    def chunks(self, index: int, delta: RequestDelta) -> list[BaseModel]:
+        tally = self.tallies.setdefault(index, StreamTally())
+        serving = self.serving
         return [
-            self._chunk([self.serving.completion_choice(index, branch, self.n, whole=False)])
-            for branch in self.changes.changed(output, index)
+            self._chunk(
+                [
+                    serving.completion_choice(
+                        index * self.n + branch.index,
+                        branch.text,
+                        branch.logprobs,
+                        tally.text_offset(branch),
+                        finish_reason(branch),
+                    )
+                ]
+            )
+            for branch in delta.branches
         ]
 
 
@@ -432,17 +395,17 @@ class ChatChunks(_StreamChunks):
         super().__init__(serving, rid, model)
         self.started: set[int] = set()
 
-    def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]:
+    def chunks(self, index: int, delta: RequestDelta) -> list[BaseModel]:
         chunks = []
-        for branch in self.changes.changed(output, index):
+        for branch in delta.branches:
             role = None if branch.index in self.started else "assistant"
             self.started.add(branch.index)
-            entries = new_logprobs(branch, whole=False)
-            delta = ChatDelta(role=role, content=branch.delta_text)
-            logprobs = self.serving.chat_logprobs(entries) if branch.logprobs is not None else None
+            logprobs = None
+            if branch.logprobs is not None:
+                logprobs = self.serving.chat_logprobs(branch.logprobs)
             choice = ChatChunkChoice(
                 index=branch.index,
-                delta=delta,
+                delta=ChatDelta(role=role, content=branch.text),
                 logprobs=logprobs,
                 finish_reason=finish_reason(branch),
             )

@@ -1,9 +1,10 @@
 """`RoutedEngineClient`: the `EngineClient` an ingress uses to reach the engine deployment.
 
-Each request goes out through a Serve deployment handle with its prompt's block hashes as the
-`block_hashes` keyword and the KV directory's answer for them (replica -> leading blocks held)
-as `prefix_blocks`, so `PrefixAwareRouter` sends it to the replica that holds the longest prefix
-(or, when overloaded, the least busy one); the outputs stream back through the handle.
+Each request goes out through a Serve deployment handle carrying its prompt's block hashes
+(hashed once, when the front end prepared it: `GenerateRequest.block_hashes`), with the KV
+directory's answer for them (replica -> leading blocks held) as the `prefix_blocks` keyword, so
+`PrefixAwareRouter` sends it to the replica that holds the longest prefix (or, when overloaded,
+the least busy one); the deltas stream back through the handle as they are.
 
 Invariants:
 - what a replica raises for the client (RequestRejected, EngineOverloaded, EngineDead) comes
@@ -15,34 +16,27 @@ Invariants:
   request there and frees its blocks;
 - a request with no output `queue_timeout_s` after it was sent (queued at the handle or in an
   engine's admission queue) is cancelled and ends with EngineOverloaded (503 + Retry-After);
-- a LoRA adapter request's blocks are hashed with the adapter's weights digest exactly as the
-  engines key them, taken from the adapter registry where every replica reported the same
-  digest; without an agreed digest (just loaded, replicas disagree) it is routed by load only:
-  routing never uses a key the engine would not use;
-- `add_lora`, `remove_lora` and `list_loras` act on every engine replica at once, through the
-  application's adapter registry (`AdapterService`), never on the one replica a handle picks.
+- a request without hashes (an adapter without an agreed digest, see `FrontEnd.routing_hashes`)
+  is routed by load only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from ray import exceptions as ray_errors
 from ray.serve.exceptions import BackPressureError
 
-from cluster.engine.cache_keys import RequestKeys
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest
-from cluster.engine.lora_request import LoRARequest
-from cluster.engine.output_stream import OutputAccumulator
-from cluster.engine.outputs import RequestOutput
-from cluster.serving.lora_admin import AdapterService
-from cluster.serving.routing import BLOCK_HASHES_KWARG, PREFIX_BLOCKS_KWARG
+from cluster.engine.output_stream import RequestDelta
+from cluster.serving.routing import PREFIX_BLOCKS_KWARG
 
-CLIENT_ERRORS = (RequestRejected, EngineOverloaded, EngineDead)
+REPLICA_ERRORS = (RequestRejected, EngineOverloaded, EngineDead)
+"""What a replica raises for the client: it comes out of the handle as itself."""
 Holdings = Callable[[list[bytes]], Awaitable[dict[str, int]]]
 """Which replicas hold how many leading blocks of a chain (the KV directory; never raises)."""
 
@@ -57,14 +51,12 @@ def client_error(error: BaseException) -> Exception | None:
         return EngineOverloaded(f"every engine replica's queue is full: {error}")
     if isinstance(error, ray_errors.RayTaskError):
         cause = error.cause
-        if isinstance(cause, CLIENT_ERRORS):
+        if isinstance(cause, REPLICA_ERRORS):
             return cause
-        if isinstance(cause, ValueError):
-            return RequestRejected(str(cause))
         return EngineDead(f"the engine replica failed: {type(cause).__name__}: {cause}")
     if isinstance(error, ray_errors.RayActorError | ray_errors.ActorUnavailableError):
         return EngineDead(f"the engine replica serving this request died: {error}")
-    if isinstance(error, CLIENT_ERRORS):
+    if isinstance(error, REPLICA_ERRORS):
         return error
     return None
 
@@ -73,41 +65,21 @@ class RoutedEngineClient:
     """Streams `GenerateRequest`s through the engine deployment's handle (see the module doc)."""
 
     def __init__(
-        self,
-        handle: Any,
-        keys: RequestKeys,
-        holdings: Holdings = no_holdings,
-        queue_timeout_s: float | None = None,
-        adapters: AdapterService | None = None,
+        self, handle: Any, holdings: Holdings = no_holdings, queue_timeout_s: float | None = None
     ) -> None:
-        """`queue_timeout_s`: a request not started by then is refused as overloaded;
-        `adapters`: the deployment's LoRA adapters (None: only the base model is served)."""
+        """`queue_timeout_s`: a request not started by then is refused as overloaded."""
         self.handle = handle
-        self.keys = keys
         self.holdings = holdings
         self.queue_timeout_s = queue_timeout_s
-        self.adapters = adapters or AdapterService("", None)
 
-    def routing_hashes(self, request: GenerateRequest) -> list[bytes]:
-        """The block hashes the router reads (none for an adapter without an agreed digest, see
-        the module doc). Raises RequestRejected for a bad shared prefix."""
-        if request.adapter is not None:
-            digests = self.adapters.view.digests
-            if request.adapter not in digests:
-                return []
-            self.keys.adapters = dict(digests)  # the ingress's copy of the engines' map
-        return self.keys.block_hashes(request)
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        hashes = self.routing_hashes(request)
-        held = await self.holdings(hashes)
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestDelta, None]:
+        held = await self.holdings(list(request.block_hashes))
         finished = False
         stream = None
-        accumulator = OutputAccumulator()  # the replica streams deltas: O(new tokens) each
         try:
             # Inside the try: the router may refuse here already (BackPressureError).
             stream = self.handle.options(stream=True).generate.remote(
-                request, **{BLOCK_HASHES_KWARG: hashes, PREFIX_BLOCKS_KWARG: held}
+                request, **{PREFIX_BLOCKS_KWARG: held}
             )
             try:
                 async with asyncio.timeout(self.queue_timeout_s):
@@ -121,10 +93,10 @@ class RoutedEngineClient:
             except StopAsyncIteration:
                 return
             finished = first.finished
-            yield accumulator.apply(first)
+            yield first
             async for delta in stream:
                 finished = delta.finished
-                yield accumulator.apply(delta)
+                yield delta
         except Exception as error:
             mapped = client_error(error)
             if mapped is None or mapped is error:
@@ -136,16 +108,3 @@ class RoutedEngineClient:
                 # would replace the client error raised above: the call is over either way.
                 with contextlib.suppress(Exception):
                     stream.cancel()
-
-    async def abort(self, request_id: str) -> None:
-        """Requests are aborted by closing their `generate` stream (which cancels the call on
-        the replica); there is nothing to do by id."""
-
-    async def add_lora(self, lora: LoRARequest) -> None:
-        await self.adapters.add_lora(lora)
-
-    async def remove_lora(self, lora_name: str) -> None:
-        await self.adapters.remove_lora(lora_name)
-
-    async def list_loras(self) -> list[LoRARequest]:
-        return await self.adapters.list_loras()

@@ -2,13 +2,14 @@
 custom `RequestRouter`, set with `request_router_config` on the deployment).
 
 The ingress asks the KV directory which engine replicas hold how many leading blocks of the
-prompt's hash chain and passes the answer as the `prefix_blocks` keyword of the handle call (with
-the chain itself as `block_hashes`). The request goes to the replica that holds the longest
-prefix, unless that replica is overloaded; a request whose prefix no replica holds goes to the
-less busy of the two least loaded replicas. The directory is the one source of what replicas
-hold; the router adds only where it has just sent a chain (`PrefixIndex.record`), so a repeat
-that arrives before the replica's next event batch reaches the directory follows it. Replicas
-report their load through Serve's routing stats (`record_routing_stats`, see `routing_stats`).
+prompt's hash chain and passes the answer as the `prefix_blocks` keyword of the handle call (the
+chain itself travels on the request: `GenerateRequest.block_hashes`). The request goes to the
+replica that holds the longest prefix, unless that replica is overloaded; a request whose prefix
+no replica holds goes to the less busy of the two least loaded replicas. The directory is the one
+source of what replicas hold; the router adds only where it has just sent a chain
+(`PrefixIndex.record`), so a repeat that arrives before the replica's next event batch reaches the
+directory follows it. Replicas report their load through Serve's routing stats
+(`record_routing_stats`, see `routing_stats`).
 
 Invariants:
 - the choice only ranks replicas: Serve still probes queue lengths and moves on to the next rank
@@ -21,42 +22,17 @@ Invariants:
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster.engine.metrics import EngineMetrics
-from cluster.engine.outputs import RequestOutput
-from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.autoscaling import kv_used_fraction
 from cluster.serving.prefix_index import PrefixIndex
 
-BLOCK_HASHES_KWARG = "block_hashes"
 PREFIX_BLOCKS_KWARG = "prefix_blocks"
 ROUTER_CLASS_PATH = "cluster.serving.routing:PrefixAwareRouter"
-
-
-@dataclass(frozen=True)
-class RoutedRequest:
-    """A generation request sent through a deployment handle (the router reads
-    `block_hashes`, passed as a keyword argument of the same name)."""
-
-    prompt: str | dict[str, list[int]]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    authorization: str | None = None
-    request_id: str | None = None
-    model: str | None = None
-    """The served model's name or a LoRA adapter's (None: the served model)."""
-
-
-@dataclass(frozen=True)
-class RoutedOutput:
-    """One output of a handle `generate` stream, with the replica that produced it."""
-
-    replica_id: str
-    output: RequestOutput
 
 
 @dataclass(frozen=True)
@@ -197,24 +173,8 @@ def request_prefix_blocks(pending_request: PendingRequest | None) -> dict[str, i
 
 
 def request_block_hashes(pending_request: PendingRequest | None) -> list[bytes]:
-    if pending_request is None:
+    """The chain the request carries (`GenerateRequest.block_hashes`, its first argument)."""
+    if pending_request is None or not pending_request.args:
         return []
-    hashes = pending_request.kwargs.get(BLOCK_HASHES_KWARG) or []
+    hashes = getattr(pending_request.args[0], "block_hashes", ()) or ()
     return [h for h in hashes if isinstance(h, bytes)]
-
-
-class RoutedClient:
-    """Calls the application's ingress (`OpenAIIngress.generate`) through a deployment handle:
-    the ingress renders and hashes the prompt once and routes it by prefix to an engine
-    replica; each output comes back with the replica that produced it."""
-
-    def __init__(self, handle: Any, authorization: str | None = None) -> None:
-        self.handle = handle
-        self.authorization = authorization
-
-    async def generate(
-        self, prompt: str | dict[str, list[int]], params: SamplingParams
-    ) -> AsyncIterator[RoutedOutput]:
-        request = RoutedRequest(prompt, params, self.authorization)
-        async for item in self.handle.options(stream=True).generate.remote(request):
-            yield item

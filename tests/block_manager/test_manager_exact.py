@@ -269,9 +269,10 @@ def test_pressure_counts_waste_once_per_shared_tail() -> None:
     assert pressure.num_sequences == 2
     assert pressure.device.total == 8
     assert pressure.device.available == manager.num_free_device_blocks() == 6
-    assert (pressure.device_total, pressure.device_used, pressure.device_free) == (8, 2, 6)
-    assert (pressure.cpu_total, pressure.cpu_used, pressure.cpu_free) == (8, 0, 8)
-    assert pressure.device_evictable_cached == pressure.cpu_evictable_cached == 0
+    device, cpu = pressure.device, pressure.cpu
+    assert (device.total, device.used, device.free) == (8, 2, 6)
+    assert (cpu.total, cpu.used, cpu.free) == (8, 0, 8)
+    assert device.evictable_cached == cpu.evictable_cached == 0
     assert pressure.prefix_hit_rate == 0.0
 
 

@@ -8,6 +8,7 @@ import pathlib
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
+from tests.engine.streams import block_hashes, cached_block_hashes, engine_outputs
 from tests.engine.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
 
 
@@ -20,10 +21,10 @@ def test_streams_deltas_and_abort_frees_everything(tiny_model_dir: pathlib.Path)
         engine = AsyncEngine(tiny_config(tiny_model_dir, cache={"num_device_blocks": 40}))
         long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         keep = asyncio.create_task(
-            collect(engine.generate(engine.request_builder.build(PROMPTS[0], GREEDY)))
+            collect(engine_outputs(engine, engine.request_builder.build(PROMPTS[0], GREEDY)))
         )
-        stream = engine.generate(
-            engine.request_builder.build(PROMPTS[3], long, request_id="to-abort")
+        stream = engine_outputs(
+            engine, engine.request_builder.build(PROMPTS[3], long, request_id="to-abort")
         )
         first = await anext(stream)
         assert first.outputs[0].token_ids and not first.finished
@@ -55,15 +56,15 @@ def test_async_engine_with_tensor_parallel_two(
         engine = AsyncEngine(config)
         build = engine.request_builder.build
         results = await asyncio.gather(
-            *(collect(engine.generate(build(p, GREEDY))) for p in PROMPTS[:3])
+            *(collect(engine_outputs(engine, build(p, GREEDY))) for p in PROMPTS[:3])
         )
         assert [r[-1].outputs[0].token_ids for r in results] == expected
         metrics = engine.metrics()
         assert metrics.pressure.device.used == 0 and metrics.num_finished_requests == 3
         health = engine.health()
         assert health.alive and health.num_unfinished == 0 and health.last_step_finished_s
-        hashes = engine.prompt_block_hashes(build(PROMPTS[1], GREEDY))
-        assert hashes and set(hashes) <= set(engine.cached_block_hashes(1000))
+        hashes = block_hashes(engine, build(PROMPTS[1], GREEDY))
+        assert hashes and set(hashes) <= set(cached_block_hashes(engine))
         await engine.shutdown()
 
     asyncio.run(scenario())

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.errors import RequestRejected
+from cluster.engine.errors import RequestFailed
 from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
 from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, greedy_ids, tiny_config
@@ -59,7 +59,7 @@ def test_a_corrupted_cpu_block_fails_the_request_and_is_counted(
         rank = engine.workers._local
         assert rank is not None and rank.cpu_pool is not None
         rank.cpu_pool.add_(1.0)  # every CPU block's bytes change behind the tier's back
-        with pytest.raises(RequestRejected, match="failed their checksum"):
+        with pytest.raises(RequestFailed, match="failed their checksum"):
             llm.generate([prompt], GREEDY)
         metrics = engine.metrics()
         assert metrics.swap_checksum_failures > 0

@@ -1,5 +1,5 @@
 """The engine calls the serving layer uses, on the tiny Llama in process: `health()`,
-`prompt_block_hashes`, `cached_block_hashes` and `generate(..., shared_prefix_tokens=...)`."""
+the block-hash chain a request is routed by, and `generate(..., shared_prefix_tokens=...)`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.errors import EngineDead
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
+from tests.engine.streams import block_hashes, cached_block_hashes, engine_outputs
 from tests.engine.tiny_engine import tiny_config
 
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -21,7 +22,7 @@ SALT = b"tenant-a"
 
 async def final(engine: AsyncEngine, prompt: object, **kwargs: object) -> RequestOutput:
     request = engine.request_builder.build(prompt, ONE_TOKEN, **kwargs)  # type: ignore[arg-type]
-    outputs = [o async for o in engine.generate(request)]
+    outputs = [o async for o in engine_outputs(engine, request)]
     return outputs[-1]
 
 
@@ -59,29 +60,26 @@ def test_prompt_block_hashes_are_what_the_engine_then_caches(
 ) -> None:
     async def scenario() -> None:
         engine = AsyncEngine(tiny_config(tiny_model_dir))
-        assert engine.cached_block_hashes(100) == []
+        assert cached_block_hashes(engine) == []
         build = engine.request_builder.build
-        mine = engine.prompt_block_hashes(build(PROMPT, ONE_TOKEN, tenant_salt=SALT))
+        mine = block_hashes(engine, build(PROMPT, ONE_TOKEN, tenant_salt=SALT))
         assert len(mine) == (50 - 1) // 8
-        shared = engine.prompt_block_hashes(
-            build(PROMPT, ONE_TOKEN, tenant_salt=SALT, shared_prefix_tokens=20)
+        shared = block_hashes(
+            engine, build(PROMPT, ONE_TOKEN, tenant_salt=SALT, shared_prefix_tokens=20)
         )
-        others = engine.prompt_block_hashes(
-            build(PROMPT, ONE_TOKEN, tenant_salt=b"b", shared_prefix_tokens=20)
+        others = block_hashes(
+            engine, build(PROMPT, ONE_TOKEN, tenant_salt=b"b", shared_prefix_tokens=20)
         )
         assert shared[:2] == others[:2] and not set(shared[2:]) & set(others[2:])
         assert not set(mine) & set(shared)  # the chain differs from the first block on
 
         await final(engine, PROMPT, tenant_salt=SALT, shared_prefix_tokens=20)
-        cached = engine.cached_block_hashes(100)
+        cached = cached_block_hashes(engine)
         assert set(shared) <= set(cached) and not set(mine) & set(cached)
-        assert len(engine.cached_block_hashes(2)) == 2
         # Another tenant with the same declared prefix finds exactly its two whole blocks.
         other = await final(engine, PROMPT, tenant_salt=b"b", shared_prefix_tokens=20)
         assert other.num_cached_tokens == 16
-        assert set(others) <= set(engine.cached_block_hashes(100))
-        with pytest.raises(ValueError, match="limit"):
-            engine.cached_block_hashes(-1)
+        assert set(others) <= set(cached_block_hashes(engine))
         await engine.shutdown()
 
     asyncio.run(scenario())

@@ -48,6 +48,9 @@ def test_roomy_pool_matches_hf_greedy(
             )[0, ids.shape[1] :].tolist()
         assert output.outputs[0].token_ids == expected
         assert output.outputs[0].finish_reason == "length"
+        completion = output.outputs[0]  # an offline result is one delta covering everything
+        assert completion.delta_token_ids == completion.token_ids
+        assert completion.delta_text == completion.text != ""
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -46,10 +46,9 @@ def test_prompt_chunks_are_capped_only_while_something_decodes(
         if decodes:
             assert prefill <= cap
             seen_capped = seen_capped or prefill == cap
-        output = None if step.is_empty else engine.workers.execute(step.plan)
-        for out in engine.finish_step(step, output) + engine.resolve_stall(step):
-            if out.finished:
-                finals[out.request_id] = out
+        for request in engine.finish_step(step, engine.execute(step)):
+            if request.finished:
+                finals[request.request_id] = request.make_output()
         steps += 1
         assert steps < 500, "no progress"
     assert seen_capped

@@ -55,8 +55,10 @@ def test_abort_mid_generation_frees_every_block(slot_engine: SlotEngineFactory) 
         engine.step()
     assert engine.scheduler.preemptions.swap > 0 and engine.scheduler.swapped
     for request in requests:
-        final = engine.abort(request.request_id)
-        assert final is not None and final.finished
+        ended = engine.abort(request.request_id)
+        assert ended is not None
+        final = ended.make_output()
+        assert final.finished
         assert {o.finish_reason for o in final.outputs} <= {"abort", "stop", "length"}
     assert not engine.has_unfinished()
     assert_all_blocks_free(engine)

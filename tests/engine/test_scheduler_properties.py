@@ -90,7 +90,7 @@ def test_random_workloads_match_reference(
             if spec["abort_at_step"] == step and rid not in finals:
                 aborted = engine.abort(rid)
                 if aborted is not None:
-                    finals[rid] = aborted
+                    finals[rid] = aborted.make_output()
         for output in engine.step():
             if output.finished:
                 finals[output.request_id] = output

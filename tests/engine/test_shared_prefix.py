@@ -1,6 +1,6 @@
 """An operator-shared prefix through the engine (over `SlotWorkers`): tenants share its whole
 blocks and nothing after it, outputs stay exactly the unpaged reference, and the engine's
-`prompt_block_hashes` name exactly the blocks its block manager caches."""
+`RequestKeys.block_hashes` name exactly the blocks its block manager caches."""
 
 from __future__ import annotations
 
@@ -71,10 +71,10 @@ def test_prompt_block_hashes_are_the_blocks_the_manager_caches(
     prompt = {"prompt_token_ids": SYSTEM + QUESTION_A}
     shared = len(SYSTEM)
     build = engine.request_builder.build
-    alice = engine.prompt_block_hashes(
+    alice = engine.request_keys.block_hashes(
         build(prompt, PARAMS, tenant_salt=ALICE, shared_prefix_tokens=shared)
     )
-    bob = engine.prompt_block_hashes(
+    bob = engine.request_keys.block_hashes(
         build(prompt, PARAMS, tenant_salt=BOB, shared_prefix_tokens=shared)
     )
     assert len(alice) == (len(SYSTEM + QUESTION_A) - 1) // 4
@@ -85,7 +85,7 @@ def test_prompt_block_hashes_are_the_blocks_the_manager_caches(
     assert len(cached) == len(set(cached))
     assert set(alice) <= set(cached)  # evictable blocks are listed too
     assert not set(bob[3:]) & set(cached)
-    unshared = engine.prompt_block_hashes(build(prompt, PARAMS, tenant_salt=ALICE))
+    unshared = engine.request_keys.block_hashes(build(prompt, PARAMS, tenant_salt=ALICE))
     assert unshared[0] != alice[0] and not set(unshared) & set(cached)
 
 

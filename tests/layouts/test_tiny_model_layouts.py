@@ -8,8 +8,11 @@ import pathlib
 import pytest
 
 from cluster.engine.config import EngineConfig
+from cluster.engine.engine_core import EngineCore
 from cluster.engine.errors import ConfigError
+from cluster.engine.kv_layouts import LayoutRecorder
 from cluster.engine.llm import LLM
+from cluster.engine.outputs import RequestOutput
 from tests.engine.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
 
 
@@ -27,11 +30,26 @@ def paged_ids(tiny_model_dir: pathlib.Path) -> list[list[int]]:
         return greedy_ids(llm.generate(PROMPTS, GREEDY))
 
 
+def recorded_generate(engine: EngineCore, recorder: LayoutRecorder) -> list[RequestOutput]:
+    """`LLM.generate(PROMPTS, GREEDY)` with every step run by the layouts' recorder."""
+    ids = [
+        engine.add_request(engine.request_builder.build(prompt, GREEDY)).request_id
+        for prompt in PROMPTS
+    ]
+    finals: dict[str, RequestOutput] = {}
+    while engine.has_work():
+        for output in recorder.step(engine):
+            assert output.error is None, output.error
+            if output.finished:
+                finals[output.request_id] = output
+    return [finals[i] for i in ids]
+
+
 def test_contiguous_matches_paged(tiny_model_dir: pathlib.Path, paged_ids: list[list[int]]) -> None:
     with LLM(config=_layout_config(tiny_model_dir, "contiguous")) as llm:
-        assert greedy_ids(llm.generate(PROMPTS, GREEDY)) == paged_ids
+        usage = LayoutRecorder.of(llm.engine)
+        assert greedy_ids(recorded_generate(llm.engine, usage)) == paged_ids
         assert llm.engine.block_manager.pressure().device.used == 0
-        usage = llm.engine.layout_recorder
         assert usage.sum_reserved_bytes > usage.sum_live_bytes > 0
 
 
@@ -40,9 +58,8 @@ def test_virtual_matches_paged_and_returns_its_pages(
 ) -> None:
     with LLM(config=_layout_config(tiny_model_dir, "virtual")) as llm:
         engine = llm.engine
-        engine.layout_recorder.keep_samples = True
-        assert greedy_ids(llm.generate(PROMPTS, GREEDY)) == paged_ids
-        recorder = engine.layout_recorder
+        recorder = LayoutRecorder.of(engine, keep_samples=True)
+        assert greedy_ids(recorded_generate(engine, recorder)) == paged_ids
         measured = [b for _, b in recorder.measured_backed_bytes]  # the worker's mincore
         manager = engine.block_manager
         reserved_bytes = manager.num_virtual_blocks * engine.model_info.kv_bytes_per_block

@@ -13,6 +13,7 @@ from cluster.engine.errors import AdapterNotFound, RequestRejected
 from cluster.engine.llm import LLM
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.sampling_params import SamplingParams
+from tests.engine.streams import engine_outputs
 from tests.engine.tiny_engine import tiny_config
 from tests.lora.conftest import peft_oracle
 from tests.workers.paged_runner import hf_greedy
@@ -30,7 +31,7 @@ def lora_config(model_dir: pathlib.Path, **lora: object) -> object:
 async def _generate(engine: AsyncEngine, prompt: str, adapter: str | None) -> list[int]:
     request = engine.request_builder.build(prompt, GREEDY, adapter=adapter)
     final = None
-    async for output in engine.generate(request):
+    async for output in engine_outputs(engine, request):
         final = output
     assert final is not None and final.finished
     return final.outputs[0].token_ids

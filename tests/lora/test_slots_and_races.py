@@ -18,6 +18,7 @@ from cluster.engine.errors import AdapterNotFound, RequestFailed
 from cluster.engine.llm import LLM
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.sampling_params import SamplingParams
+from tests.engine.streams import engine_outputs
 from tests.engine.tiny_engine import tiny_config
 from workers.plan import StepPlan
 
@@ -91,7 +92,7 @@ def test_remove_while_running_and_add_while_running(
     async def collect(engine: AsyncEngine, prompt: str, adapter: str | None) -> list[int]:
         request = engine.request_builder.build(prompt, long, adapter=adapter)
         final = None
-        async for output in engine.generate(request):
+        async for output in engine_outputs(engine, request):
             final = output
         assert final is not None
         return final.outputs[0].token_ids
@@ -136,7 +137,7 @@ def test_cpu_lru_reloads_from_disk_and_refuses_changed_files(
     async def collect(engine: AsyncEngine, prompt: str, adapter: str | None) -> list[int]:
         request = engine.request_builder.build(prompt, GREEDY, adapter=adapter)
         final = None
-        async for output in engine.generate(request):
+        async for output in engine_outputs(engine, request):
             final = output
         assert final is not None
         return final.outputs[0].token_ids

@@ -9,6 +9,7 @@ import pathlib
 import pytest
 import torch
 
+from tests.engine.streams import engine_outputs
 from tests.workers.paged_runner import greedy_generate
 from workers import StepPlan, WorkerConfig, WorkerGroup
 from workers.plan import LoRASlotLoad
@@ -100,8 +101,8 @@ def test_async_engine_over_ray_serves_adapters(
             async def one(prompt: str, adapter: LoRARequest | None) -> list[int]:
                 name = None if adapter is None else adapter.lora_name
                 final = None
-                async for output in engine.generate(
-                    engine.request_builder.build(prompt, greedy, adapter=name)
+                async for output in engine_outputs(
+                    engine, engine.request_builder.build(prompt, greedy, adapter=name)
                 ):
                     final = output
                 assert final is not None

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.prometheus import render_prometheus
+from tests.engine.streams import engine_outputs
 from tests.engine.tiny_engine import tiny_config
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -30,12 +31,12 @@ def test_closed_streams_and_aborts_are_counted(tiny_model_dir: pathlib.Path) -> 
     async def scenario() -> None:
         engine = await AsyncEngine.create(tiny_config(tiny_model_dir))
         build = engine.request_builder.build
-        async for _ in engine.generate(build("Hello", SHORT)):
+        async for _ in engine_outputs(engine, build("Hello", SHORT)):
             pass
-        closed = engine.generate(build("Hello", LONG))
+        closed = engine_outputs(engine, build("Hello", LONG))
         await anext(closed)
         await closed.aclose()  # the client went away
-        by_id = engine.generate(build("Hi", LONG, request_id="by-id"))
+        by_id = engine_outputs(engine, build("Hi", LONG, request_id="by-id"))
         await anext(by_id)
         await engine.abort("by-id")
         assert [o async for o in by_id][-1].outputs[0].finish_reason == "abort"

@@ -17,6 +17,7 @@ from typing import Any
 
 from cluster.serving.grpc_proxy_cancel import (
     PATCHED_FLAG,
+    PATCHED_RAY,
     RecordingHandle,
     cancel_on_close,
     install,
@@ -131,3 +132,20 @@ def test_install_wraps_the_proxy_once() -> None:
     assert getattr(send, PATCHED_FLAG)
     install()
     assert gRPCProxy.send_request_to_replica is send
+
+
+def test_the_patched_ray_range_is_the_one_pyproject_pins_and_another_ray_is_left_alone(
+    monkeypatch: Any,
+) -> None:
+    import pathlib
+    import tomllib
+
+    import ray
+
+    pyproject = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
+    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    (pin,) = [d for d in dependencies if d.startswith("ray[")]
+    (first, end) = PATCHED_RAY
+    assert pin == f"ray[serve]>={first[0]}.{first[1]},<{end[0]}.{end[1]}"
+    monkeypatch.setattr(ray, "__version__", f"{end[0]}.{end[1]}.0")
+    assert not install()

@@ -20,6 +20,7 @@ from cluster.engine.output_stream import (
     RequestDelta,
 )
 from cluster.engine.sampling_params import SamplingParams
+from tests.engine.streams import engine_outputs
 from tests.engine.tiny_engine import tiny_config
 
 LONG_PROMPT = list(range(100, 700))
@@ -79,9 +80,12 @@ def test_a_slow_reader_gets_one_coalesced_output_and_exact_results(
         engine = await AsyncEngine.create(tiny_config(tiny_model_dir))
         build = engine.request_builder.build
         # the reference: a reader that takes every output
-        fast = [o async for o in engine.generate(build({"prompt_token_ids": LONG_PROMPT}, PARAMS))]
-        stream = engine.generate(
-            build({"prompt_token_ids": LONG_PROMPT}, PARAMS, request_id="slow")
+        fast = [
+            o
+            async for o in engine_outputs(engine, build({"prompt_token_ids": LONG_PROMPT}, PARAMS))
+        ]
+        stream = engine_outputs(
+            engine, build({"prompt_token_ids": LONG_PROMPT}, PARAMS, request_id="slow")
         )
         first = await anext(stream)
         mailbox = engine._streams["slow"]
@@ -107,7 +111,7 @@ def test_deltas_do_not_grow_with_the_prompt_or_the_output(tiny_model_dir: pathli
         engine = await AsyncEngine.create(tiny_config(tiny_model_dir))
         build = engine.request_builder.build
         sizes = []
-        async for d in engine.generate_deltas(build({"prompt_token_ids": LONG_PROMPT}, PARAMS)):
+        async for d in engine.generate(build({"prompt_token_ids": LONG_PROMPT}, PARAMS)):
             sizes.append(len(pickle.dumps(d)))
         assert len(sizes) == PARAMS.max_tokens
         assert sizes[0] > 4 * len(LONG_PROMPT) // 2  # the first carries the prompt once
@@ -163,10 +167,8 @@ def test_an_engine_stream_interval_sends_chunks_of_n_tokens_with_the_same_result
         engine = await AsyncEngine.create(tiny_config(tiny_model_dir))
         build = engine.request_builder.build
         prompt = {"prompt_token_ids": [5, 6]}
-        every = [d async for d in engine.generate_deltas(build(prompt, PARAMS))]
-        chunked = [
-            d async for d in engine.generate_deltas(build(prompt, PARAMS, request_id="chunked"), 4)
-        ]
+        every = [d async for d in engine.generate(build(prompt, PARAMS))]
+        chunked = [d async for d in engine.generate(build(prompt, PARAMS, request_id="chunked"), 4)]
         tokens = [len(d.branches[0].token_ids) for d in chunked]
         assert tokens[0] == 1 and all(count >= 4 for count in tokens[1:-1]), tokens
         assert sum(tokens) == PARAMS.max_tokens and chunked[-1].finished
@@ -180,7 +182,7 @@ def test_an_engine_stream_interval_sends_chunks_of_n_tokens_with_the_same_result
 
         assert ids(chunked) == ids(every) and text(chunked) == text(every)
         with pytest.raises(ValueError, match="stream_interval"):
-            await anext(engine.generate_deltas(build({"prompt_token_ids": [5]}, PARAMS), 0))
+            await anext(engine.generate(build({"prompt_token_ids": [5]}, PARAMS), 0))
         await engine.shutdown()
 
     asyncio.run(scenario())

@@ -18,9 +18,12 @@ from typing import Any
 import pytest
 
 from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine_core import EngineCore
 from cluster.engine.errors import EngineDead, RequestFailed
+from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
+from tests.engine.streams import engine_outputs
 from tests.engine.tiny_engine import tiny_config
 from workers import WorkerGroup
 from workers.plan import PlanRejected, StepOutput, StepPlan
@@ -50,7 +53,7 @@ class FaultyWorkers:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def execute_async(self, plan: StepPlan) -> StepOutput:
+    def check(self, plan: StepPlan) -> None:
         poisoned = [
             w.seq_id for w in plan.sequences if w.start_pos == 0 and w.token_ids[0] == POISON
         ]
@@ -61,6 +64,13 @@ class FaultyWorkers:
             if self.mode == "refuse":
                 raise ValueError(f"step {plan.step_id}: refused")
             raise RuntimeError("rank 1 died")
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self.check(plan)
+        return self.inner.execute(plan)
+
+    async def execute_async(self, plan: StepPlan) -> StepOutput:
+        self.check(plan)
         return await self.inner.execute_async(plan)
 
 
@@ -76,10 +86,10 @@ async def run_scenario(engine: AsyncEngine) -> list[list[int] | BaseException]:
     build = engine.request_builder.build
     good = [build({"prompt_token_ids": ids}, params_of(i)) for i, ids in enumerate(GOOD_PROMPTS)]
     bad = build({"prompt_token_ids": [POISON, 1, 2, 3]}, PARAMS)
-    first = asyncio.create_task(collect(engine.generate(good[0])))
+    first = asyncio.create_task(collect(engine_outputs(engine, good[0])))
     while engine.metrics().num_generated_tokens < 2:  # the first request is decoding
         await asyncio.sleep(0.005)
-    others = asyncio.gather(*(collect(engine.generate(r)) for r in [bad, *good[1:]]))
+    others = asyncio.gather(*(collect(engine_outputs(engine, r)) for r in [bad, *good[1:]]))
     rest = await others
     return [await first, *rest]
 
@@ -89,7 +99,7 @@ def expected_tokens(model_dir: pathlib.Path) -> list[list[int]]:
         engine = await AsyncEngine.create(tiny_config(model_dir))
         build = engine.request_builder.build
         results = [
-            await collect(engine.generate(build({"prompt_token_ids": ids}, params_of(i))))
+            await collect(engine_outputs(engine, build({"prompt_token_ids": ids}, params_of(i))))
             for i, ids in enumerate(GOOD_PROMPTS)
         ]
         await engine.shutdown()
@@ -119,8 +129,8 @@ def test_a_refused_plan_fails_only_its_requests(tiny_model_dir: pathlib.Path, mo
         assert engine.health().alive
         # the engine goes on serving
         again = await collect(
-            engine.generate(
-                engine.request_builder.build({"prompt_token_ids": GOOD_PROMPTS[1]}, PARAMS)
+            engine_outputs(
+                engine, engine.request_builder.build({"prompt_token_ids": GOOD_PROMPTS[1]}, PARAMS)
             )
         )
         assert again == expected[1]
@@ -139,7 +149,46 @@ def test_a_worker_failure_marks_the_engine_dead(tiny_model_dir: pathlib.Path) ->
         assert all(isinstance(r, EngineDead) for r in results), results
         assert not engine.health().alive
         with pytest.raises(EngineDead):
-            await anext(engine.generate(engine.request_builder.build("Hello", PARAMS)))
+            await anext(engine_outputs(engine, engine.request_builder.build("Hello", PARAMS)))
         await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_the_offline_path_isolates_a_refused_plan_alike(tiny_model_dir: pathlib.Path) -> None:
+    """`EngineCore.step` (what `LLM` runs) judges a refusal as the async loop does: the blamed
+    request fails alone, the others of its step are recomputed to their exact greedy tokens."""
+    expected = expected_tokens(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
+    workers = FaultyWorkers(WorkerGroup(config.to_worker_config()), "blame")
+    core = EngineCore(config, workers)  # type: ignore[arg-type]
+    build = core.request_builder.build
+    good = [
+        core.add_request(build({"prompt_token_ids": ids}, params_of(i)))
+        for i, ids in enumerate(GOOD_PROMPTS)
+    ]
+    bad = core.add_request(build({"prompt_token_ids": [POISON, 1, 2, 3]}, PARAMS))
+    finals: dict[str, RequestOutput] = {}
+    while core.has_work():
+        for output in core.step():
+            if output.finished or output.error is not None:
+                finals[output.request_id] = output
+    assert workers.failures == 1 and bad.failed
+    assert "poisoned" in (finals[bad.request_id].error or "")
+    assert [finals[r.request_id].outputs[0].token_ids for r in good] == expected
+    assert core.metrics().pressure.device.used == 0
+    core.shutdown()
+
+
+def test_llm_raises_request_failed_and_serves_the_next_call(tiny_model_dir: pathlib.Path) -> None:
+    expected = expected_tokens(tiny_model_dir)
+    config = tiny_config(tiny_model_dir)
+    workers = FaultyWorkers(WorkerGroup(config.to_worker_config()), "refuse")
+    with LLM(config=config) as llm:
+        llm.engine.workers = workers  # type: ignore[assignment]
+        prompts = [{"prompt_token_ids": [POISON, 1, 2, 3]}, {"prompt_token_ids": GOOD_PROMPTS[1]}]
+        with pytest.raises(RequestFailed, match="refused"):
+            llm.generate(prompts, PARAMS)
+        again = llm.generate({"prompt_token_ids": GOOD_PROMPTS[1]}, PARAMS)
+        assert again[0].outputs[0].token_ids == expected[1]
+        assert llm.metrics().pressure.device.used == 0

@@ -11,6 +11,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.llm import LLM
 from cluster.engine.scheduler import SchedulerStep
+from tests.engine.streams import engine_outputs
 from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
 from workers.plan import StepPlan
 
@@ -63,7 +64,7 @@ def test_async_engine_releases_everything_once_idle(tiny_model_dir: pathlib.Path
         build = engine.request_builder.build
 
         async def run(prompt: str) -> None:
-            async for _ in engine.generate(build(prompt, GREEDY)):
+            async for _ in engine_outputs(engine, build(prompt, GREEDY)):
                 pass
 
         await asyncio.gather(*(run(p) for p in PROMPTS))

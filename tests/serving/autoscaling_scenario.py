@@ -58,15 +58,10 @@ def running_replicas(app: str) -> int:
     return int(status.replica_states.get("RUNNING", 0))
 
 
-async def one_request(handle: Any, outcome: Outcome, served_by: set[str]) -> None:
-    from cluster.serving.routing import RoutedRequest
-
+async def one_request(client: Any, outcome: Outcome, served_by: set[str]) -> None:
     try:
-        last = None
-        stream = handle.options(stream=True).generate.remote(RoutedRequest("Hello", PARAMS))
-        async for item in stream:
-            last = item
-        assert last is not None and last.output.finished
+        last = await client.generate("Hello", PARAMS)
+        assert last.output.finished
         assert len(last.output.outputs[0].token_ids) == PARAMS.max_tokens
         served_by.add(last.replica_id)
         outcome.succeeded += 1
@@ -74,8 +69,12 @@ async def one_request(handle: Any, outcome: Outcome, served_by: set[str]) -> Non
         outcome.failed.append(repr(error)[:300])
 
 
-async def drive(handle: Any, app: str) -> Outcome:
+async def drive(app: str) -> Outcome:
     import ray
+
+    from tests.serving.routed_calls import RoutedClient
+
+    handle = await RoutedClient.connect(app)
 
     outcome, served_by = Outcome(), set[str]()
     stop = asyncio.Event()
@@ -138,8 +137,8 @@ def main(model_dir: str) -> None:
         }
         ingress_options = {"ray_actor_options": {"num_cpus": 0}}
         app = bind_app(args, engine_options=engine_options, ingress_options=ingress_options)
-        handle = serve.run(app, name="autoscaled", route_prefix=None)
-        outcome = asyncio.run(drive(handle, "autoscaled"))
+        serve.run(app, name="autoscaled", route_prefix=None)
+        outcome = asyncio.run(drive("autoscaled"))
         print("AUTOSCALING_OUTCOME " + json.dumps(asdict(outcome)), flush=True)
     finally:
         serve.shutdown()

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from cluster.engine.errors import AdapterNotFound, InvalidAdapter
 from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.lora_request import LoRARequest
-from cluster.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from cluster.engine.output_stream import BranchDelta, RequestDelta
+from cluster.engine.outputs import RequestMetrics
 from cluster.serving.lora_admin import AdapterService
 from cluster.serving.lora_registry import LoRARegistry
 from cluster.serving.lora_sync import AdapterSync
@@ -69,34 +70,21 @@ class FakeEngine:
         """Name -> weights digest, as `RequestKeys.adapters` holds them: by path here."""
         return {name: f"sha:{a.lora_path}{self.digest_salt}" for name, a in self.loras.items()}
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
         known = set(self.loras) - self.forgotten
         if request.adapter is not None and request.adapter not in known:
             raise AdapterNotFound(f"The model `{request.adapter}` does not exist.")
         self.requests.append(request)
         text = f"[{request.adapter or BASE}]"
-        yield RequestOutput(
+        yield RequestDelta(
             request_id=request.request_id or "r",
-            prompt=None,
-            prompt_token_ids=list(request.token_ids),
-            outputs=[
-                CompletionOutput(
-                    0,
-                    text,
-                    [1],
-                    finish_reason="stop",
-                    delta_text=text,
-                    delta_token_ids=[1],
-                )
-            ],
+            branches=[BranchDelta(0, text, [1], finish_reason="stop")],
             finished=True,
             num_cached_tokens=0,
+            prompt_token_ids=list(request.token_ids),
             metrics=RequestMetrics(arrival_time=time.time()),
             served_by=self.name,
         )
-
-    async def abort(self, request_id: str) -> None:
-        return None
 
 
 class FakeDeployment:
@@ -136,7 +124,7 @@ class FakeDeployment:
 
     # --- EngineClient ----------------------------------------------------------------------
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
         return self.engines[next(self._next) % len(self.engines)].generate(request)
 
     async def abort(self, request_id: str) -> None:

@@ -16,8 +16,8 @@ import pytest
 
 from block_manager import prompt_block_hashes
 from cluster.engine.sampling_params import SamplingParams
-from cluster.serving.routing import RoutedClient, RoutedOutput
 from tests.serving.conftest import MODEL, Served, engine_section, run_two_engine_app
+from tests.serving.routed_calls import RoutedClient, RoutedOutput
 
 APP = "faults"
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -70,14 +70,12 @@ def chain_of(ids: list[int]) -> list[bytes]:
 
 def serve_all(handle: Any, prompts: list[list[int]]) -> list[RoutedOutput]:
     async def run() -> list[RoutedOutput]:
-        client = RoutedClient(handle)
+        client = await RoutedClient.connect(APP)
         results = []
         for ids in prompts:
-            last = None
-            async for item in client.generate({"prompt_token_ids": ids}, GREEDY):
-                last = item
-            assert last is not None and last.output.finished
-            results.append(last)
+            result = await client.generate({"prompt_token_ids": ids}, GREEDY)
+            assert result.output.finished
+            results.append(result)
         return results
 
     return asyncio.run(run())

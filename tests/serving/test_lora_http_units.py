@@ -29,7 +29,6 @@ from cluster.serving.grpc_service import GenerationRpc
 from cluster.serving.grpc_validation import GrpcAbort
 from cluster.serving.ingress import OpenAIIngress, build_http_api
 from cluster.serving.openai_serving import OpenAIServing
-from cluster.serving.routed_engine import RoutedEngineClient
 from cluster.serving.tenancy import Tenancy
 from protos import generation_pb2 as pb
 from tests.serving.lora_fakes import BASE, FakeDeployment
@@ -41,10 +40,9 @@ NOT_FOUND_BODY = {"type": "NotFoundError", "param": "model", "code": "model_not_
 
 
 @pytest.fixture(scope="module")
-def frontend(tiny_model_dir: pathlib.Path) -> FrontEnd:
+def builder(tiny_model_dir: pathlib.Path) -> RequestBuilder:
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-    renderer = PromptRenderer(tokenizer, len(tokenizer))
-    return FrontEnd(RequestBuilder(renderer, 4), 512)
+    return RequestBuilder(PromptRenderer(tokenizer, len(tokenizer)), 4)
 
 
 class Harness:
@@ -64,7 +62,7 @@ class Harness:
 
 
 def run(
-    frontend: FrontEnd,
+    builder: RequestBuilder,
     test: Callable[[Harness], Awaitable[None]],
     **app_args: Any,
 ) -> None:
@@ -79,10 +77,11 @@ def run(
         ingress.args = args
         ingress.tenancy = Tenancy(args.tenants_by_key(), args.admin_keys())
         ingress.adapters = deployment.adapters
+        frontend = FrontEnd(builder, 512, deployment, deployment.adapters)
         ingress.frontend = frontend
-        ingress.openai = OpenAIServing(deployment, frontend, BASE)
+        ingress.openai = OpenAIServing(frontend, BASE)
         ingress.created = 0
-        rpc = GenerationRpc(deployment, frontend, deployment.adapters)
+        rpc = GenerationRpc(frontend)
         transport = httpx.ASGITransport(app=build_http_api(ingress))
         async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
             try:
@@ -97,7 +96,9 @@ def completion(model: str, **extra: Any) -> dict[str, Any]:
     return {"model": model, "prompt": "Hello there", "max_tokens": 4, **extra}
 
 
-def test_model_selects_the_adapter_for_completions_chat_and_streams(frontend: FrontEnd) -> None:
+def test_model_selects_the_adapter_for_completions_chat_and_streams(
+    builder: RequestBuilder,
+) -> None:
     async def check(h: Harness) -> None:
         response = await h.post("/v1/completions", completion("sql"))
         assert response.status_code == 200, response.text
@@ -113,10 +114,12 @@ def test_model_selects_the_adapter_for_completions_chat_and_streams(frontend: Fr
         adapters = [r.adapter for engine in h.deployment.engines for r in engine.requests]
         assert sorted(adapters, key=str) == sorted(["sql", None, "sql"], key=str)
 
-    run(frontend, check)
+    run(builder, check)
 
 
-def test_models_lists_the_base_model_and_each_adapter_with_its_parent(frontend: FrontEnd) -> None:
+def test_models_lists_the_base_model_and_each_adapter_with_its_parent(
+    builder: RequestBuilder,
+) -> None:
     async def check(h: Harness) -> None:
         base, sql = await h.models()
         assert (base["id"], base["parent"], base["object"]) == (BASE, None, "model")
@@ -127,11 +130,11 @@ def test_models_lists_the_base_model_and_each_adapter_with_its_parent(frontend: 
             "model",
         )
 
-    run(frontend, check)
+    run(builder, check)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_an_unknown_model_is_a_404_in_openais_body(frontend: FrontEnd, path: str) -> None:
+def test_an_unknown_model_is_a_404_in_openais_body(builder: RequestBuilder, path: str) -> None:
     async def check(h: Harness) -> None:
         body = completion("gpt-4") if "chat" not in path else {
             "model": "gpt-4", "messages": [{"role": "user", "content": "x"}]
@@ -142,10 +145,10 @@ def test_an_unknown_model_is_a_404_in_openais_body(frontend: FrontEnd, path: str
         assert {k: error[k] for k in NOT_FOUND_BODY} == NOT_FOUND_BODY
         assert "gpt-4" in error["message"]
 
-    run(frontend, check)
+    run(builder, check)
 
 
-def test_an_adapter_unloaded_before_admission_is_a_404_too(frontend: FrontEnd) -> None:
+def test_an_adapter_unloaded_before_admission_is_a_404_too(builder: RequestBuilder) -> None:
     async def check(h: Harness) -> None:
         for engine in h.deployment.engines:  # the engines lost it; the ingress's view has it
             engine.forgotten.add("sql")
@@ -153,10 +156,10 @@ def test_an_adapter_unloaded_before_admission_is_a_404_too(frontend: FrontEnd) -
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "model_not_found"
 
-    run(frontend, check)
+    run(builder, check)
 
 
-def test_load_and_unload_are_absent_unless_runtime_updating_is_on(frontend: FrontEnd) -> None:
+def test_load_and_unload_are_absent_unless_runtime_updating_is_on(builder: RequestBuilder) -> None:
     async def check(h: Harness) -> None:
         for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
             response = await h.post(path, {"lora_name": "x", "lora_path": "/a/x"}, ADMIN)
@@ -164,10 +167,10 @@ def test_load_and_unload_are_absent_unless_runtime_updating_is_on(frontend: Fron
             assert "error" in response.json()
         assert [m["id"] for m in await h.models()] == [BASE, "sql"]
 
-    run(frontend, check)
+    run(builder, check)
 
 
-def test_only_admin_keys_may_load_and_unload(frontend: FrontEnd) -> None:
+def test_only_admin_keys_may_load_and_unload(builder: RequestBuilder) -> None:
     async def check(h: Harness) -> None:
         body = {"lora_name": "chat", "lora_path": "/a/chat"}
         for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
@@ -179,10 +182,10 @@ def test_only_admin_keys_may_load_and_unload(frontend: FrontEnd) -> None:
             assert user.json()["error"]["type"] == "permission_error"
         assert [m["id"] for m in await h.models()] == [BASE, "sql"]
 
-    run(frontend, check, allow_runtime_lora_updating=True)
+    run(builder, check, allow_runtime_lora_updating=True)
 
 
-def test_load_use_and_unload_an_adapter_at_run_time(frontend: FrontEnd) -> None:
+def test_load_use_and_unload_an_adapter_at_run_time(builder: RequestBuilder) -> None:
     async def check(h: Harness) -> None:
         body = {"lora_name": "chat", "lora_path": "/a/chat"}
         loaded = await h.post("/v1/load_lora_adapter", body, ADMIN)
@@ -206,7 +209,7 @@ def test_load_use_and_unload_an_adapter_at_run_time(frontend: FrontEnd) -> None:
         assert again.status_code == 404
         assert again.json()["error"]["type"] == "NotFoundError"
 
-    run(frontend, check, allow_runtime_lora_updating=True)
+    run(builder, check, allow_runtime_lora_updating=True)
 
 
 LOAD = "/v1/load_lora_adapter"
@@ -234,7 +237,7 @@ def load_body(name: Any, path: str) -> dict[str, Any]:
     ],
 )
 def test_bad_load_and_unload_input_is_a_400_and_changes_nothing(
-    frontend: FrontEnd, path: str, body: Any, param: str | None, fragment: str
+    builder: RequestBuilder, path: str, body: Any, param: str | None, fragment: str
 ) -> None:
     async def check(h: Harness) -> None:
         response = await h.post(path, body, ADMIN)
@@ -247,15 +250,15 @@ def test_bad_load_and_unload_input_is_a_400_and_changes_nothing(
         assert h.deployment.served() == [{"sql"}] * 2
         assert (await h.post("/v1/completions", completion("sql"))).status_code == 200
 
-    run(frontend, check, allow_runtime_lora_updating=True)
+    run(builder, check, allow_runtime_lora_updating=True)
 
 
-def test_without_api_keys_anyone_may_load_when_it_is_on(frontend: FrontEnd) -> None:
+def test_without_api_keys_anyone_may_load_when_it_is_on(builder: RequestBuilder) -> None:
     async def check(h: Harness) -> None:
         body = {"lora_name": "chat", "lora_path": "/a/chat"}
         assert (await h.post("/v1/load_lora_adapter", body, {})).status_code == 200
 
-    run(frontend, check, allow_runtime_lora_updating=True, api_keys={})
+    run(builder, check, allow_runtime_lora_updating=True, api_keys={})
 
 
 async def grpc_generate(rpc: GenerationRpc, request: pb.GenerateRequest) -> str:
@@ -265,7 +268,7 @@ async def grpc_generate(rpc: GenerationRpc, request: pb.GenerateRequest) -> str:
     return "".join(texts)
 
 
-def test_grpc_selects_adapters_and_refuses_like_http(frontend: FrontEnd) -> None:
+def test_grpc_selects_adapters_and_refuses_like_http(builder: RequestBuilder) -> None:
     async def check(h: Harness) -> None:
         sampling = pb.SamplingParameters(max_tokens=4)
         assert await grpc_generate(h.rpc, pb.GenerateRequest(text="x", adapter="sql")) == "[sql]"
@@ -295,11 +298,11 @@ def test_grpc_selects_adapters_and_refuses_like_http(frontend: FrontEnd) -> None
             h.rpc.check_model("gpt-4")
         assert caught.value.code == grpc.StatusCode.NOT_FOUND
 
-    run(frontend, check)
+    run(builder, check)
 
 
 def test_a_grpc_request_for_an_adapter_unloaded_before_admission_is_not_found(
-    frontend: FrontEnd,
+    builder: RequestBuilder,
 ) -> None:
     async def check(h: Harness) -> None:
         await h.deployment.remove_lora("sql")
@@ -311,26 +314,32 @@ def test_a_grpc_request_for_an_adapter_unloaded_before_admission_is_not_found(
         await h.deployment.add_lora(LoRARequest("sql", 1, "/a/sql", BASE))
         assert await grpc_generate(h.rpc, pb.GenerateRequest(text="x", adapter="sql")) == "[sql]"
 
-    run(frontend, check)
+    run(builder, check)
 
 
-def test_adapter_requests_are_hashed_exactly_as_the_engines_key_them(frontend: FrontEnd) -> None:
+def test_adapter_requests_are_hashed_exactly_as_the_engines_key_them(
+    builder: RequestBuilder,
+) -> None:
     async def check(h: Harness) -> None:
         identity = CacheIdentity(model_weights_digest="w", tokenizer_digest="t", block_size=4)
         ingress_keys = RequestKeys(CacheKeyFactory(identity), 4)
         engine_keys = RequestKeys(CacheKeyFactory(identity), 4)
         engine_keys.adapters = h.deployment.engines[0].digests()
         await h.deployment.adapters.list_loras()  # the ingress's view, as its watch keeps it
-        client = RoutedEngineClient(None, ingress_keys, adapters=h.deployment.adapters)
+        frontend = FrontEnd(builder, 512, h.deployment, h.deployment.adapters, ingress_keys)
         prompt = "the same prompt, long enough to fill several blocks of four tokens"
 
         def request(adapter: str | None) -> Any:
-            return frontend.builder.build(prompt, SamplingParams(), adapter=adapter)
+            return builder.build(prompt, SamplingParams(), adapter=adapter)
 
-        sql = client.routing_hashes(request("sql"))
+        sql = frontend.routing_hashes(request("sql"))
         assert sql and sql == engine_keys.block_hashes(request("sql"))
-        assert not set(sql) & set(client.routing_hashes(request(None)))
+        assert not set(sql) & set(frontend.routing_hashes(request(None)))
+        prepared = frontend.prepare(
+            prompt, SamplingParams(), request_id="once", tenant_salt=None, adapter="sql"
+        )
+        assert list(prepared.block_hashes) == sql  # hashed when prepared, carried on it
         h.deployment.adapters.view = dataclasses.replace(h.deployment.adapters.view, digests={})
-        assert client.routing_hashes(request("sql")) == []  # no agreed digest: load only
+        assert frontend.routing_hashes(request("sql")) == []  # no agreed digest: load only
 
-    run(frontend, check)
+    run(builder, check)

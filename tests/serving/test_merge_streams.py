@@ -78,3 +78,24 @@ def test_closing_the_merge_early_closes_every_input() -> None:
         return [s.closed for s in sources]  # checked before asyncio.run cancels leftovers
 
     assert run(take_three()) == [True, True]
+
+
+@pytest.mark.parametrize("fail_after", [None, 1])
+def test_a_single_stream_is_read_in_place_without_a_task(fail_after: int | None) -> None:
+    source = Source(["a0", "a1", "a2"], fail_after=fail_after)
+    seen_tasks: list[int] = []
+
+    async def collect() -> list[tuple[int, Any]]:
+        pairs = []
+        async for pair in merge_streams([source.stream()]):
+            seen_tasks.append(len(asyncio.all_tasks()))
+            pairs.append(pair)
+        return pairs
+
+    if fail_after is None:
+        assert run(collect()) == [(0, "a0"), (0, "a1"), (0, "a2")]
+    else:
+        with pytest.raises(ValueError, match="engine refused"):
+            run(collect())
+    assert seen_tasks and set(seen_tasks) == {1}  # only the test's own task ever ran
+    assert source.closed

@@ -14,7 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cluster.engine.errors import EngineOverloaded
 from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.error_map import http_error
 from cluster.serving.openai_protocol import (
     SSE_DONE,
     AssistantMessage,
@@ -32,11 +34,10 @@ from cluster.serving.openai_protocol import (
     OpenAIError,
     TopLogprob,
     Usage,
-    authentication_error,
-    overloaded,
     parse_request,
     sse_event,
 )
+from cluster.serving.tenancy import Unauthenticated
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -376,8 +377,8 @@ def test_the_client_streams_our_sse_chunks_to_the_end() -> None:
     ("error", "client_error"),
     [
         (OpenAIError(400, "bad", param="n"), openai.BadRequestError),
-        (authentication_error("no key"), openai.AuthenticationError),
-        (overloaded("queue full", retry_after_s=2), openai.InternalServerError),
+        (http_error(Unauthenticated("no key")), openai.AuthenticationError),
+        (http_error(EngineOverloaded("queue full", retry_after_s=2)), openai.InternalServerError),
     ],
 )
 def test_the_client_reads_our_error_bodies(

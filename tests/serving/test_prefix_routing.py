@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from cluster.engine.sampling_params import SamplingParams
-from cluster.serving.routing import RoutedClient, RoutedOutput
 from tests.serving.conftest import MODEL, Served, engine_section, run_two_engine_app
+from tests.serving.routed_calls import RoutedClient, RoutedOutput
 
 PREFIX_TOKENS = 24  # 6 blocks of 4
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -32,11 +32,9 @@ def routed_app(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[object]
 
 
 async def run_one(client: RoutedClient, ids: list[int]) -> RoutedOutput:
-    last = None
-    async for item in client.generate({"prompt_token_ids": ids}, GREEDY):
-        last = item
-    assert last is not None and last.output.finished
-    return last
+    result = await client.generate({"prompt_token_ids": ids}, GREEDY)
+    assert result.output.finished
+    return result
 
 
 def test_a_repeated_prefix_goes_to_the_replica_that_holds_it(routed_app: object) -> None:
@@ -44,7 +42,7 @@ def test_a_repeated_prefix_goes_to_the_replica_that_holds_it(routed_app: object)
     prefixes = [[rng.randrange(3, 250) for _ in range(PREFIX_TOKENS)] for _ in range(3)]
 
     async def scenario() -> list[tuple[int, RoutedOutput]]:
-        client = RoutedClient(routed_app)
+        client = await RoutedClient.connect("routed")
         results = []
         for _ in range(4):
             for which, prefix in enumerate(prefixes):
@@ -94,11 +92,7 @@ def directory_check(results: list[tuple[int, RoutedOutput]], prefixes: list[list
 
 def test_a_prompt_without_hashes_is_still_served(routed_app: object) -> None:
     async def scenario() -> RoutedOutput:
-        last = None
-        async for item in RoutedClient(routed_app).generate("Hello there", GREEDY):
-            last = item
-        assert last is not None
-        return last
+        return await (await RoutedClient.connect("routed")).generate("Hello there", GREEDY)
 
     result = asyncio.run(scenario())
     assert result.output.finished and len(result.output.outputs[0].token_ids) == 2
