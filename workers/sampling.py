@@ -4,7 +4,9 @@ Invariant: a draw depends only on the logits row and (worker seed, request seed,
 output index), never on the batch or on earlier draws, so recompute, swaps and different batch
 compositions reproduce a seeded result. Draws run on CPU in float32 with a fresh
 `torch.Generator` per token. Reported log-probabilities are those of the model's own
-distribution (log-softmax of the raw logits, before temperature and filters).
+distribution (log-softmax of the raw logits, before temperature and filters), restricted to
+the allowed tokens when a structured-outputs bitmask comes with the row (only that row is
+masked; every other row of the batch is sampled exactly as without it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class SampleRequest:
     num_samples: int
     branch_index: int
     output_index: int
+    token_bitmask: torch.Tensor | None = None
+    """`[ceil(vocab / 32)]` int32, bit set: token allowed (see `SequenceWork.token_bitmask`)."""
 
 
 def draw_seed(worker_seed: int, request_seed: int, branch: int, output_index: int) -> int:
@@ -53,6 +57,18 @@ def filtered_probabilities(logits: torch.Tensor, settings: SamplingSettings) -> 
     return probs
 
 
+def mask_disallowed(row: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`row` with every token the bitmask does not allow set to -inf (a new tensor); tokens
+    beyond the bitmask's bits are disallowed."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1
+    allowed = bits.reshape(-1).bool()
+    vocab = row.shape[-1]
+    if allowed.numel() < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.numel())])
+    return row.masked_fill(~allowed[:vocab], float("-inf"))
+
+
 def check_settings(settings: SamplingSettings) -> None:
     """Raise a ValueError naming the first out-of-range sampling setting."""
     if settings.temperature < 0:
@@ -72,6 +88,8 @@ def sample_rows(
     for row, request in zip(logits, requests, strict=True):
         settings = request.settings
         check_settings(settings)
+        if request.token_bitmask is not None:
+            row = mask_disallowed(row, request.token_bitmask)
         logprobs = torch.log_softmax(row, dim=-1) if settings.logprobs is not None else None
         probs = None if settings.temperature == 0 else filtered_probabilities(row, settings)
         tokens: list[SampledToken] = []

@@ -346,8 +346,16 @@ class Scheduler:
             return []
         if branch.ngrams is None:
             branch.ngrams = self.speculator.new_index()
+        grammar = branch.grammar
+        if grammar is not None:
+            grammar.sync(branch.output_token_ids)
         drafts = self.speculator.append_drafts(
-            self.bm, branch.seq_id, branch.token_ids, branch.ngrams, room
+            self.bm,
+            branch.seq_id,
+            branch.token_ids,
+            branch.ngrams,
+            room,
+            None if grammar is None else grammar.valid_drafts,
         )
         budget.take_drafts(len(drafts))
         return drafts
@@ -362,6 +370,10 @@ class Scheduler:
         drafts: list[int],
     ) -> SequenceWork:
         table_start, table_blocks = self.bm.take_table_delta(branch.seq_id)
+        bitmask = None
+        if branch.grammar is not None and num_samples > 0:
+            branch.grammar.sync(branch.output_token_ids)
+            bitmask = branch.grammar.bitmasks(drafts)
         work = SequenceWork(
             seq_id=branch.seq_id,
             token_ids=branch.token_ids[start : start + chunk] + drafts,
@@ -373,6 +385,7 @@ class Scheduler:
             branch_index=branch.index,
             output_index=len(branch.output_token_ids),
             sampling=None if branch.worker_knows else request.settings,
+            token_bitmask=bitmask,
         )
         branch.worker_knows = True
         return work
