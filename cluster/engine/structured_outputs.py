@@ -25,6 +25,10 @@ MAX_GRAMMAR_CHARS = 1024 * 1024
 """The largest grammar a constraint may expand to (xgrammar's EBNF text): bounds what a small
 schema or regex with large repetition counts costs to compile and to match."""
 
+MAX_JSON_WHITESPACE = 16
+"""Free whitespace between JSON tokens is at most this many characters per gap (enough for
+indented JSON), so that a model cannot fill `max_tokens` with whitespace."""
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -52,8 +56,8 @@ class StructuredOutputsParams:
     """vLLM's structured outputs: exactly one of `json` (a JSON schema, as a dict or JSON text),
     `regex`, `choice`, `grammar` (EBNF) or `json_object=True`.
 
-    `disable_any_whitespace` makes JSON compact (no free whitespace between tokens), which keeps
-    small models from filling `max_tokens` with newlines."""
+    `disable_any_whitespace` makes JSON compact (no free whitespace between tokens); otherwise
+    each gap may hold up to `MAX_JSON_WHITESPACE` whitespace characters."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -117,9 +121,7 @@ def parse_grammar(spec: ConstraintSpec) -> Any:
         )
     try:
         if spec.kind == "json":
-            grammar = xgr.Grammar.from_json_schema(
-                spec.text, any_whitespace=spec.any_whitespace, strict_mode=True
-            )
+            grammar = _json_grammar(spec.text, spec.any_whitespace, strict=True)
         elif spec.kind == "regex":
             grammar = xgr.Grammar.from_regex(spec.text)
         elif spec.kind == "choice":
@@ -127,8 +129,8 @@ def parse_grammar(spec: ConstraintSpec) -> Any:
             grammar = xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
         elif spec.kind == "grammar":
             grammar = xgr.Grammar.from_ebnf(spec.text)
-        else:
-            grammar = xgr.Grammar.builtin_json_grammar()
+        else:  # any JSON object
+            grammar = _json_grammar('{"type":"object"}', spec.any_whitespace, strict=False)
     except (RuntimeError, ValueError, TypeError) as error:
         raise ConstraintError(spec.kind, _backend_message(error)) from None
     size = len(str(grammar))
@@ -138,6 +140,17 @@ def parse_grammar(spec: ConstraintSpec) -> Any:
             f"expands to a grammar of {size} characters, above the limit of {MAX_GRAMMAR_CHARS}",
         )
     return grammar
+
+
+def _json_grammar(schema: str, any_whitespace: bool, *, strict: bool) -> Any:
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_json_schema(
+        schema,
+        any_whitespace=any_whitespace,
+        strict_mode=strict,
+        max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None,
+    )
 
 
 def check_constraint(params: StructuredOutputsParams | None) -> None:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, PromptInput, RequestBuilder
@@ -87,12 +87,20 @@ class FrontEnd:
         tenant_salt: bytes | None,
         what: str = "prompt",
         adapter: str | None = None,
+        chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> GenerateRequest:
         """Renders `prompt` once into a request for the base model or the LoRA `adapter` (a name
         the front end resolved). Raises RequestRejected for a prompt that cannot be rendered
         and ContextOverflow for one that does not fit (`what` names it)."""
         request = self.builder.build(
-            prompt, params, request_id=request_id, tenant_salt=tenant_salt, adapter=adapter
+            prompt,
+            params,
+            request_id=request_id,
+            tenant_salt=tenant_salt,
+            adapter=adapter,
+            chat_template=chat_template,
+            tools=tools,
         )
         overflow = context_overflow(
             request.num_prompt_tokens, params.max_tokens, self.max_model_len, what

@@ -70,6 +70,7 @@ from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheu
 from cluster.serving.routed_engine import RoutedEngineClient, client_error
 from cluster.serving.routing import RoutedOutput, RoutedRequest
 from cluster.serving.tenancy import Forbidden, Tenancy, Unauthenticated
+from cluster.serving.tool_calls import ToolSettings
 from protos import generation_pb2 as pb
 
 INGRESS_NAME = "OpenAIIngress"
@@ -197,7 +198,8 @@ class OpenAIIngress(GrpcMethods):
             self.adapters,
         )
         self.client = DrainingClient(routed, self.drain)
-        self.openai = OpenAIServing(self.client, self.frontend, name)
+        tools = ToolSettings(self.args.enable_auto_tool_choice, self.args.tool_call_parser)
+        self.openai = OpenAIServing(self.client, self.frontend, name, tools)
         self.rpc = GenerationRpc(self.client, self.frontend, self.adapters)
         self.created = int(time.time())
         self.metrics_listener: MetricsListener | None = None

@@ -66,6 +66,7 @@ from cluster.serving.openai_protocol import (
     overloaded,
     sse_event,
 )
+from cluster.serving.tool_calls import ToolPlan, ToolSettings, ToolStream, calls_of, template_for
 
 Stream = AsyncGenerator[RequestOutput, None]
 
@@ -88,7 +89,11 @@ def http_error(error: Exception, param: str | None = None) -> OpenAIError:
     return invalid_request(str(error), param=param)  # RequestRejected, ValueError
 
 
-def sampling_params(kwargs: SamplingKwargs) -> SamplingParams:
+def sampling_params(kwargs: SamplingKwargs, tools: ToolPlan | None = None) -> SamplingParams:
+    """The engine's parameters; a tool plan's grammar (required or named choice) constrains
+    the output."""
+    if tools is not None and tools.constraint() is not None:
+        kwargs = SamplingKwargs(**{**kwargs, "structured_outputs": tools.constraint()})
     try:
         return SamplingParams(**kwargs)
     except ValueError as error:
@@ -172,10 +177,47 @@ class ChunkEncoder(Protocol):
 class OpenAIServing:
     """Runs OpenAI requests on an engine and shapes its outputs into OpenAI responses."""
 
-    def __init__(self, engine: EngineClient, frontend: FrontEnd, served_model_name: str) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        frontend: FrontEnd,
+        served_model_name: str,
+        tools: ToolSettings | None = None,
+    ) -> None:
         self.engine = engine
         self.frontend = frontend
         self.model = served_model_name
+        self.tools = tools or ToolSettings()
+
+    def chat_render(self, request: ChatCompletionRequest, plan: ToolPlan | None) -> dict[str, Any]:
+        """How a chat's messages render: with its tools, through a template that supports them
+        (see `tool_calls.template_for`) when tools or tool messages are present."""
+        uses_tools = plan is not None or any(
+            m.tool_calls or m.role == "tool" for m in request.messages
+        )
+        if not uses_tools:
+            return {}
+        template = template_for(self.frontend.renderer.tokenizer.chat_template)
+        return {
+            "chat_template": template,
+            "tools": plan.template_tools() if plan is not None else None,
+        }
+
+    def assistant_message(
+        self, output: CompletionOutput, plan: ToolPlan | None
+    ) -> tuple[AssistantMessage, FinishReason]:
+        """The message of a finished branch: its tool calls read back when the plan has a
+        parser (finish_reason "tool_calls" when there are any), else its text."""
+        reason = finish_reason(output) or "stop"
+        parser = None if plan is None else plan.parser()
+        if parser is None:
+            return AssistantMessage(content=output.text), reason
+        content, calls = calls_of(output.text, parser)
+        if not calls:
+            return AssistantMessage(content=content), reason
+        return AssistantMessage(content=content, tool_calls=calls), (
+            "tool_calls" if reason == "stop" else reason
+        )
 
     def token_text(self, token_id: int) -> str:
         return self.frontend.token_text(token_id)
@@ -188,11 +230,12 @@ class OpenAIServing:
         salt: bytes | None,
         meta: ResponseMeta | None = None,
         adapter: str | None = None,
+        render: Mapping[str, Any] | None = None,
     ) -> list[Stream]:
         """Renders every prompt once, queues one engine request per prompt (for the LoRA
         `adapter`, None: the base model) and waits for each one's first output, so a refusal
         becomes an HTTP status before any byte is sent; `meta` learns which engine replica
-        served the first prompt."""
+        served the first prompt; `render` holds `chat_template` / `tools` for the renderer."""
         param = "prompt" if isinstance(prompts[0], str | Mapping) else "messages"
         try:
             requests = [
@@ -204,6 +247,7 @@ class OpenAIServing:
                     tenant_salt=salt,
                     what=param,
                     adapter=adapter,
+                    **(render or {}),
                 )
                 for i, prompt in enumerate(prompts)
             ]
@@ -344,22 +388,24 @@ class OpenAIServing:
         meta: ResponseMeta | None = None,
         adapter: str | None = None,
     ) -> ChatCompletionResponse:
-        params = sampling_params(request.sampling_kwargs())
+        plan = request.tool_plan(self.tools)
+        params = sampling_params(request.sampling_kwargs(), plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        render = self.chat_render(request, plan)
         (final,) = await self.finals(
-            await self.start([request.chat_messages()], params, rid, salt, meta, adapter)
+            await self.start([request.chat_messages()], params, rid, salt, meta, adapter, render)
         )
-        choices = [
-            ChatChoice(
-                index=output.index,
-                message=AssistantMessage(content=output.text),
-                logprobs=self.chat_logprobs(output.logprobs)
-                if output.logprobs is not None
-                else None,
-                finish_reason=finish_reason(output) or "stop",
+        choices = []
+        for output in final.outputs:
+            message, reason = self.assistant_message(output, plan)
+            logprobs = None
+            if output.logprobs is not None:
+                logprobs = self.chat_logprobs(output.logprobs)
+            choices.append(
+                ChatChoice(
+                    index=output.index, message=message, logprobs=logprobs, finish_reason=reason
+                )
             )
-            for output in final.outputs
-        ]
         return ChatCompletionResponse(
             id=rid,
             created=int(time.time()),
@@ -375,10 +421,16 @@ class OpenAIServing:
         meta: ResponseMeta | None = None,
         adapter: str | None = None,
     ) -> AsyncIterator[str]:
-        params = sampling_params(request.sampling_kwargs())
+        plan = request.tool_plan(self.tools)
+        params = sampling_params(request.sampling_kwargs(), plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start([request.chat_messages()], params, rid, salt, meta, adapter)
-        encoder = ChatChunks(self, rid, adapter or self.model)
+        render = self.chat_render(request, plan)
+        streams = await self.start(
+            [request.chat_messages()], params, rid, salt, meta, adapter, render
+        )
+        parser = None if plan is None else plan.parser
+        tool_stream = None if plan is None or plan.parser() is None else ToolStream(parser)
+        encoder = ChatChunks(self, rid, adapter or self.model, tool_stream)
         return self.events(streams, encoder, request.include_usage)
 
 
@@ -428,9 +480,12 @@ class ChatChunks(_StreamChunks):
 
     response_model = ChatCompletionChunk
 
-    def __init__(self, serving: OpenAIServing, rid: str, model: str) -> None:
+    def __init__(
+        self, serving: OpenAIServing, rid: str, model: str, tools: ToolStream | None = None
+    ) -> None:
         super().__init__(serving, rid, model)
         self.started: set[int] = set()
+        self.tools = tools
 
     def chunks(self, index: int, output: RequestOutput) -> list[BaseModel]:
         chunks = []
@@ -439,12 +494,17 @@ class ChatChunks(_StreamChunks):
             self.started.add(branch.index)
             entries = new_logprobs(branch, whole=False)
             delta = ChatDelta(role=role, content=branch.delta_text)
+            reason = finish_reason(branch)
+            if self.tools is not None:  # tool calls are read back as the text grows
+                content, calls = self.tools.update(branch.index, branch.text, branch.finished)
+                delta = ChatDelta(role=role, content=content, tool_calls=calls)
+                if reason == "stop" and self.tools.called(branch.index):
+                    reason = "tool_calls"
+                if content is None and calls is None and role is None and reason is None:
+                    continue  # held back: the text may be the start of a call
             logprobs = self.serving.chat_logprobs(entries) if branch.logprobs is not None else None
             choice = ChatChunkChoice(
-                index=branch.index,
-                delta=delta,
-                logprobs=logprobs,
-                finish_reason=finish_reason(branch),
+                index=branch.index, delta=delta, logprobs=logprobs, finish_reason=reason
             )
             chunks.append(self._chunk([choice]))
         return chunks
