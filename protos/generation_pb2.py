@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\rpagedserve.v1\"\xd6\x02\n\x12SamplingParameters\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xdb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.pagedserve.v1.SamplingParameters\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\tB\x08\n\x06prompt\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"j\n\x10PositionLogprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\xe7\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x31\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobsB\r\n\x0bstop_reason\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\x8e\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x1e.pagedserve.v1.CompletionDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\x82\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xcc\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12\x16\n\x0eweights_digest\x18\x08 \x01(\t\x12\x14\n\x0cquantization\x18\t \x01(\t\"\x16\n\x14GetCacheStatsRequest\"p\n\tCacheTier\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x04\x12\x15\n\rcached_blocks\x18\x05 \x01(\x04\"\xf1\x01\n\nCacheStats\x12\'\n\x05tiers\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.CacheTier\x12\x17\n\x0fprefix_hit_rate\x18\x02 \x01(\x01\x12\x1d\n\x15preemptions_recompute\x18\x03 \x01(\x04\x12\x18\n\x10preemptions_swap\x18\x04 \x01(\x04\x12\x1a\n\x12\x62locks_swapped_out\x18\x05 \x01(\x04\x12\x19\n\x11\x62locks_swapped_in\x18\x06 \x01(\x04\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x0f\n\x07swapped\x18\t \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc7\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12O\n\rGetCacheStats\x12#.pagedserve.v1.GetCacheStatsRequest\x1a\x19.pagedserve.v1.CacheStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\rpagedserve.v1\"\xd6\x02\n\x12SamplingParameters\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x99\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.pagedserve.v1.SamplingParameters\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12<\n\x12structured_outputs\x18\x07 \x01(\x0b\x32 .pagedserve.v1.StructuredOutputsB\x08\n\x06prompt\"\xb6\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"j\n\x10PositionLogprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\xe7\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x31\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobsB\r\n\x0bstop_reason\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\x8e\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x1e.pagedserve.v1.CompletionDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\x82\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xcc\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12\x16\n\x0eweights_digest\x18\x08 \x01(\t\x12\x14\n\x0cquantization\x18\t \x01(\t\"\x16\n\x14GetCacheStatsRequest\"p\n\tCacheTier\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x04\x12\x15\n\rcached_blocks\x18\x05 \x01(\x04\"\xf1\x01\n\nCacheStats\x12\'\n\x05tiers\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.CacheTier\x12\x17\n\x0fprefix_hit_rate\x18\x02 \x01(\x01\x12\x1d\n\x15preemptions_recompute\x18\x03 \x01(\x04\x12\x18\n\x10preemptions_swap\x18\x04 \x01(\x04\x12\x1a\n\x12\x62locks_swapped_out\x18\x05 \x01(\x04\x12\x19\n\x11\x62locks_swapped_in\x18\x06 \x01(\x04\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x0f\n\x07swapped\x18\t \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc7\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12O\n\rGetCacheStats\x12#.pagedserve.v1.GetCacheStatsRequest\x1a\x19.pagedserve.v1.CacheStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2213
-  _globals['_FINISHREASON']._serialized_end=2333
+  _globals['_FINISHREASON']._serialized_start=2488
+  _globals['_FINISHREASON']._serialized_end=2608
   _globals['_SAMPLINGPARAMETERS']._serialized_start=43
   _globals['_SAMPLINGPARAMETERS']._serialized_end=385
   _globals['_CHATMESSAGE']._serialized_start=387
@@ -42,31 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=495
   _globals['_TOKENIDS']._serialized_end=518
   _globals['_GENERATEREQUEST']._serialized_start=521
-  _globals['_GENERATEREQUEST']._serialized_end=740
-  _globals['_TOKENLOGPROB']._serialized_start=742
-  _globals['_TOKENLOGPROB']._serialized_end=806
-  _globals['_POSITIONLOGPROBS']._serialized_start=808
-  _globals['_POSITIONLOGPROBS']._serialized_end=914
-  _globals['_COMPLETIONDELTA']._serialized_start=917
-  _globals['_COMPLETIONDELTA']._serialized_end=1148
-  _globals['_USAGE']._serialized_start=1150
-  _globals['_USAGE']._serialized_end=1259
-  _globals['_GENERATERESPONSE']._serialized_start=1262
-  _globals['_GENERATERESPONSE']._serialized_end=1404
-  _globals['_TOKENIZEREQUEST']._serialized_start=1407
-  _globals['_TOKENIZEREQUEST']._serialized_end=1537
-  _globals['_TOKENIZERESPONSE']._serialized_start=1539
-  _globals['_TOKENIZERESPONSE']._serialized_end=1599
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1601
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1622
-  _globals['_MODELINFO']._serialized_start=1625
-  _globals['_MODELINFO']._serialized_end=1829
-  _globals['_GETCACHESTATSREQUEST']._serialized_start=1831
-  _globals['_GETCACHESTATSREQUEST']._serialized_end=1853
-  _globals['_CACHETIER']._serialized_start=1855
-  _globals['_CACHETIER']._serialized_end=1967
-  _globals['_CACHESTATS']._serialized_start=1970
-  _globals['_CACHESTATS']._serialized_end=2211
-  _globals['_GENERATION']._serialized_start=2336
-  _globals['_GENERATION']._serialized_end=2663
+  _globals['_GENERATEREQUEST']._serialized_end=802
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=805
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=987
+  _globals['_CHOICES']._serialized_start=989
+  _globals['_CHOICES']._serialized_end=1015
+  _globals['_TOKENLOGPROB']._serialized_start=1017
+  _globals['_TOKENLOGPROB']._serialized_end=1081
+  _globals['_POSITIONLOGPROBS']._serialized_start=1083
+  _globals['_POSITIONLOGPROBS']._serialized_end=1189
+  _globals['_COMPLETIONDELTA']._serialized_start=1192
+  _globals['_COMPLETIONDELTA']._serialized_end=1423
+  _globals['_USAGE']._serialized_start=1425
+  _globals['_USAGE']._serialized_end=1534
+  _globals['_GENERATERESPONSE']._serialized_start=1537
+  _globals['_GENERATERESPONSE']._serialized_end=1679
+  _globals['_TOKENIZEREQUEST']._serialized_start=1682
+  _globals['_TOKENIZEREQUEST']._serialized_end=1812
+  _globals['_TOKENIZERESPONSE']._serialized_start=1814
+  _globals['_TOKENIZERESPONSE']._serialized_end=1874
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1876
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1897
+  _globals['_MODELINFO']._serialized_start=1900
+  _globals['_MODELINFO']._serialized_end=2104
+  _globals['_GETCACHESTATSREQUEST']._serialized_start=2106
+  _globals['_GETCACHESTATSREQUEST']._serialized_end=2128
+  _globals['_CACHETIER']._serialized_start=2130
+  _globals['_CACHETIER']._serialized_end=2242
+  _globals['_CACHESTATS']._serialized_start=2245
+  _globals['_CACHESTATS']._serialized_end=2486
+  _globals['_GENERATION']._serialized_start=2611
+  _globals['_GENERATION']._serialized_end=2938
 # @@protoc_insertion_point(module_scope)

@@ -106,6 +106,23 @@ def sampling_fields(proto: pb.SamplingParameters, *, chat: bool) -> dict[str, An
     return fields
 
 
+def structured_outputs_fields(request: pb.GenerateRequest) -> dict[str, Any]:
+    """The HTTP `structured_outputs` field a request's `structured_outputs` message sets (none
+    when unset), so both front ends validate it with the same code."""
+    if not request.HasField("structured_outputs"):
+        return {}
+    proto = request.structured_outputs
+    kind = proto.WhichOneof("constraint")
+    if kind is None:
+        raise GrpcAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "structured_outputs: set one of json, regex, choice, grammar or json_object",
+        )
+    value: Any = list(proto.choice.choices) if kind == "choice" else getattr(proto, kind)
+    field = {kind: value, "disable_any_whitespace": proto.disable_any_whitespace}
+    return {"structured_outputs": field}
+
+
 def chat_request(chat: pb.ChatMessages, fields: dict[str, Any]) -> ChatCompletionRequest:
     """Chat messages (and sampling `fields`) as a validated `ChatCompletionRequest`."""
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
@@ -131,6 +148,7 @@ def validated_generate(request: pb.GenerateRequest) -> tuple[PromptInput, Sampli
     GrpcAbort INVALID_ARGUMENT for anything HTTP would refuse with 400."""
     kind = request.WhichOneof("prompt")
     fields = sampling_fields(request.sampling, chat=kind == "chat")
+    fields.update(structured_outputs_fields(request))
     prompt: PromptInput
     parsed: CompletionRequest | ChatCompletionRequest
     if kind == "text":

@@ -19,7 +19,7 @@ import json
 import re
 from typing import Annotated, Any, Literal, TypedDict, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from cluster.engine.structured_outputs import StructuredOutputsParams
 from cluster.serving.structured_fields import (
@@ -181,6 +181,7 @@ class _SamplingRequest(_Edge):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    _constraint: tuple[StructuredOutputsParams | None] | None = PrivateAttr(default=None)
 
     def _check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -202,11 +203,15 @@ class _SamplingRequest(_Edge):
 
     def constraint(self) -> StructuredOutputsParams | None:
         """`response_format` / `structured_outputs` as the engine's constraint (a 400 naming
-        the field when it cannot compile; see `structured_fields`)."""
-        try:
-            return structured_outputs_of(self.response_format, self.structured_outputs)
-        except FieldError as error:
-            raise invalid_request(error.message, error.param) from None
+        the field when it cannot compile; see `structured_fields`). Checked once: later calls
+        (on the event loop) reuse the result of `check_supported` (off it)."""
+        if self._constraint is None:
+            try:
+                params = structured_outputs_of(self.response_format, self.structured_outputs)
+            except FieldError as error:
+                raise invalid_request(error.message, error.param) from None
+            self._constraint = (params,)
+        return self._constraint[0]
 
     @property
     def include_usage(self) -> bool:

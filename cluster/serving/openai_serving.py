@@ -388,7 +388,7 @@ class OpenAIServing:
         meta: ResponseMeta | None = None,
         adapter: str | None = None,
     ) -> ChatCompletionResponse:
-        plan = request.tool_plan(self.tools)
+        plan = await self.frontend.off_loop(request.tool_plan, self.tools)
         params = sampling_params(request.sampling_kwargs(), plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         render = self.chat_render(request, plan)
@@ -421,7 +421,7 @@ class OpenAIServing:
         meta: ResponseMeta | None = None,
         adapter: str | None = None,
     ) -> AsyncIterator[str]:
-        plan = request.tool_plan(self.tools)
+        plan = await self.frontend.off_loop(request.tool_plan, self.tools)
         params = sampling_params(request.sampling_kwargs(), plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         render = self.chat_render(request, plan)

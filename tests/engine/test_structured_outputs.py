@@ -211,3 +211,55 @@ def test_compile_cache_keys_on_the_exact_constraint(tiny_model_dir: pathlib.Path
         assert cache.compile(StructuredOutputsParams(json=dict(SCHEMA)).spec) is not first
         assert cache.compile(COMPACT_JSON.spec) is first
         assert (cache.stats.hits, cache.stats.misses) == (1, 2)
+
+
+def test_a_slow_compile_never_stalls_other_requests(
+    tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The async engine compiles in a worker thread: while one constraint takes its time, an
+    unconstrained request runs to the end; a compile past the time limit is refused naming the
+    field, and the engine goes on."""
+    import asyncio
+    import threading
+
+    from cluster.engine import async_engine
+    from cluster.engine.async_engine import AsyncEngine
+
+    release = threading.Event()
+
+    async def scenario() -> None:
+        engine = AsyncEngine(tiny_config(tiny_model_dir))
+        compile_now = engine.core.grammars.compile
+
+        def slow_compile(spec: Any) -> Any:
+            release.wait(timeout=60)
+            return compile_now(spec)
+
+        monkeypatch.setattr(engine.core.grammars, "compile", slow_compile)
+        builder = engine.request_builder
+        constrained = builder.build("Hello", _constrained(seed=1), request_id="slow")
+        plain = builder.build(
+            "Hello", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        )
+
+        async def last(request: Any) -> Any:
+            final = None
+            async for output in engine.generate(request):
+                final = output
+            return final
+
+        slow = asyncio.create_task(last(constrained))
+        done = await asyncio.wait_for(last(plain), timeout=120)
+        assert done.finished and len(done.outputs[0].token_ids) == 8
+        assert not slow.done()  # still compiling while the other request ran to the end
+        release.set()
+        assert _valid_json((await asyncio.wait_for(slow, timeout=120)).outputs[0].text)
+        release.clear()
+        monkeypatch.setattr(async_engine, "GRAMMAR_COMPILE_TIMEOUT_S", 0.2)
+        late = builder.build("Hi", _constrained(seed=2), request_id="late")
+        with pytest.raises(RequestRejected, match=r"structured_outputs\.json: .* did not compile"):
+            await last(late)
+        release.set()
+        await engine.shutdown()
+
+    asyncio.run(scenario())

@@ -100,9 +100,13 @@ def test_json_object_and_vllm_field_on_both_endpoints(client: openai.OpenAI) -> 
         prompt="JSON:",
         seed=5,
         max_tokens=60,
-        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
-        extra_body={},
-    )  # type: ignore[call-overload]
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": SCHEMA},
+            }
+        },
+    )
     if completion.choices[0].finish_reason == "stop":
         jsonschema.validate(json.loads(completion.choices[0].text), SCHEMA)
 
