@@ -1,8 +1,8 @@
 """Structured outputs: what a JSON-schema constraint costs a decoding batch, how long grammars take
 to compile, and how often constrained outputs validate.
 
-`python -m benchmarks.structured --json [--steps 24] [--repeats 3] [--schemas 40]` serves
-SmolLM2-135M-Instruct in process and measures, side by side in one run:
+`python -m benchmarks.structured --json [--steps 24] [--repeats 3] [--schemas 40] [--threads 1]`
+serves SmolLM2-135M-Instruct in process and measures, side by side in one run:
 - **TPOT.** A batch of 16 requests (the same 16 prompts) admitted and run until every one is
   decoding, then `--steps` decode steps of the full batch timed (their median is the repeat's
   step time), unconstrained and with a JSON schema whose one string field must be long enough
@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import jsonschema
+import torch
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
@@ -221,6 +222,7 @@ def measure(steps: int, repeats: int, schemas: int) -> dict[str, Any]:
     return {
         "model": "SmolLM2-135M-Instruct",
         "batch": BATCH,
+        "threads": torch.get_num_threads(),
         "tpot_ms": {mode: round(v * 1e3, 2) for mode, v in tpot.items()},
         "constrained_over_unconstrained": round(tpot["json_schema"] / tpot["unconstrained"], 3),
         "step_ms_per_repeat": {m: [round(s * 1e3, 1) for s in v] for m, v in samples.items()},
@@ -235,7 +237,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--schemas", type=int, default=40)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: on a shared machine, spinning threads of a busy pool "
+        "make single steps take seconds)",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     report = measure(args.steps, args.repeats, args.schemas)
     print(json.dumps(report, indent=None if args.json else 2))
 

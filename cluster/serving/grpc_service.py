@@ -38,9 +38,10 @@ from cluster.serving.grpc_validation import (
     chat_request,
     parse_or_abort,
     requested_model,
-    validated_generate,
+    validate_generate,
 )
 from cluster.serving.lora_admin import AdapterService
+from cluster.serving.tool_calls import ToolSettings, ToolStream
 from protos import generation_pb2 as pb
 
 GRPC_SERVICE_NAME = "pagedserve.v1.Generation"
@@ -111,14 +112,30 @@ class GenerateStreamEncoder:
     a branch appears in a response when it has new tokens or text, or has just finished (each
     finish is reported exactly once); the final response carries the usage."""
 
-    def __init__(self, decode: Decode) -> None:
+    def __init__(self, decode: Decode, tools: ToolStream | None = None) -> None:
         self._decode = decode
         self._changes = FinishTracker()
+        self._tools = tools
 
     def encode(self, output: RequestOutput) -> pb.GenerateResponse | None:
         response = pb.GenerateResponse(request_id=output.request_id, finished=output.finished)
         for branch in self._changes.changed(output):
-            response.choices.append(completion_delta(branch, self._decode))
+            delta = completion_delta(branch, self._decode)
+            if self._tools is not None:  # calls read from the text as it grows
+                _, calls = self._tools.update(branch.index, branch.text, branch.finished)
+                for call in calls or []:
+                    delta.tool_calls.append(
+                        pb.ToolCallDelta(
+                            index=call.index or 0,
+                            id=call.id or "",
+                            name=call.function.name or "",
+                            arguments=call.function.arguments or "",
+                        )
+                    )
+                called = self._tools.called(branch.index)
+                if delta.finish_reason == pb.FINISH_REASON_STOP and called:
+                    delta.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+            response.choices.append(delta)
         if output.finished:
             usage = output.usage
             response.usage.CopyFrom(
@@ -170,10 +187,17 @@ def health_response(serving: bool) -> health_pb2.HealthCheckResponse:
 class GenerationRpc:
     """The four `Generation` RPCs over one engine serving one base model and its adapters."""
 
-    def __init__(self, engine: EngineClient, frontend: FrontEnd, adapters: AdapterService) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        frontend: FrontEnd,
+        adapters: AdapterService,
+        tools: ToolSettings | None = None,
+    ) -> None:
         self.engine = engine
         self.frontend = frontend
         self.adapters = adapters
+        self.tools = tools or ToolSettings()
 
     @property
     def served_model_name(self) -> str:
@@ -200,19 +224,27 @@ class GenerationRpc:
         self, request: pb.GenerateRequest, *, request_id: str, tenant_salt: bytes | None
     ) -> AsyncIterator[pb.GenerateResponse]:
         adapter = await self.resolve(request)
-        prompt, params = validated_generate(request)  # the HTTP checks, INVALID_ARGUMENT
+        checked = await self.frontend.off_loop(  # the HTTP checks, INVALID_ARGUMENT
+            validate_generate,
+            request,
+            self.tools,
+            self.frontend.renderer.tokenizer.chat_template,
+        )
         try:
             generate = await self.frontend.off_loop(
                 self.frontend.prepare,
-                prompt,
-                params,
+                checked.prompt,
+                checked.params,
                 request_id=request_id,
                 tenant_salt=tenant_salt,
                 adapter=adapter,
+                **checked.render,
             )
         except RequestRejected as error:
             raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-        encoder = GenerateStreamEncoder(self.decode)
+        plan = checked.tools
+        tools = None if plan is None or plan.parser() is None else ToolStream(plan.parser)
+        encoder = GenerateStreamEncoder(self.decode, tools)
         # Closing the engine stream is what aborts the request and frees its blocks, so a cancelled
         # call closes it at once here rather than whenever the generator is garbage-collected.
         try:

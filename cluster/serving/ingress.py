@@ -200,7 +200,7 @@ class OpenAIIngress(GrpcMethods):
         self.client = DrainingClient(routed, self.drain)
         tools = ToolSettings(self.args.enable_auto_tool_choice, self.args.tool_call_parser)
         self.openai = OpenAIServing(self.client, self.frontend, name, tools)
-        self.rpc = GenerationRpc(self.client, self.frontend, self.adapters)
+        self.rpc = GenerationRpc(self.client, self.frontend, self.adapters, tools)
         self.created = int(time.time())
         self.metrics_listener: MetricsListener | None = None
         metrics_args = self.args.limits.metrics

@@ -66,7 +66,13 @@ from cluster.serving.openai_protocol import (
     overloaded,
     sse_event,
 )
-from cluster.serving.tool_calls import ToolPlan, ToolSettings, ToolStream, calls_of, template_for
+from cluster.serving.tool_calls import (
+    ToolPlan,
+    ToolSettings,
+    ToolStream,
+    calls_of,
+    render_options,
+)
 
 Stream = AsyncGenerator[RequestOutput, None]
 
@@ -190,18 +196,8 @@ class OpenAIServing:
         self.tools = tools or ToolSettings()
 
     def chat_render(self, request: ChatCompletionRequest, plan: ToolPlan | None) -> dict[str, Any]:
-        """How a chat's messages render: with its tools, through a template that supports them
-        (see `tool_calls.template_for`) when tools or tool messages are present."""
-        uses_tools = plan is not None or any(
-            m.tool_calls or m.role == "tool" for m in request.messages
-        )
-        if not uses_tools:
-            return {}
-        template = template_for(self.frontend.renderer.tokenizer.chat_template)
-        return {
-            "chat_template": template,
-            "tools": plan.template_tools() if plan is not None else None,
-        }
+        model_template = self.frontend.renderer.tokenizer.chat_template
+        return render_options(plan, request.messages, model_template)
 
     def assistant_message(
         self, output: CompletionOutput, plan: ToolPlan | None

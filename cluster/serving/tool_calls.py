@@ -264,6 +264,20 @@ def template_for(model_template: str | None) -> str | None:
     return FALLBACK_TOOL_TEMPLATE
 
 
+def render_options(
+    plan: ToolPlan | None, messages: list[Any], model_template: str | None
+) -> dict[str, Any]:
+    """How a chat renders (`chat_template`, `tools` for the renderer): with its tools, through a
+    template that supports them (see `template_for`), when it has tools or tool messages."""
+    uses_tools = plan is not None or any(m.tool_calls or m.role == "tool" for m in messages)
+    if not uses_tools:
+        return {}
+    return {
+        "chat_template": template_for(model_template),
+        "tools": plan.template_tools() if plan is not None else None,
+    }
+
+
 def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """Chat messages as templates take them: `developer` is `system`; an assistant's calls keep
     their arguments as an object (JSON text that does not parse stays text); a tool message

@@ -23,10 +23,13 @@ SCHEMA = {
     },
     "required": ["city", "country", "population"],
 }
-MESSAGES = [{"role": "user", "content": "Name a large city as JSON with its population."}]
+CONVERSATIONS = [
+    [{"role": "user", "content": "Name a large city as JSON with its population."}],
+    [{"role": "user", "content": "Which city is the capital of Japan? Reply in JSON."}],
+]
 SETTINGS = {
     "speculation": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
-    "swap": {"num_device_blocks": 40, "block_size": 16, "preemption_mode": "swap"},
+    "swap": {"num_device_blocks": 12, "block_size": 16, "preemption_mode": "swap"},
 }
 
 
@@ -40,7 +43,7 @@ def test_smollm2_json_answers_validate(regime: str) -> None:
         structured_outputs=StructuredOutputsParams(json=SCHEMA),
     )
     with LLM(max_model_len=512, check_integrity=True, **SETTINGS[regime]) as llm:
-        outputs = llm.chat([MESSAGES, MESSAGES], params)
+        outputs = llm.chat(CONVERSATIONS, params)
         metrics = llm.metrics()
     branches = [c for o in outputs for c in o.outputs]
     stopped = [c for c in branches if c.finish_reason == "stop"]

@@ -12,7 +12,7 @@ import grpc
 import jsonschema
 import pytest
 
-from cluster.serving.grpc_validation import GrpcAbort, validated_generate
+from cluster.serving.grpc_validation import GrpcAbort, validate_generate, validated_generate
 from cluster.serving.openai_protocol import CompletionRequest, OpenAIError, parse_request
 from protos import generation_pb2 as pb
 from protos import generation_pb2_grpc as pb_grpc
@@ -88,3 +88,54 @@ def test_generate_is_constrained(stub: pb_grpc.GenerationStub) -> None:
         text_of(pb.StructuredOutputs(regex="(?=a)"), 4)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "structured_outputs.regex" in (caught.value.details() or "")
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+CHAT = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Weather in Oslo?")])
+TOOL = pb.Tool(name="get_weather", parameters_json=json.dumps(WEATHER))
+
+
+def test_tool_refusals_match_http() -> None:
+    from cluster.serving.openai_protocol import ChatCompletionRequest
+    from cluster.serving.tool_calls import ToolSettings
+
+    request = pb.GenerateRequest(
+        chat=CHAT, tools=[TOOL], tool_choice=pb.ToolChoice(function="nope")
+    )
+    with pytest.raises(GrpcAbort) as grpc_error:
+        validate_generate(request, ToolSettings(), None)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+        "tool_choice": {"type": "function", "function": {"name": "nope"}},
+    }
+    parsed = parse_request(json.dumps(body).encode(), ChatCompletionRequest)
+    with pytest.raises(OpenAIError) as http_error:
+        parsed.tool_plan(ToolSettings())
+    assert grpc_error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert grpc_error.value.details == http_error.value.message
+    with pytest.raises(GrpcAbort, match="chat prompt"):
+        validate_generate(pb.GenerateRequest(text="Hi", tools=[TOOL]), ToolSettings(), None)
+
+
+def test_generate_with_a_required_tool_streams_the_call(stub: pb_grpc.GenerationStub) -> None:
+    request = pb.GenerateRequest(
+        model=MODEL,
+        chat=CHAT,
+        sampling=pb.SamplingParameters(max_tokens=60, seed=1),
+        tools=[TOOL],
+        tool_choice=pb.ToolChoice(mode="required"),
+        parallel_tool_calls=False,
+    )
+    deltas = [c for r in stub.Generate(request, metadata=KEY) for c in r.choices]
+    calls = [call for d in deltas for call in d.tool_calls]
+    assert calls and calls[0].name == "get_weather" and calls[0].id
+    assert all(not call.name for call in calls[1:])
+    jsonschema.validate(json.loads("".join(call.arguments for call in calls)), WEATHER)
+    assert deltas[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
