@@ -242,8 +242,7 @@ class GenerationRpc:
             )
         except RequestRejected as error:
             raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-        plan = checked.tools
-        tools = None if plan is None or plan.parser() is None else ToolStream(plan.parser)
+        tools = None if checked.tools is None else checked.tools.stream()
         encoder = GenerateStreamEncoder(self.decode, tools)
         # Closing the engine stream is what aborts the request and frees its blocks, so a cancelled
         # call closes it at once here rather than whenever the generator is garbage-collected.

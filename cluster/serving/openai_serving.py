@@ -424,8 +424,7 @@ class OpenAIServing:
         streams = await self.start(
             [request.chat_messages()], params, rid, salt, meta, adapter, render
         )
-        parser = None if plan is None else plan.parser
-        tool_stream = None if plan is None or plan.parser() is None else ToolStream(parser)
+        tool_stream = None if plan is None else plan.stream()
         encoder = ChatChunks(self, rid, adapter or self.model, tool_stream)
         return self.events(streams, encoder, request.include_usage)
 

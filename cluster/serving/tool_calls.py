@@ -205,6 +205,11 @@ class ToolPlan:
             return TOOL_PARSERS[self.parser_name]()
         return None
 
+    def stream(self) -> ToolStream | None:
+        """What reads calls out of a streamed output (None: the output is text)."""
+        parser = self.parser()
+        return None if parser is None else ToolStream(parser)
+
     def _tool(self, name: str | None) -> ToolDef:
         return next(tool for tool in self.tools if tool.function.name == name)
 
@@ -347,19 +352,20 @@ def _is_json(text: str) -> bool:
 
 
 class ToolStream:
-    """A streamed chat's tool-call deltas, per branch: feed each branch's whole text so far;
+    """A streamed chat's tool-call deltas, per branch (parsers are stateless, one serves every
+    branch): feed each branch's whole text so far;
     get the content to send and the call deltas (a call's id, type and name first, then its
     arguments' new text)."""
 
-    def __init__(self, parser_factory: Any) -> None:
-        self._factory = parser_factory
+    def __init__(self, parser: ToolParser) -> None:
+        self._parser = parser
         self._branches: dict[int, ToolCallDeltas] = {}
         self._ids: dict[tuple[int, int], str] = {}
 
     def update(
         self, branch: int, text: str, finished: bool
     ) -> tuple[str | None, list[ToolCallOut] | None]:
-        deltas = self._branches.setdefault(branch, ToolCallDeltas(self._factory()))
+        deltas = self._branches.setdefault(branch, ToolCallDeltas(self._parser))
         content, calls = deltas.update(text, finished)
         out = []
         for call in calls:
