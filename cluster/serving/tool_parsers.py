@@ -42,6 +42,8 @@ class ParsedText:
 
 
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*')
+_SCALAR = re.compile(r"[^,}\]\s]*")
+_CLOSE = re.compile(r"\s*\}")
 
 
 def _json_value_end(text: str, start: int) -> int | None:
@@ -50,7 +52,7 @@ def _json_value_end(text: str, start: int) -> int | None:
     depth, in_string, escaped = 0, False, False
     opening = text[start] if start < len(text) else ""
     if opening not in '{["':
-        match = re.compile(r"[^,}\]\s]*").match(text, start)
+        match = _SCALAR.match(text, start)
         end = match.end() if match else start
         return end if end < len(text) else None
     for index in range(start, len(text)):
@@ -98,7 +100,7 @@ def scan_object(text: str, start: int, args_key: str) -> tuple[PartialCall, int 
         call.arguments = text[key.end() :].rstrip()
         return call, None
     call.arguments, call.complete = text[key.end() : args_end], True
-    close = re.compile(r"\s*\}").match(text, args_end)
+    close = _CLOSE.match(text, args_end)
     return call, None if close is None else close.end()
 
 
@@ -108,8 +110,6 @@ def scan_calls(text: str, start: int, args_key: str, separator: str) -> list[Par
     position: int | None = start
     while position is not None:
         call, end = scan_object(text, position, args_key)
-        if call.name is None and not calls:
-            break
         if call.name is None:
             break
         calls.append(call)
