@@ -69,6 +69,36 @@ def mask_disallowed(row: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return row.masked_fill(~allowed[:vocab], float("-inf"))
 
 
+def apply_token_bitmasks(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    """`logits` (`[rows, vocab]`) with each request's bitmask applied to its own row: a copy when
+    any row has one (the rows without are copied unchanged), else `logits` itself. One batched
+    call of xgrammar's CPU kernel; `mask_disallowed` row by row where xgrammar is missing."""
+    rows = [i for i, request in enumerate(requests) if request.token_bitmask is not None]
+    if not rows:
+        return logits
+    masked = logits.clone()
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:  # pragma: no cover - xgrammar is a dependency
+        for i in rows:
+            bitmask = requests[i].token_bitmask
+            assert bitmask is not None
+            masked[i] = mask_disallowed(masked[i], bitmask)
+        return masked
+    words = max(int(requests[i].token_bitmask.shape[-1]) for i in rows)  # type: ignore[union-attr]
+    bitmasks = torch.full((len(requests), words), -1, dtype=torch.int32)
+    for i in rows:
+        bitmask = requests[i].token_bitmask
+        assert bitmask is not None
+        bitmasks[i, : bitmask.shape[-1]] = bitmask.to(torch.int32)
+        bitmasks[i, bitmask.shape[-1] :] = 0
+    vocab = min(masked.shape[-1], words * 32)
+    apply_token_bitmask_inplace(masked, bitmasks, vocab_size=vocab, indices=rows)
+    if masked.shape[-1] > vocab:  # tokens beyond the bitmask's bits are disallowed
+        masked[rows, vocab:] = float("-inf")
+    return masked
+
+
 def check_settings(settings: SamplingSettings) -> None:
     """Raise a ValueError naming the first out-of-range sampling setting."""
     if settings.temperature < 0:
@@ -83,13 +113,11 @@ def sample_rows(
     logits: torch.Tensor, requests: list[SampleRequest], worker_seed: int
 ) -> list[list[SampledToken]]:
     """One list of drawn tokens per request; `logits` is `[len(requests), vocab]` float32."""
-    logits = logits.to(device="cpu", dtype=torch.float32)
+    logits = apply_token_bitmasks(logits.to(device="cpu", dtype=torch.float32), requests)
     results: list[list[SampledToken]] = []
     for row, request in zip(logits, requests, strict=True):
         settings = request.settings
         check_settings(settings)
-        if request.token_bitmask is not None:
-            row = mask_disallowed(row, request.token_bitmask)
         logprobs = torch.log_softmax(row, dim=-1) if settings.logprobs is not None else None
         probs = None if settings.temperature == 0 else filtered_probabilities(row, settings)
         tokens: list[SampledToken] = []

@@ -107,7 +107,7 @@ def test_seeded_sampling_ignores_batch_composition(tiny_group: WorkerGroup) -> N
 def test_token_bitmask_masks_only_its_row() -> None:
     """Bit t % 32 of word t // 32 allows token t (checked bit by bit in Python); a masked row
     draws only allowed tokens, and the unmasked row beside it draws as it does alone."""
-    from workers.sampling import mask_disallowed
+    from workers.sampling import apply_token_bitmasks, mask_disallowed
 
     vocab = 70
     allowed = {3, 31, 32, 64, 69}
@@ -119,6 +119,10 @@ def test_token_bitmask_masks_only_its_row() -> None:
     masked = mask_disallowed(row, bitmask)
     assert {t for t in range(vocab) if masked[t] != float("-inf")} == allowed
     logits = torch.stack([row, row])
+    batched = apply_token_bitmasks(
+        logits, [SampleRequest(SamplingSettings(), 1, 0, 0, bitmask)] * 2
+    )
+    assert torch.equal(batched[0], masked) and torch.equal(batched[1], masked)
     settings = SamplingSettings(seed=5)
     constrained = SampleRequest(settings, 8, 0, 0, bitmask)
     plain = SampleRequest(settings, 8, 0, 0)
