@@ -19,6 +19,9 @@ Each step, in priority order (arrival order; earlier is higher):
    a decode that samples one token may also carry drafts (see `cluster.engine.speculation`),
    appended to its table from the blocks above the watermark and the budget left; the step's
    rows verify them and `on_step_done` truncates the table to the accepted ones.
+   Structured outputs: a constrained branch's drafts stop before the first its grammar rejects,
+   and each position it draws at carries the grammar's token bitmask for the state after the
+   drafts before it (`BranchGrammar.bitmasks`), so rank 0 only ever draws allowed tokens.
 3. The engine calls `unstick_head` when a step had nothing to run and nothing was preempted:
    the head cannot fit even in an empty pool (a swapped one is recomputed instead, a waiting
    one is given up on).
