@@ -47,6 +47,9 @@ PRESSURE = {
         "cache": {"num_device_blocks": 24, "block_size": 4},
         "scheduler": {"preemption_mode": "swap"},
     },
+    "chunked_prefill": {
+        "scheduler": {"max_num_batched_tokens": 16, "enable_chunked_prefill": True},
+    },
     "speculation": {
         "speculative": {
             "speculative_method": "ngram",
@@ -85,7 +88,8 @@ def test_json_outputs_validate_with_parallel_sampling(tiny_model_dir: pathlib.Pa
 @pytest.mark.parametrize("regime", sorted(PRESSURE))
 def test_json_outputs_validate_under_pressure(tiny_model_dir: pathlib.Path, regime: str) -> None:
     """Same seeded outputs as a roomy engine's, every one valid: preemption (the matcher stays
-    with the branch's kept tokens) and drafts (checked against the matcher) change nothing."""
+    with the branch's kept tokens), drafts (checked against the matcher), prompts prefilled in
+    chunks and from the prefix cache change nothing."""
     prompts = PROMPTS * 2
     params = [_constrained(seed=s) for s in range(len(prompts))]
     with LLM(config=tiny_config(tiny_model_dir)) as llm:
@@ -99,6 +103,8 @@ def test_json_outputs_validate_under_pressure(tiny_model_dir: pathlib.Path, regi
     assert all(_valid_json(t) for t in texts), texts
     if regime == "speculation":
         assert metrics.speculation is not None and metrics.speculation.num_draft_tokens > 0
+    elif regime == "chunked_prefill":  # the repeated prompts also hit the prefix cache
+        assert metrics.prefix_cache_hit_rate > 0
     else:
         assert metrics.preemptions > 0
 
