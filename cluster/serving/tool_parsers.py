@@ -212,9 +212,10 @@ class ToolCallDeltas:
     def update(self, text: str, finished: bool) -> tuple[str, list[CallDelta]]:
         parsed = self.parser.parse(text)
         content = ""
-        if not parsed.calls and (finished or len(parsed.content) > self.content_sent):
-            content = parsed.content[self.content_sent :]
-            self.content_sent = len(parsed.content)
+        if not parsed.calls:  # what may still start a call is held back until the end
+            shown = text if finished else parsed.content
+            content = shown[self.content_sent :]
+            self.content_sent = max(self.content_sent, len(shown))
         deltas: list[CallDelta] = []
         for index, call in enumerate(parsed.calls):
             if call.name is None:

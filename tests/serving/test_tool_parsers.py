@@ -89,6 +89,15 @@ def test_streamed_deltas_rebuild_the_calls(
     assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == calls
 
 
+def test_streamed_text_holds_back_a_possible_tag_until_the_end() -> None:
+    deltas = ToolCallDeltas(HermesParser())
+    assert deltas.update("Hello <tool", finished=False) == ("Hello ", [])
+    assert deltas.update("Hello <tool", finished=True) == ("<tool", [])
+    llama = ToolCallDeltas(Llama3JsonParser())
+    assert llama.update('{"na', finished=False) == ("", [])
+    assert llama.update('{"na', finished=True) == ('{"na', [])
+
+
 def test_plain_text_is_content() -> None:
     assert HermesParser().parse("no calls here").content == "no calls here"
     assert not HermesParser().parse("no calls here").calls
