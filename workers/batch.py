@@ -121,6 +121,15 @@ def _check_work(plan: StepPlan, work: SequenceWork, state: SequenceState, block_
             "one pending token and take one sample each)",
             (work.seq_id,),
         )
+    if work.token_bitmask is not None and (
+        work.num_samples == 0 or len(work.token_bitmask) != 1 + work.num_draft_tokens
+    ):
+        raise PlanRejected(
+            f"step {plan.step_id}: sequence {work.seq_id} has {len(work.token_bitmask)} token "
+            f"bitmask rows for {work.num_samples} samples and {work.num_draft_tokens} drafts "
+            "(one row per drawing position)",
+            (work.seq_id,),
+        )
     if work.num_samples > 0 and state.sampling is None:
         raise PlanRejected(
             f"step {plan.step_id}: sequence {work.seq_id} asks for samples but no sampling "
@@ -164,7 +173,7 @@ def pack_batch(
         state = registry.states[work.seq_id]
         _check_work(plan, work, state, block_size)
         table = state.block_table
-        for start, count, output_index in _query_spans(work):
+        for position, (start, count, output_index) in enumerate(_query_spans(work)):
             end = start + count
             token_ids.extend(work.token_ids[start - work.start_pos : end - work.start_pos])
             lora_slots.extend([work.lora_slot] * count)
@@ -178,8 +187,11 @@ def pack_batch(
                 assert state.sampling is not None
                 logits_rows.append(len(token_ids) - 1)
                 sample_seq_ids.append(work.seq_id)
+                bitmask = None if work.token_bitmask is None else work.token_bitmask[position]
                 requests.append(
-                    SampleRequest(state.sampling, work.num_samples, work.branch_index, output_index)
+                    SampleRequest(
+                        state.sampling, work.num_samples, work.branch_index, output_index, bitmask
+                    )
                 )
     width = max((len(t) for t in tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in tables]

@@ -23,6 +23,7 @@ they are copied out before the forward pass writes anything.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 BlockPair = tuple[int, int]
 """A (source block id, destination block id) pair."""
@@ -73,6 +74,10 @@ class SequenceWork:
     pending token (then `num_samples == 1`). Each of the `1 + num_draft_tokens` positions is
     computed as a decode of its own and draws one token, for output indexes `output_index`,
     `output_index + 1`, ...; the engine keeps those its drafts confirm."""
+    token_bitmask: Any | None = None
+    """Structured outputs: a `[positions, ceil(vocab / 32)]` int32 tensor, one row per position
+    that draws (`1 + num_draft_tokens`), bit `t % 32` of word `t // 32` set when token `t` is
+    allowed; rank 0 masks that row's logits before drawing. None: unconstrained."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ Invariant: a draw depends only on the logits row and (worker seed, request seed,
 output index), never on the batch or on earlier draws, so recompute, swaps and different batch
 compositions reproduce a seeded result. Draws run on CPU in float32 with a fresh
 `torch.Generator` per token. Reported log-probabilities are those of the model's own
-distribution (log-softmax of the raw logits, before temperature and filters).
+distribution (log-softmax of the raw logits, before temperature and filters), restricted to
+the allowed tokens when a structured-outputs bitmask comes with the row (only that row is
+masked; every other row of the batch is sampled exactly as without it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class SampleRequest:
     num_samples: int
     branch_index: int
     output_index: int
+    token_bitmask: torch.Tensor | None = None
+    """`[ceil(vocab / 32)]` int32, bit set: token allowed (see `SequenceWork.token_bitmask`)."""
 
 
 def draw_seed(worker_seed: int, request_seed: int, branch: int, output_index: int) -> int:
@@ -53,6 +57,48 @@ def filtered_probabilities(logits: torch.Tensor, settings: SamplingSettings) -> 
     return probs
 
 
+def mask_disallowed(row: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`row` with every token the bitmask does not allow set to -inf (a new tensor); tokens
+    beyond the bitmask's bits are disallowed."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1
+    allowed = bits.reshape(-1).bool()
+    vocab = row.shape[-1]
+    if allowed.numel() < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.numel())])
+    return row.masked_fill(~allowed[:vocab], float("-inf"))
+
+
+def apply_token_bitmasks(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    """`logits` (`[rows, vocab]`) with each request's bitmask applied to its own row: a copy when
+    any row has one (the rows without are copied unchanged), else `logits` itself. One batched
+    call of xgrammar's CPU kernel; `mask_disallowed` row by row where xgrammar is missing."""
+    rows = [i for i, request in enumerate(requests) if request.token_bitmask is not None]
+    if not rows:
+        return logits
+    masked = logits.clone()
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:  # pragma: no cover - xgrammar is a dependency
+        for i in rows:
+            bitmask = requests[i].token_bitmask
+            assert bitmask is not None
+            masked[i] = mask_disallowed(masked[i], bitmask)
+        return masked
+    words = max(int(requests[i].token_bitmask.shape[-1]) for i in rows)  # type: ignore[union-attr]
+    bitmasks = torch.full((len(requests), words), -1, dtype=torch.int32)
+    for i in rows:
+        bitmask = requests[i].token_bitmask
+        assert bitmask is not None
+        bitmasks[i, : bitmask.shape[-1]] = bitmask.to(torch.int32)
+        bitmasks[i, bitmask.shape[-1] :] = 0
+    vocab = min(masked.shape[-1], words * 32)
+    apply_token_bitmask_inplace(masked, bitmasks, vocab_size=vocab, indices=rows)
+    if masked.shape[-1] > vocab:  # tokens beyond the bitmask's bits are disallowed
+        masked[rows, vocab:] = float("-inf")
+    return masked
+
+
 def check_settings(settings: SamplingSettings) -> None:
     """Raise a ValueError naming the first out-of-range sampling setting."""
     if settings.temperature < 0:
@@ -67,7 +113,7 @@ def sample_rows(
     logits: torch.Tensor, requests: list[SampleRequest], worker_seed: int
 ) -> list[list[SampledToken]]:
     """One list of drawn tokens per request; `logits` is `[len(requests), vocab]` float32."""
-    logits = logits.to(device="cpu", dtype=torch.float32)
+    logits = apply_token_bitmasks(logits.to(device="cpu", dtype=torch.float32), requests)
     results: list[list[SampledToken]] = []
     for row, request in zip(logits, requests, strict=True):
         settings = request.settings

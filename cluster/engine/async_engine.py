@@ -44,6 +44,8 @@ from workers.plan import StepOutput
 log = logging.getLogger(__name__)
 
 IDLE_STEP_PAUSE_S = 0.001
+GRAMMAR_COMPILE_TIMEOUT_S = 30.0
+"""A structured-outputs constraint that takes longer to compile is refused (RequestRejected)."""
 
 
 class AsyncEngine:
@@ -100,7 +102,20 @@ class AsyncEngine:
         if self._dead is not None:
             raise EngineDead(f"the engine stopped: {self._dead!r}")
         self._ensure_loop()
-        rid = self.core.add_request(request).request_id
+        constraint = None
+        if request.params.structured_outputs is not None:  # compiled off the event loop
+            try:
+                constraint = await asyncio.wait_for(
+                    asyncio.to_thread(self.core.compile_constraint, request),
+                    GRAMMAR_COMPILE_TIMEOUT_S,
+                )
+            except TimeoutError:
+                kind = request.params.structured_outputs.spec.kind
+                raise RequestRejected(
+                    f"structured_outputs.{kind}: the constraint did not compile within "
+                    f"{GRAMMAR_COMPILE_TIMEOUT_S:.0f} s"
+                ) from None
+        rid = self.core.add_request(request, constraint).request_id
         mailbox = OutputMailbox()
         self._streams[rid] = mailbox
         self._wake()

@@ -21,6 +21,7 @@ from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
 from cluster.engine.engine_lora import EngineAdapters
 from cluster.engine.errors import ConfigError, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
+from cluster.engine.grammar_backend import CompiledConstraint, GrammarCompilerCache
 from cluster.engine.kv_layouts import build_kv_manager
 from cluster.engine.lora_manager import LoRAManager
 from cluster.engine.lora_request import LoRARequest
@@ -34,6 +35,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerStep
 from cluster.engine.speculation import NgramSpeculator
 from cluster.engine.step_failures import blamed_sequences, step_failure_is_attributable
+from cluster.engine.structured_outputs import ConstraintError
 from cluster.engine.tokenization import PromptRenderer
 from workers import ModelInfo, WorkerGroup, load_tokenizer
 from workers.lora import AdapterSummary
@@ -87,6 +89,9 @@ class EngineCore:
             )
         )
         self.request_keys = RequestKeys(cache_keys, config.cache.block_size)
+        self.grammars = GrammarCompilerCache(
+            tokenizer, info.vocab_size, info.eos_token_ids, self.renderer.digest
+        )
         self.adapters = EngineAdapters(config.lora, self.workers, self.request_keys)
         self.scheduler = Scheduler(
             sched,
@@ -113,9 +118,15 @@ class EngineCore:
 
     # --- requests ------------------------------------------------------------------------
 
-    def add_request(self, generate: GenerateRequest) -> Request:
+    def add_request(
+        self, generate: GenerateRequest, constraint: CompiledConstraint | None = None
+    ) -> Request:
         """Validates and queues a rendered request. Raises RequestRejected (never servable as
         asked) or EngineOverloaded (the waiting queue is full).
+
+        A request with structured outputs has its constraint compiled here unless `constraint`
+        (compiled ahead by `compile_constraint`, e.g. in a worker thread) is given; each branch
+        gets a matcher of its own.
 
         Its first `shared_prefix_tokens` tokens (an operator-shared prefix, e.g. a system
         prompt) have their whole blocks cached without the tenant salt, so every tenant shares
@@ -143,6 +154,8 @@ class EngineCore:
                 f"n={params.n}: cache.kv_layout {self.block_manager.layout!r} gives every sequence "
                 "its own range and cannot fork one; parallel sampling needs the 'paged' layout"
             )
+        if params.structured_outputs is not None and constraint is None:
+            constraint = self.compile_constraint(generate)
         seed = params.seed if params.seed is not None else self._default_seed(arrival)
         request = Request(
             request_id=request_id,
@@ -153,7 +166,9 @@ class EngineCore:
             settings=params.to_settings(seed),
             cache_key=cache_key,
             max_tokens=max_tokens,
-            branches=[self._new_branch(ids, params, index) for index in range(params.n)],
+            branches=[
+                self._new_branch(ids, params, index, constraint) for index in range(params.n)
+            ],
             metrics=RequestMetrics(arrival_time=time.time()),
             adapter_name=generate.adapter,
             adapter_digest=digest,
@@ -164,6 +179,18 @@ class EngineCore:
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    def compile_constraint(self, generate: GenerateRequest) -> CompiledConstraint | None:
+        """The request's structured-outputs constraint compiled for this engine's vocabulary
+        (cached; thread-safe, so it may run beside a step). None for an unconstrained request;
+        RequestRejected naming the field for one that does not compile."""
+        structured = generate.params.structured_outputs
+        if structured is None:
+            return None
+        try:
+            return self.grammars.compile(structured.spec)
+        except ConstraintError as error:
+            raise RequestRejected(str(error)) from None
 
     # --- adapters (see `EngineAdapters`) ----------------------------------------------------
 
@@ -454,7 +481,13 @@ class EngineCore:
                 f"{self.block_manager.watermark_blocks})"
             )
 
-    def _new_branch(self, prompt_ids: list[int], params: SamplingParams, index: int) -> Branch:
+    def _new_branch(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        index: int,
+        constraint: CompiledConstraint | None,
+    ) -> Branch:
         detokenizer = IncrementalDetokenizer(
             self.renderer, prompt_ids, skip_special_tokens=params.skip_special_tokens
         )
@@ -467,6 +500,7 @@ class EngineCore:
                 params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             ),
+            grammar=None if constraint is None else constraint.new_matcher(),
         )
 
     def _default_seed(self, arrival: int) -> int:

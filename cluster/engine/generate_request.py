@@ -106,12 +106,14 @@ class RequestBuilder:
         chat_template: str | None = None,
         adapter: str | None = None,
         shared_prefix_tokens: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> GenerateRequest:
         """Renders `prompt` once. Raises RequestRejected for a prompt that cannot be rendered.
 
         `shared_prefix_tokens` None derives it from the operator's shared prefixes; an explicit
-        value is passed through (the engine checks it against the prompt's length)."""
-        rendered = self.renderer.render(prompt, chat_template=chat_template)
+        value is passed through (the engine checks it against the prompt's length). `tools` go
+        to the chat template."""
+        rendered = self.renderer.render(prompt, chat_template=chat_template, tools=tools)
         if shared_prefix_tokens is None:
             shared_prefix_tokens = self.shared_tokens(rendered.token_ids)
         return GenerateRequest(

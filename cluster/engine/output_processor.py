@@ -1,7 +1,9 @@
 """Applies one sampled token to a branch: tokens, logprobs, text, and the stop conditions.
 
-Order of the checks (the first that holds ends the branch): EOS (unless `ignore_eos`), a stop
-token id, a stop string in the text, `max_tokens`, the model's context length. The finishing token
+A constrained branch's grammar accepts the token first (a token it refuses is an error: the mask
+rank 0 applied allows none); then, in order, the first check that holds ends the branch: EOS
+(unless `ignore_eos`), a stop token id, a stop string in the text, the grammar terminated
+(finish_reason "stop"), `max_tokens`, the model's context length. The finishing token
 stays in `token_ids`; EOS and stop tokens are special and left out of the text by the decoder,
 a stop string is cut from the text unless `include_stop_str_in_output`.
 """
@@ -27,6 +29,11 @@ def apply_sampled_token(
 ) -> bool:
     """Appends the token and returns True when the branch is now finished."""
     token = sampled.token_id
+    grammar = branch.grammar
+    if grammar is not None:
+        grammar.sync(branch.output_token_ids)
+        if not grammar.accept(token):
+            raise ValueError(f"token {token} was sampled but the request's grammar forbids it")
     branch.token_ids.append(token)
     branch.output_token_ids.append(token)
     _record_logprob(request, branch, sampled)
@@ -41,6 +48,10 @@ def apply_sampled_token(
     if match is not None:
         branch.finish_reason = "stop"
         branch.stop_reason = match.stop
+        return True
+    if grammar is not None and grammar.is_terminated:
+        branch.text.finish()
+        branch.finish_reason = "stop"
         return True
     if len(branch.output_token_ids) >= request.max_tokens or (
         len(branch.token_ids) >= limits.max_model_len

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.engine.structured_outputs import StructuredOutputsParams
 from workers.plan import SamplingSettings
 
 
@@ -16,6 +17,9 @@ class SamplingParams:
     per request; a given seed makes the request's text reproducible regardless of batching,
     preemption or swapping. `stop` strings end a branch wherever they appear in its text, even split
     across tokens; the matched string is left out of the text unless `include_stop_str_in_output`.
+    `structured_outputs` constrains every branch's output to a JSON schema, regex, choice or
+    grammar (see `cluster.engine.structured_outputs`); a branch whose grammar completes ends with
+    finish_reason "stop".
     """
 
     n: int = 1
@@ -30,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +67,12 @@ class SamplingParams:
         _require(
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}",
+        )
+        _require(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be None or a StructuredOutputsParams, got "
+            f"{type(self.structured_outputs).__name__}",
         )
 
     @property

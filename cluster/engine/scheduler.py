@@ -19,6 +19,9 @@ Each step, in priority order (arrival order; earlier is higher):
    a decode that samples one token may also carry drafts (see `cluster.engine.speculation`),
    appended to its table from the blocks above the watermark and the budget left; the step's
    rows verify them and `on_step_done` truncates the table to the accepted ones.
+   Structured outputs: a constrained branch's drafts stop before the first its grammar rejects,
+   and each position it draws at carries the grammar's token bitmask for the state after the
+   drafts before it (`BranchGrammar.bitmasks`), so rank 0 only ever draws allowed tokens.
 3. The engine calls `unstick_head` when a step had nothing to run and nothing was preempted:
    the head cannot fit even in an empty pool (a swapped one is recomputed instead, a waiting
    one is given up on).
@@ -351,8 +354,16 @@ class Scheduler:
             return []
         if branch.ngrams is None:
             branch.ngrams = self.speculator.new_index()
+        grammar = branch.grammar
+        if grammar is not None:
+            grammar.sync(branch.output_token_ids)
         drafts = self.speculator.append_drafts(
-            self.bm, branch.seq_id, branch.token_ids, branch.ngrams, room
+            self.bm,
+            branch.seq_id,
+            branch.token_ids,
+            branch.ngrams,
+            room,
+            None if grammar is None else grammar.valid_drafts,
         )
         budget.take_drafts(len(drafts))
         return drafts
@@ -367,6 +378,10 @@ class Scheduler:
         drafts: list[int],
     ) -> SequenceWork:
         table_start, table_blocks = self.bm.take_table_delta(branch.seq_id)
+        bitmask = None
+        if branch.grammar is not None and num_samples > 0:
+            branch.grammar.sync(branch.output_token_ids)
+            bitmask = branch.grammar.bitmasks(drafts)
         work = SequenceWork(
             seq_id=branch.seq_id,
             token_ids=branch.token_ids[start : start + chunk] + drafts,
@@ -378,6 +393,7 @@ class Scheduler:
             branch_index=branch.index,
             output_index=len(branch.output_token_ids),
             sampling=None if branch.worker_knows else request.settings,
+            token_bitmask=bitmask,
         )
         branch.worker_knows = True
         return work

@@ -20,6 +20,7 @@ block the pool cannot spare is not proposed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from block_manager import KVManager, NoFreeBlocks
@@ -126,13 +127,25 @@ class NgramSpeculator:
         return DraftAllowance(per_sequence, extra)
 
     def append_drafts(
-        self, bm: KVManager, seq_id: int, tokens: list[int], index: NgramIndex, room: int
+        self,
+        bm: KVManager,
+        seq_id: int,
+        tokens: list[int],
+        index: NgramIndex,
+        room: int,
+        valid_prefix: Callable[[list[int]], int] | None = None,
     ) -> list[int]:
         """Proposes up to `room` drafts continuing `tokens` (the sequence's, pending token
         included) and appends them to its table while blocks above the watermark allow, so a
-        draft never makes a sequence wait or be preempted. Returns the appended drafts."""
+        draft never makes a sequence wait or be preempted. Returns the appended drafts.
+
+        `valid_prefix` (a constrained branch's grammar) says how many leading proposals are
+        allowed; the rest are never appended, so no draft the grammar rejects is verified."""
         drafts: list[int] = []
-        for token in index.propose(tokens, room):
+        proposed = index.propose(tokens, room)
+        if valid_prefix is not None:
+            proposed = proposed[: valid_prefix(proposed)]
+        for token in proposed:
             needs_block = bm.num_tokens(seq_id) % bm.block_size == 0
             if needs_block and bm.num_free_device_blocks() <= bm.watermark_blocks:
                 break

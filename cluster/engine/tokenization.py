@@ -63,14 +63,16 @@ class PromptRenderer:
         prompt: str | ChatMessages | Mapping[str, Any],
         *,
         chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> RenderedPrompt:
-        """Text, chat messages (a list of {"role", "content"}) or {"prompt_token_ids": [...]}."""
+        """Text, chat messages (a list of {"role", "content"}) or {"prompt_token_ids": [...]};
+        `tools` (OpenAI's tool definitions) are passed to the chat template."""
         if isinstance(prompt, str):
             return RenderedPrompt(token_ids=self.encode(prompt), text=prompt)
         if isinstance(prompt, Mapping):
             return self._from_token_ids(prompt)
         if isinstance(prompt, Sequence):
-            return self.render_chat(prompt, chat_template=chat_template)
+            return self.render_chat(prompt, chat_template=chat_template, tools=tools)
         raise RequestRejected(
             "prompt must be a string, a list of chat messages or {'prompt_token_ids': [...]}, "
             f"got {type(prompt).__name__}"
@@ -86,7 +88,11 @@ class PromptRenderer:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(
-        self, messages: ChatMessages, *, chat_template: str | None = None
+        self,
+        messages: ChatMessages,
+        *,
+        chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> RenderedPrompt:
         """Renders with `chat_template` or the model's own; the digest is of the one used."""
         template = chat_template or self.tokenizer.chat_template
@@ -100,6 +106,7 @@ class PromptRenderer:
             chat_template=template,
             tokenize=False,
             add_generation_prompt=True,
+            tools=[dict(t) for t in tools] if tools else None,
         )
         # the template writes the special tokens itself (e.g. BOS), so none are added here
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))

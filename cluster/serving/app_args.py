@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -115,6 +115,15 @@ class ServeAppArgs(BaseModel):
         "and the final chunk are never held back",
     )
 
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description='vLLM\'s --enable-auto-tool-choice: tool_choice "auto" reads calls out of '
+        "the model's text with tool_call_parser; off: such requests get a 400",
+    )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description="vLLM's --tool-call-parser: how the model writes tool calls"
+    )
+
     directory: DirectoryArgs = Field(default_factory=DirectoryArgs)
     health: HealthArgs = Field(default_factory=HealthArgs)
     limits: LimitsArgs = Field(default_factory=LimitsArgs)
@@ -139,6 +148,12 @@ class ServeAppArgs(BaseModel):
     @classmethod
     def _lora_module_forms(cls, value: Any) -> Any:
         return normalise_lora_modules(value)
+
+    @model_validator(mode="after")
+    def _tool_flags(self) -> ServeAppArgs:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
+        return self
 
     @model_validator(mode="after")
     def _adapter_names(self) -> ServeAppArgs:

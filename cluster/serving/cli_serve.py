@@ -77,6 +77,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "stream_interval; 1 streams every token)",
     )
     parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=None,
+        help='answer tool_choice "auto" by reading calls out of the text (needs '
+        "--tool-call-parser)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how tool calls are written in the model's text: hermes or llama3_json",
+    )
+    parser.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
@@ -164,6 +176,10 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"--stream-interval must be >= 1, got {args.stream_interval}")
         for app in config.get("applications", []):
             app.setdefault("args", {})["stream_interval"] = args.stream_interval
+    for flag in ("enable_auto_tool_choice", "tool_call_parser"):
+        if getattr(args, flag) is not None:
+            for app in config.get("applications", []):
+                app.setdefault("args", {})[flag] = getattr(args, flag)
     apply_speculative_flag(config, args.speculative_config)
     if args.replicas is not None:
         pin_replicas(config, args.replicas)

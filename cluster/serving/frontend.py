@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from cluster.engine.cache_keys import RequestKeys
 from cluster.engine.client import EngineClient
@@ -103,13 +103,21 @@ class FrontEnd:
         tenant_salt: bytes | None,
         what: str = "prompt",
         adapter: str | None = None,
+        chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> GenerateRequest:
         """Renders `prompt` once into a request for the base model or the LoRA `adapter` (a name
         the front end resolved), with its block-hash chain when the front end routes. Raises
         RequestRejected for a prompt that cannot be rendered and ContextOverflow for one that
         does not fit (`what` names it)."""
         request = self.builder.build(
-            prompt, params, request_id=request_id, tenant_salt=tenant_salt, adapter=adapter
+            prompt,
+            params,
+            request_id=request_id,
+            tenant_salt=tenant_salt,
+            adapter=adapter,
+            chat_template=chat_template,
+            tools=tools,
         )
         overflow = context_overflow(
             request.num_prompt_tokens, params.max_tokens, self.max_model_len, what
@@ -141,11 +149,12 @@ class FrontEnd:
         request_id: str,
         tenant_salt: bytes | None,
         what: str = "prompt",
+        render: Mapping[str, Any] | None = None,
     ) -> Submission:
         """The one admission path: resolve `model`, prepare every prompt off the loop, start one
         engine stream per prompt (ids `request_id`, or `request_id-i` for several) and wait for
-        each first delta. Raises what the module doc lists; closing a returned stream aborts
-        its request."""
+        each first delta. `render`: `chat_template` / `tools` for the chat renderer. Raises
+        what the module doc lists; closing a returned stream aborts its request."""
         adapter = await self.adapters.resolve(model)
         requests = [
             await self.off_loop(
@@ -156,6 +165,7 @@ class FrontEnd:
                 tenant_salt=tenant_salt,
                 what=what,
                 adapter=adapter,
+                **(render or {}),
             )
             for i, prompt in enumerate(prompts)
         ]

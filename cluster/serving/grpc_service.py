@@ -40,8 +40,9 @@ from cluster.serving.grpc_validation import (
     chat_request,
     parse_or_abort,
     requested_model,
-    validated_generate,
+    validate_generate,
 )
+from cluster.serving.tool_calls import ToolSettings, ToolStream
 from protos import generation_pb2 as pb
 
 GRPC_SERVICE_NAME = "pagedserve.v1.Generation"
@@ -96,15 +97,35 @@ class GenerateStreamEncoder:
     appears in a response when the engine's delta carries it (new tokens or text, or a finish,
     each reported once); the final response carries the usage."""
 
-    def __init__(self, decode: Decode) -> None:
+    def __init__(self, decode: Decode, tools: ToolStream | None = None) -> None:
         self._decode = decode
         self._tally = StreamTally()
+        self._tools = tools
+        self._texts: dict[int, str] = {}
 
     def encode(self, delta: RequestDelta) -> pb.GenerateResponse | None:
         self._tally.add(delta)
         response = pb.GenerateResponse(request_id=delta.request_id, finished=delta.finished)
         for branch in delta.branches:
-            response.choices.append(completion_delta(branch, self._decode))
+            choice = completion_delta(branch, self._decode)
+            if self._tools is not None:  # calls read from the text as it grows
+                text = self._texts.get(branch.index, "") + branch.text
+                self._texts[branch.index] = text
+                finished = branch.finish_reason is not None
+                _, calls = self._tools.update(branch.index, text, finished)
+                for call in calls or []:
+                    choice.tool_calls.append(
+                        pb.ToolCallDelta(
+                            index=call.index or 0,
+                            id=call.id or "",
+                            name=call.function.name or "",
+                            arguments=call.function.arguments or "",
+                        )
+                    )
+                called = self._tools.called(branch.index)
+                if choice.finish_reason == pb.FINISH_REASON_STOP and called:
+                    choice.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+            response.choices.append(choice)
         if delta.finished:
             tally = self._tally
             response.usage.CopyFrom(
@@ -156,9 +177,10 @@ def health_response(serving: bool) -> health_pb2.HealthCheckResponse:
 class GenerationRpc:
     """The four `Generation` RPCs over one engine serving one base model and its adapters."""
 
-    def __init__(self, frontend: FrontEnd) -> None:
+    def __init__(self, frontend: FrontEnd, tools: ToolSettings | None = None) -> None:
         self.frontend = frontend
         self.adapters = frontend.adapters
+        self.tools = tools or ToolSettings()
 
     @property
     def served_model_name(self) -> str:
@@ -177,13 +199,24 @@ class GenerationRpc:
         self, request: pb.GenerateRequest, *, request_id: str, tenant_salt: bytes | None
     ) -> AsyncIterator[pb.GenerateResponse]:
         model = requested_model(request.model, request.adapter, self.served_model_name)
-        prompt, params = validated_generate(request)  # the HTTP checks, INVALID_ARGUMENT
-        encoder = GenerateStreamEncoder(self.decode)
+        checked = await self.frontend.off_loop(  # the HTTP checks, INVALID_ARGUMENT
+            validate_generate,
+            request,
+            self.tools,
+            self.frontend.renderer.tokenizer.chat_template,
+        )
+        tools = None if checked.tools is None else checked.tools.stream()
+        encoder = GenerateStreamEncoder(self.decode, tools)
         # Closing the engine stream is what aborts the request and frees its blocks, so a cancelled
         # call closes it at once here rather than whenever the generator is garbage-collected.
         try:
             submission = await self.frontend.submit(
-                [prompt], params, model=model, request_id=request_id, tenant_salt=tenant_salt
+                [checked.prompt],
+                checked.params,
+                model=model,
+                request_id=request_id,
+                tenant_salt=tenant_salt,
+                render=checked.render,
             )
             (stream,) = submission.streams
             async with contextlib.aclosing(stream):

@@ -15,7 +15,8 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -29,6 +30,7 @@ from cluster.serving.openai_protocol import (
     OpenAIError,
     error_from_validation,
 )
+from cluster.serving.tool_calls import ToolPlan, ToolSettings, render_options
 from protos import generation_pb2 as pb
 
 GRPC_DEFAULT_MAX_TOKENS = 16
@@ -106,9 +108,70 @@ def sampling_fields(proto: pb.SamplingParameters, *, chat: bool) -> dict[str, An
     return fields
 
 
+def structured_outputs_fields(request: pb.GenerateRequest) -> dict[str, Any]:
+    """The HTTP `structured_outputs` field a request's `structured_outputs` message sets (none
+    when unset), so both front ends validate it with the same code."""
+    if not request.HasField("structured_outputs"):
+        return {}
+    proto = request.structured_outputs
+    kind = proto.WhichOneof("constraint")
+    if kind is None:
+        raise GrpcAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "structured_outputs: set one of json, regex, choice, grammar or json_object",
+        )
+    value: Any = list(proto.choice.choices) if kind == "choice" else getattr(proto, kind)
+    field = {kind: value, "disable_any_whitespace": proto.disable_any_whitespace}
+    return {"structured_outputs": field}
+
+
+def tool_fields(request: pb.GenerateRequest) -> dict[str, Any]:
+    """The HTTP chat fields (`tools`, `tool_choice`, `parallel_tool_calls`) a request sets."""
+    fields: dict[str, Any] = {}
+    if request.tools:
+        tools = []
+        for index, tool in enumerate(request.tools):
+            function: dict[str, Any] = {"name": tool.name}
+            if tool.description:
+                function["description"] = tool.description
+            if tool.parameters_json:
+                try:
+                    function["parameters"] = json.loads(tool.parameters_json)
+                except json.JSONDecodeError as error:
+                    raise GrpcAbort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"tools[{index}].parameters_json is not valid JSON: {error}",
+                    ) from None
+            tools.append({"type": "function", "function": function})
+        fields["tools"] = tools
+    choice = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    if choice == "mode":
+        fields["tool_choice"] = request.tool_choice.mode
+    elif choice == "function":
+        name = request.tool_choice.function
+        fields["tool_choice"] = {"type": "function", "function": {"name": name}}
+    if request.HasField("parallel_tool_calls"):
+        fields["parallel_tool_calls"] = request.parallel_tool_calls
+    return fields
+
+
 def chat_request(chat: pb.ChatMessages, fields: dict[str, Any]) -> ChatCompletionRequest:
     """Chat messages (and sampling `fields`) as a validated `ChatCompletionRequest`."""
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages = []
+    for m in chat.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
     return _validated(ChatCompletionRequest, {**fields, "messages": messages})
 
 
@@ -126,11 +189,36 @@ def _validated(model: type[RequestT], fields: dict[str, Any]) -> RequestT:
     return request
 
 
+@dataclass(frozen=True)
+class ValidatedGenerate:
+    """A `GenerateRequest` after the HTTP checks: the prompt, the engine's parameters, the tool
+    plan (None: no tools) and how to render the chat (`chat_template`, `tools`)."""
+
+    prompt: PromptInput
+    params: SamplingParams
+    tools: ToolPlan | None = None
+    render: dict[str, Any] = field(default_factory=dict)
+
+
 def validated_generate(request: pb.GenerateRequest) -> tuple[PromptInput, SamplingParams]:
-    """The prompt and sampling parameters of a `GenerateRequest`, after the HTTP checks; raises
-    GrpcAbort INVALID_ARGUMENT for anything HTTP would refuse with 400."""
+    """The prompt and sampling parameters of a `GenerateRequest` (see `validate_generate`)."""
+    checked = validate_generate(request, ToolSettings(), model_template=None)
+    return checked.prompt, checked.params
+
+
+def validate_generate(
+    request: pb.GenerateRequest, tool_settings: ToolSettings, model_template: str | None
+) -> ValidatedGenerate:
+    """The request after the HTTP checks; raises GrpcAbort INVALID_ARGUMENT for anything HTTP
+    would refuse with 400. Tools take a chat prompt and are planned as HTTP plans them
+    (`tool_settings`: the server's flags; `model_template`: the model's chat template)."""
     kind = request.WhichOneof("prompt")
     fields = sampling_fields(request.sampling, chat=kind == "chat")
+    fields.update(structured_outputs_fields(request))
+    extra = tool_fields(request)
+    if extra and kind != "chat":
+        raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "tools need a chat prompt (prompt.chat)")
+    fields.update(extra)
     prompt: PromptInput
     parsed: CompletionRequest | ChatCompletionRequest
     if kind == "text":
@@ -148,7 +236,19 @@ def validated_generate(request: pb.GenerateRequest) -> tuple[PromptInput, Sampli
             grpc.StatusCode.INVALID_ARGUMENT,
             "set one of prompt.text, prompt.token_ids, prompt.chat",
         )
+    plan = None
+    render: dict[str, Any] = {}
+    if isinstance(parsed, ChatCompletionRequest):
+        try:
+            plan = parsed.tool_plan(tool_settings)
+        except OpenAIError as error:
+            raise invalid_argument(error) from None
+        render = render_options(plan, parsed.messages, model_template)
+    kwargs = parsed.sampling_kwargs()
+    if plan is not None and plan.constraint() is not None:
+        kwargs["structured_outputs"] = plan.constraint()
     try:
-        return prompt, SamplingParams(**parsed.sampling_kwargs())
+        params = SamplingParams(**kwargs)
     except ValueError as error:
         raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {error}") from None
+    return ValidatedGenerate(prompt, params, plan, render)

@@ -66,6 +66,7 @@ from cluster.serving.openapi_schema import install_openapi, request_body
 from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
 from cluster.serving.routed_engine import RoutedEngineClient, client_error
 from cluster.serving.tenancy import Forbidden, Tenancy, Unauthenticated
+from cluster.serving.tool_calls import ToolSettings
 from protos import generation_pb2 as pb
 
 INGRESS_NAME = "OpenAIIngress"
@@ -190,8 +191,9 @@ class OpenAIIngress(GrpcMethods):
         self.frontend = FrontEnd(
             builder, info.max_model_len, client, self.adapters, description.keys
         )
-        self.openai = OpenAIServing(self.frontend, name)
-        self.rpc = GenerationRpc(self.frontend)
+        tools = ToolSettings(self.args.enable_auto_tool_choice, self.args.tool_call_parser)
+        self.openai = OpenAIServing(self.frontend, name, tools)
+        self.rpc = GenerationRpc(self.frontend, tools)
         self.created = int(time.time())
         self.metrics_listener: MetricsListener | None = None
         metrics_args = self.args.limits.metrics

@@ -19,7 +19,25 @@ import json
 import re
 from typing import Annotated, Any, Literal, TypedDict, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from cluster.engine.structured_outputs import StructuredOutputsParams
+from cluster.serving.structured_fields import (
+    FieldError,
+    ResponseFormat,
+    StructuredOutputsField,
+    structured_outputs_of,
+)
+from cluster.serving.tool_calls import (
+    NamedToolChoice,
+    ToolCallIn,
+    ToolCallOut,
+    ToolDef,
+    ToolPlan,
+    ToolSettings,
+    plan_tools,
+    template_messages,
+)
 
 MAX_STOP_SEQUENCES = 16
 MAX_N = 128
@@ -133,6 +151,9 @@ class _SamplingRequest(_Edge):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    _constraint: tuple[StructuredOutputsParams | None] | None = PrivateAttr(default=None)
 
     def _check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -150,6 +171,19 @@ class _SamplingRequest(_Edge):
             raise invalid_request("logit_bias is not supported by this server", "logit_bias")
         if isinstance(self.stop, list) and any(s == "" for s in self.stop):
             raise invalid_request("stop sequences must not be empty", "stop")
+        self.constraint()
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """`response_format` / `structured_outputs` as the engine's constraint (a 400 naming
+        the field when it cannot compile; see `structured_fields`). Checked once: later calls
+        (on the event loop) reuse the result of `check_supported` (off it)."""
+        if self._constraint is None:
+            try:
+                params = structured_outputs_of(self.response_format, self.structured_outputs)
+            except FieldError as error:
+                raise invalid_request(error.message, error.param) from None
+            self._constraint = (params,)
+        return self._constraint[0]
 
     @property
     def include_usage(self) -> bool:
@@ -175,6 +209,7 @@ class SamplingKwargs(TypedDict):
     logprobs: int | None
     ignore_eos: bool
     include_stop_str_in_output: bool
+    structured_outputs: StructuredOutputsParams | None
 
 
 def _sampling_kwargs(
@@ -192,6 +227,7 @@ def _sampling_kwargs(
         logprobs=logprobs,
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
+        structured_outputs=request.constraint(),
     )
 
 
@@ -247,9 +283,11 @@ class ContentPart(_Edge):
 
 
 class ChatMessage(_Edge):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -260,25 +298,21 @@ class ChatMessage(_Edge):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    """`POST /v1/chat/completions`. Text content only; no tools, no structured output."""
+    """`POST /v1/chat/completions`. Text content only."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         """Raise a 400 for a valid request this server cannot honour."""
         self._check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise invalid_request("tools are not supported by this server", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise invalid_request("tool_choice is not supported by this server", "tool_choice")
         for i, message in enumerate(self.messages):
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
                 if part.type != "text" or part.text is None:
@@ -287,17 +321,25 @@ class ChatCompletionRequest(_SamplingRequest):
                         "parts with a 'text' field",
                         f"messages[{i}].content[{j}]",
                     )
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise invalid_request(
-                "only response_format {'type': 'text'} is supported", "response_format"
-            )
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template takes them (`developer` is the newer name of `system`)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template takes them (see `tool_calls.template_messages`)."""
+        return template_messages(self.messages)
+
+    def tool_plan(self, settings: ToolSettings) -> ToolPlan | None:
+        """What the request's tools ask for (a 400 naming the field when they cannot be
+        honoured; see `tool_calls.plan_tools`)."""
+        try:
+            plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, settings)
+        except FieldError as error:
+            raise invalid_request(error.message, error.param) from None
+        if plan is not None and plan.constraint() is not None and self.constraint() is not None:
+            raise invalid_request(
+                f"tool_choice {plan.mode!r} cannot be combined with response_format or "
+                "structured_outputs",
+                "tool_choice",
+            )
+        return plan
 
     def sampling_kwargs(self) -> SamplingKwargs:
         """`max_completion_tokens` wins over the deprecated `max_tokens`; neither means "until the
@@ -339,7 +381,7 @@ def parse_object(body: bytes, model: type[BodyT]) -> BodyT:
 
 # ---------------------------------------------------------------- responses
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -403,7 +445,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -425,6 +468,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -56,6 +56,13 @@ from cluster.serving.openai_protocol import (
     invalid_request,
     sse_event,
 )
+from cluster.serving.tool_calls import (
+    ToolPlan,
+    ToolSettings,
+    ToolStream,
+    calls_of,
+    render_options,
+)
 
 
 def engine_prompt(prompt: Prompt) -> PromptInput:
@@ -63,7 +70,11 @@ def engine_prompt(prompt: Prompt) -> PromptInput:
     return prompt if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
 
 
-def sampling_params(kwargs: SamplingKwargs) -> SamplingParams:
+def sampling_params(kwargs: SamplingKwargs, tools: ToolPlan | None = None) -> SamplingParams:
+    """The engine's parameters; a tool plan's grammar (required or named choice) constrains
+    the output."""
+    if tools is not None and tools.constraint() is not None:
+        kwargs = SamplingKwargs(**{**kwargs, "structured_outputs": tools.constraint()})
     try:
         return SamplingParams(**kwargs)
     except ValueError as error:
@@ -148,9 +159,32 @@ class ChunkEncoder(Protocol):
 class OpenAIServing:
     """Runs OpenAI requests on an engine and shapes its outputs into OpenAI responses."""
 
-    def __init__(self, frontend: FrontEnd, served_model_name: str) -> None:
+    def __init__(
+        self, frontend: FrontEnd, served_model_name: str, tools: ToolSettings | None = None
+    ) -> None:
         self.frontend = frontend
         self.model = served_model_name
+        self.tools = tools or ToolSettings()
+
+    def chat_render(self, request: ChatCompletionRequest, plan: ToolPlan | None) -> dict[str, Any]:
+        model_template = self.frontend.renderer.tokenizer.chat_template
+        return render_options(plan, request.messages, model_template)
+
+    def assistant_message(
+        self, output: CompletionOutput, plan: ToolPlan | None
+    ) -> tuple[AssistantMessage, FinishReason]:
+        """The message of a finished branch: its tool calls read back when the plan has a
+        parser (finish_reason "tool_calls" when there are any), else its text."""
+        reason = finish_reason(output) or "stop"
+        parser = None if plan is None else plan.parser()
+        if parser is None:
+            return AssistantMessage(content=output.text), reason
+        content, calls = calls_of(output.text, parser)
+        if not calls:
+            return AssistantMessage(content=content), reason
+        return AssistantMessage(content=content, tool_calls=calls), (
+            "tool_calls" if reason == "stop" else reason
+        )
 
     def token_text(self, token_id: int) -> str:
         return self.frontend.token_text(token_id)
@@ -163,13 +197,21 @@ class OpenAIServing:
         rid: str,
         salt: bytes | None,
         meta: ResponseMeta | None,
+        render: Mapping[str, Any] | None = None,
     ) -> Submission:
         """`FrontEnd.submit`, its refusals raised as `OpenAIError` before any byte is sent;
-        `meta` learns which engine replica served the first prompt."""
+        `meta` learns which engine replica served the first prompt; `render` holds
+        `chat_template` / `tools` for the chat renderer."""
         param = "prompt" if isinstance(prompts[0], str | Mapping) else "messages"
         try:
             submission = await self.frontend.submit(
-                prompts, params, model=model, request_id=rid, tenant_salt=salt, what=param
+                prompts,
+                params,
+                model=model,
+                request_id=rid,
+                tenant_salt=salt,
+                what=param,
+                render=render,
             )
         except ANSWERED as error:
             raise http_error(error, param) from None
@@ -287,22 +329,24 @@ class OpenAIServing:
     async def chat(
         self, request: ChatCompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> ChatCompletionResponse:
-        params = sampling_params(request.sampling_kwargs())
+        plan = await self.frontend.off_loop(request.tool_plan, self.tools)
+        params = sampling_params(request.sampling_kwargs(), plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        render = self.chat_render(request, plan)
         prompts = [request.chat_messages()]
-        submission = await self.submit(request.model, prompts, params, rid, salt, meta)
+        submission = await self.submit(request.model, prompts, params, rid, salt, meta, render)
         (final,) = await self.finals(submission.streams)
-        choices = [
-            ChatChoice(
-                index=output.index,
-                message=AssistantMessage(content=output.text),
-                logprobs=self.chat_logprobs(output.logprobs)
-                if output.logprobs is not None
-                else None,
-                finish_reason=finish_reason(output) or "stop",
+        choices = []
+        for output in final.outputs:
+            message, reason = self.assistant_message(output, plan)
+            logprobs = None
+            if output.logprobs is not None:
+                logprobs = self.chat_logprobs(output.logprobs)
+            choices.append(
+                ChatChoice(
+                    index=output.index, message=message, logprobs=logprobs, finish_reason=reason
+                )
             )
-            for output in final.outputs
-        ]
         return ChatCompletionResponse(
             id=rid,
             created=int(time.time()),
@@ -314,11 +358,14 @@ class OpenAIServing:
     async def stream_chat(
         self, request: ChatCompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> AsyncIterator[str]:
-        params = sampling_params(request.sampling_kwargs())
+        plan = await self.frontend.off_loop(request.tool_plan, self.tools)
+        params = sampling_params(request.sampling_kwargs(), plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        render = self.chat_render(request, plan)
         prompts = [request.chat_messages()]
-        submission = await self.submit(request.model, prompts, params, rid, salt, meta)
-        encoder = ChatChunks(self, rid, submission.adapter or self.model)
+        submission = await self.submit(request.model, prompts, params, rid, salt, meta, render)
+        tool_stream = None if plan is None else plan.stream()
+        encoder = ChatChunks(self, rid, submission.adapter or self.model, tool_stream)
         return self.events(submission.streams, encoder, request.include_usage)
 
 
@@ -391,9 +438,14 @@ class ChatChunks(_StreamChunks):
 
     response_model = ChatCompletionChunk
 
-    def __init__(self, serving: OpenAIServing, rid: str, model: str) -> None:
+    def __init__(
+        self, serving: OpenAIServing, rid: str, model: str, tools: ToolStream | None = None
+    ) -> None:
         super().__init__(serving, rid, model)
         self.started: set[int] = set()
+        self.tools = tools
+        self.texts: dict[int, str] = {}
+        """With tools: each branch's text so far (the parser reads the whole text)."""
 
     def chunks(self, index: int, delta: RequestDelta) -> list[BaseModel]:
         chunks = []
@@ -403,11 +455,19 @@ class ChatChunks(_StreamChunks):
             logprobs = None
             if branch.logprobs is not None:
                 logprobs = self.serving.chat_logprobs(branch.logprobs)
+            delta_out = ChatDelta(role=role, content=branch.text)
+            reason = finish_reason(branch)
+            if self.tools is not None:  # tool calls are read back as the text grows
+                text = self.texts.get(branch.index, "") + branch.text
+                self.texts[branch.index] = text
+                content, calls = self.tools.update(branch.index, text, reason is not None)
+                delta_out = ChatDelta(role=role, content=content, tool_calls=calls)
+                if reason == "stop" and self.tools.called(branch.index):
+                    reason = "tool_calls"
+                if content is None and calls is None and role is None and reason is None:
+                    continue  # held back: the text may be the start of a call
             choice = ChatChunkChoice(
-                index=branch.index,
-                delta=ChatDelta(role=role, content=branch.text),
-                logprobs=logprobs,
-                finish_reason=finish_reason(branch),
+                index=branch.index, delta=delta_out, logprobs=logprobs, finish_reason=reason
             )
             chunks.append(self._chunk([choice]))
         return chunks

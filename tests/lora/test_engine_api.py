@@ -122,3 +122,29 @@ def test_chat_and_flat_settings(
         assert chat.outputs[0].token_ids == again.outputs[0].token_ids
         assert chat.outputs[0].token_ids != plain.outputs[0].token_ids
         assert [lora.lora_name for lora in llm.list_loras()] == ["all8"]
+
+
+def test_structured_outputs_with_adapters(
+    tiny_model_dir: pathlib.Path, tiny_adapters: dict[str, pathlib.Path]
+) -> None:
+    """A constrained request under an adapter follows its regex, in a batch with a constrained
+    base request and an unconstrained adapter request that equals its run alone."""
+    import re
+
+    from cluster.engine.structured_outputs import StructuredOutputsParams
+
+    a = LoRARequest("all8", 1, str(tiny_adapters["all8"]))
+    regex = r"[a-f]{2,6}-[0-9]{2}"
+    constrained = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=20,
+        structured_outputs=StructuredOutputsParams(regex=regex),
+    )  # fmt: skip
+    with LLM(config=lora_config(tiny_model_dir)) as llm:  # type: ignore[arg-type]
+        alone = llm.generate(PROMPTS[1], GREEDY, lora_request=a)[0].outputs[0].token_ids
+        mixed = llm.generate(
+            [PROMPTS[0], PROMPTS[0], PROMPTS[1]],
+            [constrained, constrained, GREEDY],
+            lora_request=[a, None, a],
+        )
+    assert all(re.fullmatch(regex, m.outputs[0].text) for m in mixed[:2])
+    assert mixed[2].outputs[0].token_ids == alone

@@ -196,3 +196,22 @@ def test_stream_interval_comes_from_the_flag_else_the_shipped_config() -> None:
     assert all(app["args"]["stream_interval"] == 1 for app in config["applications"])
     with pytest.raises(ConfigError, match="--stream-interval must be >= 1"):
         resolve_serve_config(_serve_args("--stream-interval", "0"))
+
+
+def test_tool_flags_reach_every_app_and_are_checked() -> None:
+    from cluster.serving.app_args import ServeAppArgs
+
+    config = resolve_serve_config(
+        _serve_args("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    )
+    for app in config["applications"]:
+        args = ServeAppArgs.model_validate(app["args"])
+        assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "llama3_json")
+    default = ServeAppArgs.model_validate(
+        resolve_serve_config(_serve_args())["applications"][0]["args"]
+    )
+    assert (default.enable_auto_tool_choice, default.tool_call_parser) == (False, None)
+    with pytest.raises(ValueError, match="needs tool_call_parser"):
+        ServeAppArgs.model_validate({"enable_auto_tool_choice": True})
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServeAppArgs.model_validate({"tool_call_parser": "mistral"})

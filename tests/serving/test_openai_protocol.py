@@ -222,8 +222,28 @@ BAD_BODIES: list[tuple[type[Any], dict[str, Any], str | None, str]] = [
     (
         ChatCompletionRequest,
         {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"a": 1}]},
-        "tools",
-        "not supported",
+        "tools[0].type",
+        "Field required",
+    ),
+    (
+        CompletionRequest,
+        {
+            "model": "m",
+            "prompt": "x",
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}},
+        },
+        "response_format.json_schema.schema",
+        'Unsupported type "x"',
+    ),
+    (
+        ChatCompletionRequest,
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "structured_outputs": {"regex": "(?=a)b"},
+        },
+        "structured_outputs.regex",
+        "Lookahead is not supported",
     ),
 ]
 

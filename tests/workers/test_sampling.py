@@ -102,3 +102,30 @@ def test_seeded_sampling_ignores_batch_composition(tiny_group: WorkerGroup) -> N
     )
     assert crowd.samples[42] == alone.samples[40]
     tiny_group.execute(StepPlan(302, released=[40, 41, 42]))
+
+
+def test_token_bitmask_masks_only_its_row() -> None:
+    """Bit t % 32 of word t // 32 allows token t (checked bit by bit in Python); a masked row
+    draws only allowed tokens, and the unmasked row beside it draws as it does alone."""
+    from workers.sampling import apply_token_bitmasks, mask_disallowed
+
+    vocab = 70
+    allowed = {3, 31, 32, 64, 69}
+    words = [0, 0, 0]
+    for token in allowed:
+        words[token // 32] |= 1 << (token % 32)
+    bitmask = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    masked = mask_disallowed(row, bitmask)
+    assert {t for t in range(vocab) if masked[t] != float("-inf")} == allowed
+    logits = torch.stack([row, row])
+    batched = apply_token_bitmasks(
+        logits, [SampleRequest(SamplingSettings(), 1, 0, 0, bitmask)] * 2
+    )
+    assert torch.equal(batched[0], masked) and torch.equal(batched[1], masked)
+    settings = SamplingSettings(seed=5)
+    constrained = SampleRequest(settings, 8, 0, 0, bitmask)
+    plain = SampleRequest(settings, 8, 0, 0)
+    drawn = sample_rows(logits, [constrained, plain], 0)
+    assert {t.token_id for t in drawn[0]} <= allowed
+    assert drawn[1] == sample_rows(logits[1:], [plain], 0)[0]
