@@ -1,4 +1,4 @@
-"""Closes the gRPC "lost cancel" of Serve's proxy (issue 13, item 9): a client's cancel that
+"""Closes the gRPC "lost cancel" of Serve's proxy: a client's cancel that
 lands while the proxy writes a message never reached the replica, so the request ran on to its
 end and held its KV blocks meanwhile.
 
