@@ -8,7 +8,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from tests.serving.autoscaling_scenario import NODES
+
+pytestmark = pytest.mark.ray
 
 MARKER = "AUTOSCALING_OUTCOME "
 
