@@ -1,13 +1,15 @@
-# The README's two commands: `make serve` and `make test`. Each sets up a virtual
-# environment on first use (torch first, pinned to the CPU build; then the project).
+# The README's two commands: `make serve` and `make test` (and `make test-fast`, the inner loop).
+# Each sets up a virtual environment on first use (torch first, pinned to the CPU build; then the
+# project).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+TEST_WORKERS ?= 2
 
-.PHONY: setup test lint serve bench clean
+.PHONY: setup test test-fast lint serve bench clean
 
 setup: $(STAMP)
 
@@ -23,8 +25,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Tests that start Ray run on one pytest-xdist worker, in order; the other takes the rest.
 test: lint
-	TRITON_INTERPRET=1 $(PY) -m pytest
+	TRITON_INTERPRET=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+
+# The inner loop: no Ray, no Serve, no SmolLM2 (tests/conftest.py, `--fast`).
+test-fast: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest --fast -n $(TEST_WORKERS)
 
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve

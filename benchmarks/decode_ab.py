@@ -8,25 +8,26 @@ variant in turn, round after round (interleaved, so all see the same machine loa
 the model to each variant for its own steps only (`_variant`). One group, so one rank thread and
 one OpenMP team, as served: a group per variant would keep a team per rank thread alive, and with
 more OpenMP threads than cores libgomp stops spinning at barriers for all of them, which slowed
-every variant 1.6-1.8x (benchmarks/README.md, Round 5). Reported per batch: each variant's
-median step time and decode tokens/s, and `ratio_over_<first>` = the median over rounds of
-(first's time / this one's time), which is robust to load that changes between rounds.
+every variant (benchmarks/README.md, "a native 4-bit matmul for decode batches"). Reported per
+batch: each variant's median step time and decode tokens/s, and `ratio_over_<first>` = the
+median over rounds of (first's time / this one's time), which is robust to load that changes
+between rounds.
 
-Variants (round 3's changes switched off one by one on the shipped bfloat16 model):
+Variants (the optimizations switched off one by one on the shipped bfloat16 model):
 - `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked;
   steps of up to 8 decodes (16 in float32) through the whole decoder stack in one native call,
   `kernels.decoder_stack_cpu`, every product on the 4-bit copy of a Q4_1 model's weights; the
   LM head of up to 4 rows on the 8-bit copy of its Q8_0 weights, `kernels.q8_cpu`).
-- `per_operator`: without those two (round 6): per layer, decode attention by the native kernel
+- `per_operator`: without those two: per layer, decode attention by the native kernel
   `kernels.attention_cpu`, norms, rotary embeddings, KV writes and silu by
   `kernels.layer_ops_cpu`, products of at most 8 rows on the 4-bit copy, more on the packed one.
 - `torch_layer_ops`: that with the layers' elementwise work in plain torch.
 - `torch_attention`: that with decode attention on the torch path too (`_all_heads` on gathered
-  groups: round 5).
-- `dense`: that without the 4-bit copies (every linear on the packed weight: round 4).
-- `sdpa_decode`: `dense` with decode attention by SDPA on the gathered buffers (round 2's kernel).
+  groups).
+- `dense`: that without the 4-bit copies (every linear on the packed weight).
+- `sdpa_decode`: `dense` with decode attention by SDPA on the gathered buffers.
 - `unpacked`: `sdpa_decode` with every `DenseMatmul`'s packed copy dropped (plain `F.linear`).
-- `round2`: `unpacked` with the plain float32 LM head (screening off): round 2's forward.
+- `round2`: `unpacked` with the plain float32 LM head (screening off): the plainest forward.
 With `--dtype float32` `sdpa_decode` equals `dense` and `round2` equals `unpacked`: float32 has no
 screened head and no folded attention.
 """

@@ -11,7 +11,7 @@ stops spinning at barriers for every team in the process. The variants:
 
 - `rank_thread`: as shipped, every torch call on the rank's own thread (`workers.rank_thread`);
 - `pool_thread`: each step handed to `asyncio.to_thread`, whichever thread of the event loop's
-  default executor is free (how steps ran before round 4; the model loaded on another thread).
+  default executor is free (the model loaded on another thread).
 
 Per variant (medians over rounds) it reports output tok/s (tokens over the time from the first
 arrival to the last token), TTFT and TPOT p50, and the median forward time of decode-only steps

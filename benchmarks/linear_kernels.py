@@ -6,15 +6,15 @@ QKV 960x576, o 576x576, fused gate/up 3072x576, down 576x1536) over 30 layers' d
 (so weights stream from memory as in a forward pass, not from cache), each variant in turn,
 round after round:
 
-- `bf16`: `F.linear` on bfloat16 weights (round 2);
-- `bf16_packed`: the same weights prepacked for oneDNN (`workers.dense_matmul`, round 3);
+- `bf16`: `F.linear` on bfloat16 weights;
+- `bf16_packed`: the same weights prepacked for oneDNN (`workers.dense_matmul`);
 - `int8_weight`: `aten._weight_int8pack_mm` (int8 weights, per-row scales, bfloat16 activations);
 - `int4_weight`: `aten._weight_int4pack_mm_for_cpu` (int4 weights, groups of 32, bfloat16);
 - `int8_dynamic`: fbgemm's `quantized.linear_dynamic` (int8 weights per row, float32 activations
   quantized per call to 8 bits): fast, but its per-tensor activation quantization fails the
   bfloat16 greedy bound on SmolLM2 (see benchmarks/README.md), so it is timed only;
 - `q4_cpu`: this project's kernel (`kernels.q4_cpu`) on GGUF Q4_1 codes with float32 scales and
-  minimums, bfloat16 activations, over the exact float32 weights (round 5);
+  minimums, bfloat16 activations, over the exact float32 weights;
 - `f32_packed` and `q4_cpu_f32`: the float32 mode's packed product and the same kernel with
   float32 activations.
 

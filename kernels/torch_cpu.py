@@ -147,7 +147,7 @@ def _all_heads(
     (``H_kv`` times the useful work, on matrices oneDNN handles well) and the matching
     ``H_kv`` diagonal blocks are kept; likewise for the values. Softmax runs in float32 over
     the products (rounded to the cache dtype by ``bmm``). Returns ``[seqs, H_kv * group, D]``.
-    SDPA on the same buffers reads K and V through strided head views: 1.3x slower here.
+    SDPA on the same buffers reads K and V through strided head views, which is slower.
     """
     seqs, num_kv_heads, group, head_dim = q.shape
     keys_len = keys.shape[1]
@@ -165,8 +165,9 @@ def _all_heads(
 
 
 def _folds(cache_dtype: torch.dtype, num_kv_heads: int, num_seqs: int) -> bool:
-    """Whether a decode group attends with ``_all_heads`` rather than SDPA (measured: 1.1-1.3x
-    at 4-32 sequences of SmolLM2's 3 KV heads, 0.6-0.8x at 1-2)."""
+    """Whether a decode group attends with ``_all_heads`` rather than SDPA: bfloat16 caches of
+    few KV heads and at least ``FOLDED_MIN_SEQS`` sequences, where it is the faster one
+    (benchmarks/README.md, "Figures behind choices in the code")."""
     return (
         cache_dtype == torch.bfloat16
         and num_kv_heads <= FOLDED_MAX_KV_HEADS

@@ -1,12 +1,28 @@
 """Shared test configuration: GPU-marked tests are skipped where CUDA is absent; the tiny model
-and a local Ray cluster are shared fixtures."""
+and a local Ray cluster are shared fixtures.
+
+Tests marked `ray` start Ray, Ray Serve or a `pagedserve serve` process; those marked `smollm2`
+load SmolLM2-135M's weights. A test using one of `RAY_FIXTURES` or `SMOLLM2_FIXTURES` is marked
+so by that alone. `--fast` (`make test-fast`) deselects both kinds; under it a test that still
+leaves Ray initialized in this process fails, naming the marker it lacks.
+
+Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) every `ray` test is in one
+`xdist_group`, so they run on one worker, one at a time and in file order (one Ray cluster at a
+time, module and session fixtures shared as in a serial run), while the other worker takes the
+tests that need no Ray.
+"""
 
 from __future__ import annotations
 
 import pathlib
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+
+RAY_FIXTURES = frozenset({"ray_cluster", "served"})
+SMOLLM2_FIXTURES = frozenset({"smollm2_hf"})
 
 
 def _cuda_available() -> bool:
@@ -17,7 +33,27 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="the inner loop: deselect the tests marked `ray` or `smollm2`",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & RAY_FIXTURES:
+            item.add_marker(pytest.mark.ray)
+        if fixtures & SMOLLM2_FIXTURES:
+            item.add_marker(pytest.mark.smollm2)
+        if "ray" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+    if config.getoption("fast"):
+        slow = [item for item in items if {"ray", "smollm2"} & set(item.keywords)]
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item not in slow]
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -26,12 +62,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _fast_runs_no_ray(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    ray = sys.modules.get("ray")
+    if request.config.getoption("fast") and ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail("this test starts Ray: mark it `pytest.mark.ray` (kept out of --fast)")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """An HF directory holding the seeded tiny random Llama of `tests/tiny_model.py`."""
     from tests.tiny_model import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf() -> Any:
+    """HF transformers' float32 SmolLM2-135M-Instruct from the default model's GGUF file: the
+    oracle of every SmolLM2 parity test (loaded once per session)."""
+    import torch
+    import transformers
+
+    from workers import resolve_model_path
+
+    path = resolve_model_path("default")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
 
 
 @pytest.fixture(scope="module")

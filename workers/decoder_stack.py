@@ -8,7 +8,8 @@ bfloat16, with the native layer ops, every linear layer's exact 4-bit copy and n
 multiplies on the 4-bit copy too: `Q4_MAX_ROWS`, 8 in bfloat16, 16 in float32), in the paged
 layout and without LoRA; it returns None for every other step, which keeps the per-operator
 path. (Beyond 8 bfloat16 rows the 4-bit kernel's float32 arithmetic is slower than oneDNN's
-bfloat16 product: the stack measured 0.76-1.10x the per-operator path at 10-16 rows.)
+bfloat16 product, so the stack stops paying there: benchmarks/README.md, "Figures behind
+choices in the code".)
 
 Invariant: where it runs, its results are bit-identical to the per-operator path's (the same
 kernels in the same order, `kernels.decoder_stack_cpu`), so the greedy parity tests cover it;

@@ -6,15 +6,15 @@ it into its blocked layout on every call: for a decode step that is a second pas
 weight byte. `DenseMatmul.pack()` does that reorder once (`mkldnn._reorder_linear_weight`) and
 calls then run `mkldnn._linear_pointwise` on the packed copy: the same oneDNN kernel, the same
 result, one pass. float32 weights are packed the same way (oneDNN's float32 kernel on the packed
-copy instead of MKL's sgemm: equal up to float32 summation order; with the float32 LM head
-packed as well, 1.5-1.9x decode and 1.7-2x prefill for SmolLM2 here). Measured side by side:
-benchmarks/README.md, Round 3.
+copy instead of MKL's sgemm: equal up to float32 summation order; the float32 LM head is
+packed as well). The speed-ups: benchmarks/README.md, "the forward pass of the bfloat16 mode".
 
 Decode batches read every weight for a few rows, so there the product is bound by reading the
 weights. A layer whose float32 checkpoint values are exactly GGUF Q4_1 blocks (a model loaded from
 a Q4_1 file) is handed those values once (`adopt_exact_source`) and keeps them as 4-bit codes
 (`kernels.q4_cpu`: 0.75 bytes per weight with its scales, against 2 in bfloat16); calls of at
-most `Q4_MAX_ROWS[dtype]` rows multiply those (benchmarks/README.md, Round 5). They compute over
+most `Q4_MAX_ROWS[dtype]` rows multiply those (benchmarks/README.md, "a native 4-bit matmul
+for decode batches"). They compute over
 the checkpoint's exact float32 weights: in float32 the packed product up to summation order, in
 bfloat16 a more exact one than the packed bfloat16 weight gives (the weights are not rounded,
 the sums are float32, the result is rounded once), so a bfloat16 model's decode rows are closer
@@ -55,8 +55,8 @@ PACK_BATCH_HINT = 16
 
 Q4_MAX_ROWS: Mapping[torch.dtype, int] = MappingProxyType({torch.bfloat16: 8, torch.float32: 16})
 """Calls of at most this many rows (per input dtype) use the 4-bit copy: where it beats the
-packed weight on this project's reference CPU (bfloat16: 1.2-1.6x at 1-8 rows, 0.9x at 12;
-float32: 1.2-3.4x at 1-16 rows, level at 32)."""
+packed weight on this project's reference CPU (benchmarks/README.md, "Figures behind choices in
+the code")."""
 
 
 def can_pack(weight: torch.Tensor) -> bool:

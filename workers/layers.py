@@ -157,9 +157,9 @@ class RowParallelLinear(torch.nn.Module):
 
 Q8_MAX_ROWS = 4
 """The most rows an LM head multiplies on its 8-bit copy: there a decode step reads its weights
-from memory, and the kernel reads less than the screened bfloat16 head (a bfloat16 decode step
-0.7-0.8 ms faster at 1-4 rows, 2 threads); more rows are bound by its float32 arithmetic, where
-oneDNN's bfloat16 product wins (3.1 against 2.4 ms at 8 rows)."""
+from memory, and the kernel reads less than the screened bfloat16 head; more rows are bound by
+its float32 arithmetic, where oneDNN's bfloat16 product wins (benchmarks/README.md, "Figures
+behind choices in the code")."""
 
 
 class VocabParallelEmbedding(torch.nn.Module):

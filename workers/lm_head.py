@@ -1,8 +1,8 @@
 """The reduced-precision modes' LM head: bfloat16 screening, float32 refinement of the top.
 
 A float32 LM head over a 49k vocabulary reads and multiplies ~113 MB of weights per decode step
-(a third of SmolLM2-135M's bfloat16 decode step at batch 16); the same product in bfloat16 is
-3x faster but moves every logit by up to ~0.2 here, which flips greedy choices. `ScreenedHead`
+(a large share of SmolLM2-135M's bfloat16 decode step); the same product in bfloat16 is much
+faster but moves every logit by up to ~0.2, which flips greedy choices. `ScreenedHead`
 keeps both: it computes every logit in bfloat16, bounds each one's error rigorously, and
 recomputes in float32 every logit whose upper bound reaches the best lower bound of its row.
 
@@ -85,7 +85,7 @@ class ScreenedHead:
         chunks = self.column_max.shape[0]
         estimate = self.screen_matmul(hidden.to(torch.bfloat16)).to(torch.float32)
         by_chunk = estimate.view(rows, chunks, CHUNK)
-        high = by_chunk.amax(-1)  # (aminmax is ~30x slower here); padding columns are zeros
+        high = by_chunk.amax(-1)  # (not aminmax: far slower); padding columns are zeros
         if chunks * CHUNK != vocab:  # they must not set the floor of the last chunk, though
             high[:, -1] = estimate[:, (chunks - 1) * CHUNK : vocab].amax(1)
         u = UNIT_ROUNDOFF

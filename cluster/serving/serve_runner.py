@@ -123,8 +123,8 @@ def drain(coordinator: Any, grace_s: float, hurry: threading.Event) -> DrainRepo
 LOCAL_CLUSTER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 """Settings a new local cluster's processes get unless the environment sets them: Serve's
 controller runs its control loop every 0.5 s instead of 0.1 s (each pass fetches the cluster's
-node table from GCS; at 0.1 s the controller took 12-16 % of a core for the first half minute
-after a deploy and ~3 % after, beside engines whose threads fill the cores)."""
+node table from GCS, which at 0.1 s takes a noticeable share of a core beside engines whose
+threads fill the cores: benchmarks/README.md, "Figures behind choices in the code")."""
 
 
 def cluster_options(address: str, ray_dashboard: bool) -> dict[str, Any]:

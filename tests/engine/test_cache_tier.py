@@ -68,6 +68,7 @@ def test_a_corrupted_cpu_block_fails_the_request_and_is_counted(
         assert_all_free(llm)
 
 
+@pytest.mark.smollm2
 def test_smollm2_greedy_identical_with_the_tier_on_and_off() -> None:
     """The shipped model under a device pool too small for its prompts' histories: the same
     greedy tokens whether evicted prefixes are demoted to and promoted from the CPU tier or

@@ -11,6 +11,7 @@ from cluster.serving.cli import main
 from pagedserve import LLM, SamplingParams
 
 
+@pytest.mark.smollm2
 def test_smollm2_default_model_answers_through_the_facade() -> None:
     with LLM(kv_cache_bytes=16 * 2**20, max_model_len=256, check_integrity=True) as llm:
         text_result, ids_result = llm.generate(

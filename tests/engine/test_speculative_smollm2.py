@@ -9,8 +9,8 @@ seeded, must match plain decoding token for token.
 
 bfloat16 (what `make serve` runs) already depends on the batch without speculation: a step with
 a prompt chunk multiplies with oneDNN's bfloat16 product instead of the 4-bit kernels, so a
-seeded request's tokens change with what runs beside it (measured: 3 of 6 of these random
-prompts differ alone and together). Speculation changes which steps a position lands in, so
+seeded request's tokens change with what runs beside it (several of these random prompts
+differ alone and together). Speculation changes which steps a position lands in, so
 seeded bfloat16 sampling is only as reproducible as it was; greedy bfloat16, whose decisions
 only move at near ties, is checked to match.
 """
@@ -24,6 +24,8 @@ import pytest
 from cluster.engine.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.speculation import SpeculationCounters
+
+pytestmark = pytest.mark.smollm2
 
 SHIPPED = {"method": "ngram", "num_speculative_tokens": 3, "max_rows": 8}
 """`cluster/serving/serve_config.yaml`'s speculative section, in vLLM's keys."""

@@ -10,7 +10,19 @@ import pytest
 import torch
 import transformers
 
-from tests.lora.adapters import ALL_PROJECTIONS, build_adapter
+from tests.lora.adapters import ALL_PROJECTIONS, Reference, build_adapter, peft_greedy_references
+
+SMOLLM2_CHATS = [
+    "What is the capital of France?",
+    "List three prime numbers.",
+    "Write a haiku about the sea.",
+    "Why is the sky blue?",
+]
+"""The SmolLM2 LoRA parity tests' user messages (each test takes a leading slice)."""
+SMOLLM2_NEW_TOKENS = 16
+"""HF+PEFT's greedy references are this long; a test wanting fewer takes their leading part
+(greedy decoding's first n tokens and logits do not depend on how many follow)."""
+SmolLM2References = dict[str, tuple[pathlib.Path, list[Reference]]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,3 +60,19 @@ def peft_oracle(model_dir: pathlib.Path, adapter: pathlib.Path) -> transformers.
 
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return peft.PeftModel.from_pretrained(base.eval(), str(adapter)).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_peft_references(
+    smollm2_hf: transformers.PreTrainedModel, tmp_path_factory: pytest.TempPathFactory
+) -> SmolLM2References:
+    """Per `SMOLLM2_ADAPTERS` entry (and "base"): the adapter's directory and HF+PEFT float32's
+    greedy tokens and logits for every `SMOLLM2_CHATS` prompt, `SMOLLM2_NEW_TOKENS` long."""
+    from tests.workers.paged_runner import chat_prompt_ids, hf_greedy
+    from workers import load_tokenizer
+
+    prompts = chat_prompt_ids(load_tokenizer("default"), SMOLLM2_CHATS)
+    root = tmp_path_factory.mktemp("smollm2_adapters")
+    return peft_greedy_references(
+        smollm2_hf, root, lambda model: [hf_greedy(model, p, SMOLLM2_NEW_TOKENS) for p in prompts]
+    )

@@ -1,6 +1,5 @@
 """SmolLM2-135M-Instruct with PEFT adapters in bfloat16 (what `dtype: auto` runs where bfloat16 is
-native) against HF
-transformers + PEFT in float32: the fast mode's rule, with adapters.
+native) against HF transformers + PEFT in float32: the fast mode's rule, with adapters.
 
 The same adapters as `test_smollm2_parity.py` (built by PEFT on HF's float32 model of the same
 GGUF; rank 8 on all seven projections, rank 16 on q/v only). Teacher-forced on HF+PEFT's own
@@ -17,26 +16,17 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
-import transformers
 
-from tests.lora.adapters import SMOLLM2_ADAPTERS, Reference, peft_greedy_references
-from tests.workers.conftest import smollm2_hf  # noqa: F401  (the session's HF oracle)
-from tests.workers.paged_runner import (
-    chat_prompt_ids,
-    fast_mode_flips,
-    hf_greedy,
-    teacher_forced,
-)
+from tests.lora.adapters import SMOLLM2_ADAPTERS, Reference
+from tests.lora.conftest import SMOLLM2_CHATS, SMOLLM2_NEW_TOKENS, SmolLM2References
+from tests.workers.paged_runner import chat_prompt_ids, fast_mode_flips, teacher_forced
 from workers import StepPlan, WorkerConfig, WorkerGroup, load_tokenizer
 from workers.plan import LoRASlotLoad
 
-NEW_TOKENS = 16
-CHATS = [
-    "What is the capital of France?",
-    "List three prime numbers.",
-    "Write a haiku about the sea.",
-    "Why is the sky blue?",
-]
+pytestmark = pytest.mark.smollm2
+
+NEW_TOKENS = SMOLLM2_NEW_TOKENS
+CHATS = SMOLLM2_CHATS
 ADAPTERS = SMOLLM2_ADAPTERS
 
 
@@ -59,17 +49,11 @@ def bf16_lora_group() -> Iterator[WorkerGroup]:
 
 @pytest.fixture(scope="module")
 def peft_references(
-    smollm2_hf: transformers.PreTrainedModel,  # noqa: F811
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[list[list[int]], dict[str, tuple[pathlib.Path, list[Reference]]]]:
+    smollm2_peft_references: SmolLM2References,
+) -> tuple[list[list[int]], SmolLM2References]:
     """The prompts, and per adapter (and "base") its directory and HF's float32 greedy tokens
     and logits for every prompt."""
-    prompts = chat_prompt_ids(load_tokenizer("default"), CHATS)
-    root = tmp_path_factory.mktemp("smollm2_bf16_adapters")
-    references = peft_greedy_references(
-        smollm2_hf, root, lambda model: [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
-    )
-    return prompts, references
+    return chat_prompt_ids(load_tokenizer("default"), CHATS), smollm2_peft_references
 
 
 def test_bfloat16_adapters_match_hf_peft_float32_except_near_ties(

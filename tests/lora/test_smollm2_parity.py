@@ -15,17 +15,18 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import transformers
 
-from tests.lora.adapters import SMOLLM2_ADAPTERS, peft_greedy_references
-from tests.workers.conftest import smollm2_hf  # noqa: F401  (the session's HF oracle)
-from tests.workers.paged_runner import chat_prompt_ids, greedy_generate, hf_greedy
+from tests.lora.adapters import SMOLLM2_ADAPTERS
+from tests.lora.conftest import SMOLLM2_CHATS, SmolLM2References
+from tests.workers.paged_runner import chat_prompt_ids, greedy_generate
 from workers import StepPlan, WorkerConfig, WorkerGroup, load_tokenizer
 from workers.plan import LoRASlotLoad
 
+pytestmark = pytest.mark.smollm2
+
 NEW_TOKENS = 12
 LOGITS_ATOL = 2e-3
-CHATS = ["What is the capital of France?", "List three prime numbers."]
+CHATS = SMOLLM2_CHATS[:2]
 ADAPTERS = SMOLLM2_ADAPTERS
 
 
@@ -47,17 +48,17 @@ def smollm2_lora_group() -> Iterator[WorkerGroup]:
 
 @pytest.fixture(scope="module")
 def references(
-    smollm2_hf: transformers.PreTrainedModel,  # noqa: F811
-    tmp_path_factory: pytest.TempPathFactory,
+    smollm2_peft_references: SmolLM2References,
 ) -> dict[str, tuple[pathlib.Path, list[tuple[list[int], torch.Tensor]]]]:
-    """Per adapter: its directory and HF+PEFT's greedy tokens and logits for each chat; the
-    shared HF model is given back unwrapped."""
-    tokenizer = load_tokenizer("default")
-    prompts = chat_prompt_ids(tokenizer, CHATS)
-    root = tmp_path_factory.mktemp("smollm2_adapters")
-    return peft_greedy_references(
-        smollm2_hf, root, lambda model: [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
-    )
+    """Per adapter: its directory and HF+PEFT's greedy tokens and logits for each chat (the
+    session's references, cut to `NEW_TOKENS`)."""
+    return {
+        name: (
+            directory,
+            [(tokens[:NEW_TOKENS], logits[:NEW_TOKENS]) for tokens, logits in refs[: len(CHATS)]],
+        )
+        for name, (directory, refs) in smollm2_peft_references.items()
+    }
 
 
 def test_mixed_batch_matches_hf_peft(

@@ -1,5 +1,5 @@
 """Aborted requests are counted, in the engine's metrics and in `/metrics` as
-`pagedserve_requests_total{outcome="aborted"}` (issue 13, item 7)."""
+`pagedserve_requests_total{outcome="aborted"}`."""
 
 from __future__ import annotations
 

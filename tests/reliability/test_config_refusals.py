@@ -1,6 +1,5 @@
 """A tensor-parallel degree the model cannot split is refused when the config is loaded, naming
-the field and the head counts; a replica whose constructor failed stops cleanly (issue 13,
-item 6)."""
+the field and the head counts; a replica whose constructor failed stops cleanly."""
 
 from __future__ import annotations
 

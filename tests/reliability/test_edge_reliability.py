@@ -1,4 +1,4 @@
-"""The serving edge under bad input, overload and shutdown (issue 13), against one
+"""The serving edge under bad input, overload and shutdown, against one
 `pagedserve serve --replicas 1` process with the shipped config and the tiny model, started on
 localhost for this module (benchmarks/reliability_server.py). Every case sends a bounded number
 of requests with a time limit; the last one stops the server with SIGTERM.
@@ -24,6 +24,8 @@ from benchmarks.reliability_probes import (
     shutdown_under_load,
 )
 from benchmarks.reliability_server import LocalServer, derived_config, tiny_engine
+
+pytestmark = pytest.mark.ray
 
 KEY = "key-reliability"
 AUTH = {"authorization": f"Bearer {KEY}"}

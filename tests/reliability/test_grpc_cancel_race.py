@@ -1,4 +1,4 @@
-"""The gRPC "lost cancel" (issue 13, item 9), reproduced deterministically without a server.
+"""The gRPC "lost cancel", reproduced deterministically without a server.
 
 Serve's gRPC proxy (`gRPCProxy.send_request_to_replica` over `ProxyResponseGenerator`) cancels
 the handle's response only when the client's cancel reaches it while it awaits the replica's

@@ -1,8 +1,7 @@
-"""Streams cost O(new tokens) per step and a slow reader holds one coalesced item (issue 13,
-item 8c): deltas carry no copy of the prompt or of the output so far, the mailbox merges what
-the reader has not taken, and the folded outputs stay exact (cumulative text and token ids).
-A stream interval (a server's `stream_interval`) sends fewer, larger deltas without delaying
-the first token or the end."""
+"""Streams cost O(new tokens) per step and a slow reader holds one coalesced item: deltas carry
+no copy of the prompt or of the output so far, the mailbox merges what the reader has not taken,
+and the folded outputs stay exact (cumulative text and token ids). A stream interval (a server's
+`stream_interval`) sends fewer, larger deltas without delaying the first token or the end."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank killed mid-load (issue 13): `pagedserve serve` as a subprocess with the
+"""A tensor-parallel rank killed mid-load: `pagedserve serve` as a subprocess with the
 tiny model split over two rank actors (backend ray), streams and a non-stream call in flight,
 then SIGKILL to one rank's process.
 
@@ -17,6 +17,8 @@ import pytest
 
 from benchmarks.reliability_faults import kill_rank, kill_under_load
 from benchmarks.reliability_server import LocalServer, derived_config, tiny_engine
+
+pytestmark = pytest.mark.ray
 
 RESUME_LIMIT_S = 90.0
 

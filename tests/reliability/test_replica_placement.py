@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks go into their replica's own placement group (issue 13, item 10).
+"""Tensor-parallel ranks go into their replica's own placement group.
 
 A simulated two-node cluster (`ray.cluster_utils.Cluster`, each node declaring 2 fake GPUs)
 hosts two "replicas" shaped as the Helm chart makes them: a STRICT_PACK group of the replica's
@@ -23,6 +23,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine.config import EngineConfig
 from tests.engine.tiny_engine import tiny_config
+
+pytestmark = pytest.mark.ray
 
 TP = 2
 NODES = 2

@@ -1,4 +1,4 @@
-"""Shutdown under load (issue 13, item 11): `pagedserve serve` started as a subprocess with the
+"""Shutdown under load: `pagedserve serve` started as a subprocess with the
 tiny model, streams in flight, then SIGTERM (what Kubernetes sends) or SIGINT (Ctrl-C).
 
 Either signal must stop new work at once (a JSON 503 with Retry-After), let the streams in
@@ -18,6 +18,8 @@ import pytest
 
 from benchmarks.reliability_probes import shutdown_under_load
 from benchmarks.reliability_server import LocalServer, derived_config, tiny_engine
+
+pytestmark = pytest.mark.ray
 
 EXIT_BOUND_S = 30.0
 """Seconds past the grace period the process may take to stop Serve and Ray and exit."""

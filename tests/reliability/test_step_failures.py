@@ -1,4 +1,4 @@
-"""A failed step ends only what it can be blamed on (issue 13, item 8b).
+"""A failed step ends only what it can be blamed on.
 
 The workers are the tiny model's in-process rank behind `FaultyWorkers`, which refuses a plan as
 a rank does (a `PlanRejected` naming the poisoned prompt's sequence, or a bare ValueError) or

@@ -1,5 +1,5 @@
 """Workers forget every request that ended: a plan that only releases sequences reaches them,
-and the last releases are sent once the engine goes idle (issue 13, item 8a)."""
+and the last releases are sent once the engine goes idle."""
 
 from __future__ import annotations
 

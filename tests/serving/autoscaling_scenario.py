@@ -27,6 +27,7 @@ LOAD_CONCURRENCY = 8
 MAX_ONGOING = 4
 UP_TIMEOUT_S = 35.0
 DOWN_TIMEOUT_S = 30.0
+SERVE_TIMEOUT_S = 10.0
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 AUTOSCALING = {
     "min_replicas": 1,
@@ -95,7 +96,9 @@ async def drive(app: str) -> Outcome:
     deadline = time.monotonic() + UP_TIMEOUT_S
     while observe() < NODES and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
-    await asyncio.sleep(1.0)  # let the new replicas take requests
+    deadline = time.monotonic() + SERVE_TIMEOUT_S
+    while len(served_by) < outcome.peak_replicas and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # until the new replicas have served requests too
     stop.set()
     await asyncio.gather(*workers)
     deadline = time.monotonic() + DOWN_TIMEOUT_S

@@ -1,6 +1,6 @@
 """LoRA through the real HTTP routes and gRPC methods, without Ray: the ingress's FastAPI app over
 fake engine replicas that follow the real adapter registry. Every status code and error body of
-the issue: adapter selection, /v1/models, load/unload (disabled, 401, 403, bad bodies, bad
+the LoRA API: adapter selection, /v1/models, load/unload (disabled, 401, 403, bad bodies, bad
 adapters, conflicts, unknown names), and gRPC's NOT_FOUND / INVALID_ARGUMENT alike."""
 
 from __future__ import annotations

@@ -224,7 +224,15 @@ def test_runtime_loading_is_absent_where_it_is_not_enabled(served: Served) -> No
     assert response.status_code == 404 and "error" in response.json()
 
 
-def stream_text(lora_app: LoRAApp, model: str, results: dict[str, Any], key: str) -> None:
+def stream_text(
+    lora_app: LoRAApp,
+    model: str,
+    results: dict[str, Any],
+    key: str,
+    first_token: threading.Event | None = None,
+) -> None:
+    """Streams a completion of `model` into `results[key]` (its text, an HTTP status or an error
+    event); `first_token` is set once the first token arrived (or the stream ended)."""
     body = {
         "model": model,
         "prompt": "Once upon a time",
@@ -248,9 +256,14 @@ def stream_text(lora_app: LoRAApp, model: str, results: dict[str, Any], key: str
                         results[key] = event["error"]
                         return
                     pieces.append(event["choices"][0]["text"])
+                    if first_token is not None:
+                        first_token.set()
             results[key] = "".join(pieces)
     except Exception as error:  # reported to the test
         results[key] = repr(error)
+    finally:
+        if first_token is not None:
+            first_token.set()
 
 
 def test_loads_and_unloads_race_streams_and_only_the_unloaded_name_fails(
@@ -269,19 +282,26 @@ def test_loads_and_unloads_race_streams_and_only_the_unloaded_name_fails(
         thread.start()
     loaded = lora_app.load("racer", lora_app.adapters["b"])
     assert loaded.status_code == 200, loaded.text
-    racer = threading.Thread(target=stream_text, args=(lora_app, "racer", results, "racer"))
+    racer_decoding = threading.Event()
+    racer = threading.Thread(
+        target=stream_text, args=(lora_app, "racer", results, "racer", racer_decoding)
+    )
     racer.start()
-    time.sleep(0.3)
-    assert lora_app.unload("racer").status_code == 200
+    assert racer_decoding.wait(60), "the racer's stream never produced a token"
+    assert lora_app.unload("racer").status_code == 200  # while the racer decodes
     for thread in [*threads, racer]:
         thread.join(120)
     for key in ("a-0", "a-2"):
         assert results[key] == alone["a"], results
     assert results[f"{MODEL}-1"] == alone[MODEL], results
-    # The racer either finished (it was running when unloaded) or was refused as unknown.
-    assert isinstance(results["racer"], str) or results["racer"] == 404, results
     after = lora_app.complete("racer")
     assert after.status_code == 404 and after.json()["error"]["code"] == "model_not_found"
+    # It was decoding when unloaded, so it finished: the text the same weights give alone.
+    assert lora_app.load("racer-again", lora_app.adapters["b"]).status_code == 200
+    stream_text(lora_app, "racer-again", alone, "racer-again")
+    assert lora_app.unload("racer-again").status_code == 200
+    assert isinstance(alone["racer-again"], str) and alone["racer-again"], alone
+    assert results["racer"] == alone["racer-again"], results
 
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -333,23 +353,45 @@ def test_a_replacement_replica_serves_the_adapters_loaded_at_run_time(lora_app: 
         if response.status_code == 200 and response.headers["x-pagedserve-replica"] != victim:
             assert text(response) == expected
             break
-        time.sleep(1.0)
+        time.sleep(0.2)
     else:
         pytest.fail("no replacement replica served the runtime-loaded adapter in 120 s")
+
+
+def directory_entries(app: str) -> dict[str, int]:
+    """Block hashes the application's KV directory indexes per engine replica (all tiers)."""
+    import ray
+
+    from cluster.serving.kv_directory import DIRECTORY_NAMESPACE, directory_name
+
+    directory = ray.get_actor(directory_name(app), namespace=DIRECTORY_NAMESPACE)
+    stats = ray.get(directory.report.remote()).stats
+    return {replica: sum(tiers.values()) for replica, tiers in stats.entries_by_replica.items()}
+
+
+def wait_for_entries(app: str, replica: str, at_least: int, timeout_s: float = 20.0) -> None:
+    """Until the directory indexes `at_least` blocks of `replica` (its block events arrived)."""
+    deadline = time.monotonic() + timeout_s
+    while directory_entries(app).get(replica, 0) < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_adapter_requests_go_to_the_replica_holding_their_prefix(routed_lora_base: str) -> None:
     tail = "the quick brown fox jumps over the lazy dog again and again"
     prompts = [f"{first} story: {tail}" for first in ("Alpine", "Coastal")]
     served_by: dict[str, set[str]] = {prompt: set() for prompt in prompts}
+    indexed: dict[str, int] = {}  # replica -> prompt blocks it computed (the chains differ)
     for round_ in range(3):
         for prompt in prompts:
             body = {"model": "a", "prompt": prompt, "max_tokens": 2, "temperature": 0}
             response = httpx.post(f"{routed_lora_base}/v1/completions", json=body, timeout=60)
-            served_by[prompt].add(response.headers["x-pagedserve-replica"])
+            replica = response.headers["x-pagedserve-replica"]
+            served_by[prompt].add(replica)
             usage = response.json()["usage"]
             full_blocks = (usage["prompt_tokens"] - 1) // BLOCK_SIZE * BLOCK_SIZE
             expected = 0 if round_ == 0 else full_blocks
             assert usage["prompt_tokens_details"]["cached_tokens"] == expected, (round_, usage)
-            time.sleep(0.2)  # the replica's block events reach the directory
+            if round_ == 0:
+                indexed[replica] = indexed.get(replica, 0) + full_blocks // BLOCK_SIZE
+            wait_for_entries("lora-routed", replica, indexed.get(replica, 0))
     assert all(len(replicas) == 1 for replicas in served_by.values()), served_by

@@ -1,5 +1,5 @@
-"""An engine replica killed mid-load (issue: a fault ends every affected request with an error
-the client can read, and the rest keep going). On a real local Ray cluster, two engine replicas
+"""An engine replica killed mid-load: a fault ends every affected request with an error the
+client can read, and the rest keep going. On a real local Ray cluster, two engine replicas
 behind the ingress: the replica serving a stream is killed while the stream is open; the stream
 ends with an error event in OpenAI's shape, a non-stream call on the same replica gets a JSON
 503, and new requests are served by the other replica at once."""
@@ -32,13 +32,38 @@ def killed_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
     serve.delete(APP)
 
 
+def replica_actor_name(replica_id: str) -> str:
+    from cluster.serving.serve_app import DEPLOYMENT_NAME
+
+    return f"SERVE_REPLICA::{APP}#{DEPLOYMENT_NAME}#{replica_id}"
+
+
 def kill_replica(replica_id: str) -> None:
     import ray
 
-    from cluster.serving.serve_app import DEPLOYMENT_NAME
+    ray.kill(ray.get_actor(replica_actor_name(replica_id), namespace="serve"), no_restart=True)
 
-    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{DEPLOYMENT_NAME}#{replica_id}", namespace="serve")
-    ray.kill(actor, no_restart=True)
+
+def requests_in_engines() -> int:
+    """Requests the application's engine replicas run or queue now, as each reports its load."""
+    import ray
+
+    prefix = replica_actor_name("")
+    names = [
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == "serve" and actor["name"].startswith(prefix)
+    ]
+    stats = ray.get(
+        [ray.get_actor(n, namespace="serve").record_routing_stats.remote() for n in names]
+    )
+    return sum(s["load"].num_running + s["load"].num_waiting for s in stats)
+
+
+def wait_for_requests_in_engines(count: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while requests_in_engines() < count and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def completion(prompt: str, **extra: Any) -> dict[str, Any]:
@@ -67,7 +92,7 @@ def test_a_killed_replica_ends_its_requests_with_readable_errors(killed_base: st
 
         caller = threading.Thread(target=unary)
         caller.start()
-        time.sleep(0.5)
+        wait_for_requests_in_engines(2)  # the stream and the unary call
         kill_replica(victim)
         events.extend(line for line in lines if line.startswith("data: "))
         caller.join(timeout=60)

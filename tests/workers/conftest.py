@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from workers import WorkerConfig, WorkerGroup, resolve_model_path
+from workers import WorkerConfig, WorkerGroup
 
 TINY_BLOCK_SIZE = 4
 TINY_DEVICE_BLOCKS = 96
@@ -52,14 +52,3 @@ def tiny_group(tiny_model_dir: pathlib.Path, weights_cache: pathlib.Path) -> Ite
     )
     yield group
     group.shutdown()
-
-
-@pytest.fixture(scope="session")
-def smollm2_hf() -> transformers.PreTrainedModel:
-    """HF transformers' float32 SmolLM2-135M-Instruct from the same GGUF file: the oracle."""
-
-    path = resolve_model_path("default")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()

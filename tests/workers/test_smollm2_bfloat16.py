@@ -48,6 +48,8 @@ from workers.decoder_stack import NativeDecode
 from workers.dense_matmul import Q4_MAX_ROWS, DenseMatmul
 from workers.layers import Q8_MAX_ROWS
 
+pytestmark = pytest.mark.smollm2
+
 NEW_TOKENS = 24
 CHATS = [
     "What is the capital of France?",

@@ -23,6 +23,8 @@ from kernels import q4_cpu
 from tests.workers.paged_runner import chat_prompt_ids, greedy_generate, hf_greedy
 from workers import WorkerConfig, WorkerGroup, load_tokenizer
 
+pytestmark = pytest.mark.smollm2
+
 NEW_TOKENS = 32
 LOGITS_ATOL = 2e-3
 CHATS = [

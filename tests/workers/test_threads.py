@@ -76,8 +76,8 @@ def test_every_torch_call_of_a_local_rank_runs_on_one_thread(
 ) -> None:
     """Load, synchronous steps from two different threads and awaited steps all run on the
     rank's own thread, with the caller's torch thread count (adapter reads on another thread,
-    with one torch thread) (one OpenMP team, not one per
-    calling thread: measured 1.6-1.9x slower decode steps otherwise)."""
+    with one torch thread): one OpenMP team, not one per calling thread, whose teams would
+    slow every decode step."""
     from workers import WorkerGroup
     from workers.rank import WorkerRank
 
