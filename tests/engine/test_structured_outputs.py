@@ -230,6 +230,7 @@ def test_a_slow_compile_never_stalls_other_requests(
 
     from cluster.engine import async_engine
     from cluster.engine.async_engine import AsyncEngine
+    from tests.engine.streams import engine_outputs
 
     release = threading.Event()
 
@@ -250,7 +251,7 @@ def test_a_slow_compile_never_stalls_other_requests(
 
         async def last(request: Any) -> Any:
             final = None
-            async for output in engine.generate(request):
+            async for output in engine_outputs(engine, request):
                 final = output
             return final
 
