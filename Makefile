@@ -7,7 +7,6 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
-TEST_WORKERS ?= 2
 
 .PHONY: setup test test-fast lint serve bench clean
 
@@ -25,13 +24,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Tests that start Ray run on one pytest-xdist worker, in order; the other takes the rest.
 test: lint
-	TRITON_INTERPRET=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	TRITON_INTERPRET=1 $(PY) -m pytest
 
 # The inner loop: no Ray, no Serve, no SmolLM2 (tests/conftest.py, `--fast`).
 test-fast: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest --fast -n $(TEST_WORKERS)
+	TRITON_INTERPRET=1 $(PY) -m pytest --fast
 
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve

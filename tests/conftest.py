@@ -5,11 +5,6 @@ Tests marked `ray` start Ray, Ray Serve or a `pagedserve serve` process; those m
 load SmolLM2-135M's weights. A test using one of `RAY_FIXTURES` or `SMOLLM2_FIXTURES` is marked
 so by that alone. `--fast` (`make test-fast`) deselects both kinds; under it a test that still
 leaves Ray initialized in this process fails, naming the marker it lacks.
-
-Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) every `ray` test is in one
-`xdist_group`, so they run on one worker, one at a time and in file order (one Ray cluster at a
-time, module and session fixtures shared as in a serial run), while the other worker takes the
-tests that need no Ray.
 """
 
 from __future__ import annotations
@@ -48,8 +43,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.ray)
         if fixtures & SMOLLM2_FIXTURES:
             item.add_marker(pytest.mark.smollm2)
-        if "ray" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("ray"))
     if config.getoption("fast"):
         slow = [item for item in items if {"ray", "smollm2"} & set(item.keywords)]
         config.hook.pytest_deselected(items=slow)
