@@ -135,7 +135,11 @@ def available_cores() -> int:
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotary embedding settings. `kind` is one of default, linear, llama3, yarn.
+    """Rotary embedding settings. `kind` is one of default, linear, llama3, yarn, longrope.
+
+    `partial_rotary_factor` < 1 rotates only the first `int(head_dim * factor)` dimensions of
+    each head (`workers.partial_rotary`). longrope divides the frequencies by `short_factor` at
+    positions below `original_max_position_embeddings` and by `long_factor` from there on.
 
     Invariant: fields a kind does not use keep their defaults, so `canonical()` is the same text
     for the same effective rope whatever source (GGUF or HF) it was read from.
@@ -150,6 +154,13 @@ class RopeSpec:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many leading dimensions of a head rotate (all of them unless partial)."""
+        return int(head_dim * self.partial_rotary_factor)
 
     def canonical(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

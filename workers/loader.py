@@ -24,6 +24,7 @@ from workers.gguf_weights import (
 from workers.model import CausalLM
 from workers.model_source import is_gguf, spec_from_hf_directory
 from workers.parallel import TensorParallel
+from workers.partial_rotary import partial_rotary_view
 from workers.weights_digest import weights_digest
 
 
@@ -90,5 +91,6 @@ def load_model_shard(
         model = CausalLM(description.spec, tp, dtype, quantized_decode)
     family = family_named(description.spec.architecture)
     with CheckpointReader(files) as checkpoint:
-        model.load(family.checkpoint_view(checkpoint, description.spec))
+        view = family.checkpoint_view(checkpoint, description.spec)
+        model.load(partial_rotary_view(view, description.spec))
     return model.eval()
