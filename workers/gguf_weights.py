@@ -12,6 +12,7 @@ import collections
 import fcntl
 import os
 import pathlib
+from dataclasses import replace
 from typing import Any
 
 import gguf
@@ -89,6 +90,9 @@ def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     head_dim = _field(reader, f"{arch_name}.attention.key_length") or hidden // heads
     rope = _rope_from_gguf(reader, arch_name)
+    rotary_dim = _field(reader, f"{arch_name}.rope.dimension_count")
+    if rotary_dim and int(rotary_dim) < int(head_dim):
+        rope = replace(rope, partial_rotary_factor=int(rotary_dim) / int(head_dim))
     return ModelSpec(
         architecture=family.name,
         vocab_size=vocab,
