@@ -62,6 +62,8 @@ class WorkerConfig:
     """LoRA device slots per rank (0: LoRA off, no slot memory allocated)."""
     max_lora_rank: int = 64
     """The largest adapter rank accepted; slots pad every adapter's rank to it."""
+    enable_expert_parallel: bool = False
+    """Mixture of experts: whole experts per rank instead of every expert's columns split."""
 
     def __post_init__(self) -> None:
         if self.max_loras < 0 or self.max_lora_rank <= 0:
@@ -195,6 +197,13 @@ class ModelVariant:
     """Whether `o_proj` has a bias (None: as the q/k/v projections, `attention_bias`)."""
     layer_ropes: tuple[RopeSpec, ...] = ()
     """Layer i's rotary settings where layers differ (empty: every layer uses `rope`)."""
+    num_experts: int = 0
+    """Mixture of experts: experts per layer (0: a dense MLP, `workers.moe`)."""
+    experts_per_token: int = 0
+    norm_topk_prob: bool = True
+    """Whether a token's top-k router weights are renormalized to sum to one."""
+    expert_intermediate_size: int = 0
+    """An expert's intermediate size (0: `intermediate_size`)."""
 
     @property
     def is_default(self) -> bool:

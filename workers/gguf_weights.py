@@ -115,6 +115,24 @@ def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
     )
 
 
+READABLE_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+"""GGUF tensor types we dequantize (with the `gguf` package): Q4_K_M and Q5_K_M files are
+mixes of these."""
+
+
+def check_tensor_types(reader: gguf.GGUFReader) -> None:
+    """Raise a ValueError naming the first tensor whose type is not in `READABLE_TYPES`."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in READABLE_TYPES:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which is not "
+                f"supported (supported: {', '.join(READABLE_TYPES)})"
+            )
+
+
 def quantization_name(reader: gguf.GGUFReader) -> str:
     """`gguf:<type>` of the most common tensor type among the matrices (e.g. `gguf:Q4_1`)."""
     counts = collections.Counter(

@@ -16,6 +16,7 @@ from workers.checkpoint import CheckpointReader, safetensors_files
 from workers.config import ModelSpec
 from workers.families import family_named
 from workers.gguf_weights import (
+    check_tensor_types,
     ensure_dequantized_cache,
     open_gguf,
     quantization_name,
@@ -59,6 +60,7 @@ def describe_model(path: pathlib.Path, cache_root: pathlib.Path) -> ModelDescrip
     """Spec, quantization and weights digest of the model at `path` (a .gguf or HF directory)."""
     if is_gguf(path):
         reader = open_gguf(path)
+        check_tensor_types(reader)
         spec = spec_from_gguf(reader)
         quantization = quantization_name(reader)
     else:

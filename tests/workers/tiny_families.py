@@ -78,6 +78,21 @@ FAMILY_MODELS: dict[str, tuple[type[Any], type[Any], dict[str, Any]]] = {
             },
         },
     ),
+    "mixtral": (
+        transformers.MixtralForCausalLM,
+        transformers.MixtralConfig,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8},
+    ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeForCausalLM,
+        transformers.Qwen3MoeConfig,
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "norm_topk_prob": False,
+            "moe_intermediate_size": 64,
+        },
+    ),
 }
 """Family name -> (HF model class, config class, config entries beyond `COMMON`). Small
 windows and soft caps so that prompts cross the windows and the caps change the scores; the
