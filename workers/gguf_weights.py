@@ -97,7 +97,10 @@ def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
         architecture=family.name,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch_name}.feed_forward_length")),
+        intermediate_size=int(
+            _field(reader, f"{arch_name}.feed_forward_length")
+            or _field(reader, f"{arch_name}.expert_feed_forward_length")
+        ),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch_name}.attention.head_count_kv", heads)),
@@ -180,6 +183,11 @@ def dequantized_tensors(reader: gguf.GGUFReader, spec: ModelSpec) -> dict[str, t
             values = unpermute_rows(values, spec.num_heads)
         elif permuted and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             values = unpermute_rows(values, spec.num_kv_heads)
+        if ".*." in name:  # an expert stack: one tensor per expert under its HF name
+            for expert, matrix in enumerate(values):
+                copied = np.array(matrix, dtype=np.float32, order="C", copy=True)
+                tensors[name.replace(".*.", f".{expert}.")] = torch.from_numpy(copied)
+            continue
         tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C", copy=True))
     return tensors
 

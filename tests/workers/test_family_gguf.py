@@ -50,6 +50,7 @@ PHI3_NAMES = {
 }
 GGUF_CASES: dict[str, dict[str, Any]] = {
     "qwen3": {},
+    "qwen3_moe": {"norm_topk_prob": True},  # llama.cpp renormalizes
     "gemma2": {"query_pre_attn_scalar": 32},  # GGUF attends with head_dim ** -0.5
     "gemma3": {"query_pre_attn_scalar": 32},
     "phi3": {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
@@ -70,20 +71,28 @@ def _model(name: str) -> transformers.PreTrainedModel:
 
 
 def _as_stored(model: Any, matrix: str) -> Any:
-    """`model` with every matrix as the GGUF file stores it (quantized, then dequantized)."""
+    """`model` with every matrix (and expert stack) as the GGUF file stores it (quantized, then
+    dequantized)."""
     kind = getattr(gguf.GGMLQuantizationType, matrix)
     with torch.no_grad():
         for parameter in model.parameters():
-            if parameter.ndim == 2:
+            if parameter.ndim >= 2:
                 stored = gguf.quants.quantize(parameter.numpy(), kind)
                 restored = gguf.quants.dequantize(stored, kind).reshape(parameter.shape)
                 parameter.copy_(torch.from_numpy(restored.astype("float32")))
     return model
 
 
+EXPERT_STACKS = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+}
+
+
 def _write(name: str, model: Any, path: pathlib.Path, matrix: gguf.GGMLQuantizationType) -> None:
     config = model.config
-    writer = gguf.GGUFWriter(str(path), name)
+    writer = gguf.GGUFWriter(str(path), "qwen3moe" if name == "qwen3_moe" else name)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -94,6 +103,10 @@ def _write(name: str, model: Any, path: pathlib.Path, matrix: gguf.GGMLQuantizat
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if name == "qwen3_moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     rope = config.rope_parameters
     if name == "gemma3":
         writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
@@ -128,12 +141,27 @@ def _write(name: str, model: Any, path: pathlib.Path, matrix: gguf.GGMLQuantizat
         for hf, ours in names.items():
             if f"model.layers.{index}.{hf}" in state:
                 tensors[f"model.layers.{index}.{hf}"] = f"blk.{index}.{ours}"
+    arrays = {}
+    if name == "qwen3_moe":  # the router, and each projection of every expert as one stack
+        for index in range(config.num_hidden_layers):
+            prefix = f"model.layers.{index}.mlp."
+            arrays[f"blk.{index}.ffn_gate_inp.weight"] = state[f"{prefix}gate.weight"].numpy()
+            # HF keeps the experts fused in memory: gate_up [E, 2I, H], down [E, H, I]
+            gate, up = state[f"{prefix}experts.gate_up_proj"].chunk(2, dim=1)
+            stacks = {
+                "gate_proj": gate,
+                "up_proj": up,
+                "down_proj": state[f"{prefix}experts.down_proj"],
+            }
+            for hf, stack in EXPERT_STACKS.items():
+                arrays[f"blk.{index}.{stack}.weight"] = stacks[hf].contiguous().numpy()
     for hf, ours in tensors.items():
         values = state[hf].to(torch.float32)
         if name.startswith("gemma") and hf.endswith("norm.weight"):
             values = values + 1.0  # llama.cpp stores Gemma's norms as 1 + w
-        array = values.numpy()
-        kind = matrix if array.ndim == 2 else gguf.GGMLQuantizationType.F32
+        arrays[ours] = values.numpy()
+    for ours, array in arrays.items():
+        kind = matrix if array.ndim >= 2 else gguf.GGMLQuantizationType.F32
         writer.add_tensor(ours, gguf.quants.quantize(array, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -11,9 +11,23 @@ from typing import Any
 import torch
 
 from workers.checkpoint import CheckpointReader
-from workers.config import ModelSpec, ModelVariant
-from workers.families.base import DecoderFamily, hf_activation
+from workers.config import ModelSpec, ModelVariant, RopeSpec
+from workers.families.base import (
+    LLAMA_GGUF_LAYER_TENSORS,
+    DecoderFamily,
+    GgufMetadata,
+    hf_activation,
+)
 from workers.families.llama import Mistral, qwen_sliding_windows
+from workers.families.qwen3 import QK_NORM_GGUF_TENSORS
+
+EXPERT_GGUF_TENSORS: Mapping[str, str] = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.*.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.*.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.*.down_proj.weight",
+}
+"""llama.cpp's router and expert stacks (`[experts, rows, columns]`; `*` is the expert)."""
 
 MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -84,3 +98,18 @@ class Qwen3Moe(DecoderFamily):
 
     def sliding_windows_from_hf(self, config: Mapping[str, Any], layers: int) -> list[int | None]:
         return qwen_sliding_windows(config, layers)
+
+    def variant_from_gguf(
+        self, metadata: GgufMetadata, layers: int, rope: RopeSpec
+    ) -> ModelVariant:
+        arch = self.gguf_architecture
+        return ModelVariant(
+            qk_norm=True,
+            num_experts=int(metadata(f"{arch}.expert_count", 0)),
+            experts_per_token=int(metadata(f"{arch}.expert_used_count", 0)),
+            norm_topk_prob=True,  # llama.cpp renormalizes Qwen3-MoE's top-k weights
+            expert_intermediate_size=int(metadata(f"{arch}.expert_feed_forward_length", 0)),
+        )
+
+    def gguf_layer_tensors(self) -> Mapping[str, str]:
+        return {**LLAMA_GGUF_LAYER_TENSORS, **QK_NORM_GGUF_TENSORS, **EXPERT_GGUF_TENSORS}
