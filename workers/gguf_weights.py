@@ -52,6 +52,9 @@ def _rope_from_gguf(reader: gguf.GGUFReader, arch: str) -> RopeSpec:
     kind = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
     factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
     original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0))
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        return _longrope_from_gguf(reader, arch, theta, original, factors)
     if kind == "none" or factor == 1.0:
         return RopeSpec(theta=theta)
     if kind == "linear":
@@ -65,6 +68,36 @@ def _rope_from_gguf(reader: gguf.GGUFReader, arch: str) -> RopeSpec:
             attention_factor=0.1 * float(np.log(factor)) + 1.0,
         )
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
+
+
+def _longrope_from_gguf(
+    reader: gguf.GGUFReader, arch: str, theta: float, original: int, factors: dict[str, Any]
+) -> RopeSpec:
+    """LongRoPE as llama.cpp writes it (Phi-3): `rope_factors_short` / `rope_factors_long`
+    tensors, `rope.scaling.attn_factor` and the original context length."""
+    if set(factors) != {"rope_factors_short.weight", "rope_factors_long.weight"} or original <= 0:
+        raise ValueError(
+            "GGUF LongRoPE needs rope_factors_short and rope_factors_long tensors and "
+            f"{arch}.rope.scaling.original_context_length"
+        )
+    short, long = (
+        tuple(float(x) for x in np.asarray(factors[f"rope_factors_{kind}.weight"].data).ravel())
+        for kind in ("short", "long")
+    )
+    context = int(_field(reader, f"{arch}.context_length", original))
+    factor = context / original
+    attention = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else float(np.sqrt(1 + np.log(factor) / np.log(original)))
+    return RopeSpec(
+        theta=theta,
+        kind="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=float(attention),
+        short_factor=short,
+        long_factor=long,
+    )
 
 
 def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:

@@ -11,10 +11,12 @@ values). Tokens identical, logits within 1e-4.
 
 from __future__ import annotations
 
+import math
 import pathlib
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -23,6 +25,7 @@ from tests.tiny_model import SEED
 from tests.workers.paged_runner import greedy_generate, hf_greedy
 from tests.workers.tiny_families import COMMON, FAMILY_MODELS
 from workers import WorkerConfig, WorkerGroup
+from workers.loader import read_spec
 
 LLAMA_CPP_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -53,9 +56,9 @@ GGUF_CASES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"norm_topk_prob": True},  # llama.cpp renormalizes
     "gemma2": {"query_pre_attn_scalar": 32},  # GGUF attends with head_dim ** -0.5
     "gemma3": {"query_pre_attn_scalar": 32},
-    "phi3": {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+    "phi3": {},  # LongRoPE with a partial rotary, as the parity test's
 }
-"""Family -> config entries replacing the parity tests' (LongRoPE GGUF files are not read)."""
+"""Family -> config entries replacing the parity tests'."""
 
 
 def _model(name: str) -> transformers.PreTrainedModel:
@@ -115,6 +118,14 @@ def _write(name: str, model: Any, path: pathlib.Path, matrix: gguf.GGMLQuantizat
         writer.add_rope_scaling_factor(float(rope["full_attention"]["factor"]))
     else:
         writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "longrope":  # llama.cpp's Phi-3: factor tensors, attn factor
+        original = config.original_max_position_embeddings
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("short", "long"):
+            values = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", values)
     rotary = int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
     writer.add_rope_dimension_count(rotary)
     if name.startswith("gemma"):
@@ -187,6 +198,12 @@ def test_family_gguf_round_trip(name: str, matrix: str, tmp_path: pathlib.Path) 
     try:
         assert group.model_info.architecture == name
         assert group.model_info.quantization == f"gguf:{matrix}"
+        if name == "phi3":  # the long factors, unused by these short sequences, read back too
+            rope = read_spec(path).rope
+            config_rope = model.config.rope_parameters
+            assert rope.kind == "longrope" and rope.partial_rotary_factor == 0.75
+            assert rope.long_factor == pytest.approx(config_rope["long_factor"])
+            assert rope.short_factor == pytest.approx(config_rope["short_factor"])
         prompt = list(range(3, 20))
         run = greedy_generate(group, [prompt], 6, seed=2, prefill_chunk=5)
         tokens, logits = hf_greedy(_as_stored(model, matrix), prompt, 6)
