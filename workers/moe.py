@@ -8,7 +8,8 @@ rank computes a partial sum for every token and the TP group's all-reduce combin
 router is replicated, so every rank routes alike).
 
 The per-expert products are grouped: the step's (token, expert) pairs are sorted by expert and
-each local expert multiplies its tokens' rows in one product.
+each local expert multiplies its tokens' rows in one product (on CUDA, one grouped Triton launch
+per projection for all experts).
 """
 
 from __future__ import annotations
@@ -69,17 +70,33 @@ class SparseMoE(torch.nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens_of = order // self.top_k
         weight_of = weights.reshape(-1)[order]
+        first = sum(counts[: self.experts[0]])
+        local_counts = counts[self.experts[0] : self.experts[1]]
+        stop = first + sum(local_counts)
+        rows = tokens_of[first:stop]  # this rank's (token, expert) pairs, by expert
         out = torch.zeros_like(x)
-        start = sum(counts[: self.experts[0]])
-        for local, expert in enumerate(range(*self.experts)):
-            count = counts[expert]
-            if count:
-                rows = tokens_of[start : start + count]
-                gate, up = F.linear(x[rows], self.gate_up[local]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, self.down[local])
-                out.index_add_(0, rows, y * weight_of[start : start + count, None])
-            start += count
+        if rows.numel():
+            y = self.expert_products(x[rows], local_counts, triton=x.is_cuda)
+            out.index_add_(0, rows, y * weight_of[first:stop, None])
         return self.tp.all_reduce(out)
+
+    def expert_products(self, rows: torch.Tensor, counts: list[int], triton: bool) -> torch.Tensor:
+        """Each local expert's gated MLP over its `rows` (sorted by expert, `counts[e]` rows
+        of local expert e): one product per expert (torch), or one grouped Triton launch per
+        projection (`kernels.triton_grouped_gemm`)."""
+        if triton:
+            from kernels.triton_grouped_gemm import grouped_matmul
+
+            offsets = torch.tensor([0, *counts]).cumsum(0)
+            gate, up = grouped_matmul(rows, self.gate_up, offsets).chunk(2, dim=-1)
+            return grouped_matmul((F.silu(gate) * up).contiguous(), self.down, offsets)
+        outputs, start = [], 0
+        for local, count in enumerate(counts):
+            if count:
+                gate, up = F.linear(rows[start : start + count], self.gate_up[local]).chunk(2, -1)
+                outputs.append(F.linear(F.silu(gate) * up, self.down[local]))
+            start += count
+        return torch.cat(outputs)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         """Router `<prefix>gate.weight`, expert e's `<prefix>experts.<e>.{gate,up,down}_proj`."""
