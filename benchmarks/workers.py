@@ -9,7 +9,9 @@
   group at a time, see `dtype_comparison`), best of `--repeats`, and each dtype's ratio over the
   first (`dtype_comparison`), then the rest is skipped;
 - the Ray call overhead per step in microseconds: round trip of `WorkerGroup.execute` through one
-  Ray actor minus the time the rank spent on the step, for an empty plan and a batch-8 decode.
+  Ray actor minus the time the rank spent on the step, for an empty plan and a batch-8 decode;
+- `families`: prefill and decode tokens/s of every model family beyond Llama's on a tiny random
+  model, at batch 1 and 16 (`benchmarks.families`); `--families-only` prints just those.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import transformers
 
+from benchmarks.families import family_throughput
 from workers import SamplingSettings, SequenceWork, StepPlan, WorkerConfig, WorkerGroup
 from workers.model_source import resolve_model_path
 
@@ -228,6 +231,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--compare-dtypes", help="e.g. float32,bfloat16: only compare these")
     parser.add_argument("--compare-batches", default="1,16,32")
+    parser.add_argument("--families-only", action="store_true", help="only the family figures")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -241,6 +245,12 @@ def main() -> None:
         )
         report = {"torch_threads": torch.get_num_threads(), "prompt_len": args.prompt_len}
         report["dtype_comparison"] = comparison
+        print(json.dumps(report, indent=None if args.json else 2))
+        return
+    families = family_throughput(args.prompt_len, args.decode_steps, args.repeats)
+    if args.families_only:
+        report = {"torch_threads": torch.get_num_threads(), "prompt_len": args.prompt_len}
+        report["families"] = families
         print(json.dumps(report, indent=None if args.json else 2))
         return
     blocks = 32 * -(-(args.prompt_len + args.decode_steps + 1) // 16) + 8
@@ -262,6 +272,7 @@ def main() -> None:
     group.shutdown()
     del hf
     report["ray_call_overhead"] = ray_overhead(args.ray_calls)
+    report["families"] = families
     print(json.dumps(report, indent=None if args.json else 2))
 
 

@@ -70,6 +70,8 @@ class WorkerConfig:
     """LoRA device slots per rank (0: LoRA off, no slot memory allocated)."""
     max_lora_rank: int = 64
     """The largest adapter rank accepted; slots pad every adapter's rank to it."""
+    enable_expert_parallel: bool = False
+    """Mixture of experts: whole experts per rank instead of every expert's columns split."""
 
     def __post_init__(self) -> None:
         if self.max_loras < 0 or self.max_lora_rank <= 0:
@@ -147,7 +149,11 @@ def available_cores() -> int:
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotary embedding settings. `kind` is one of default, linear, llama3, yarn.
+    """Rotary embedding settings. `kind` is one of default, linear, llama3, yarn, longrope.
+
+    `partial_rotary_factor` < 1 rotates only the first `int(head_dim * factor)` dimensions of
+    each head (`workers.partial_rotary`). longrope divides the frequencies by `short_factor` at
+    positions below `original_max_position_embeddings` and by `long_factor` from there on.
 
     Invariant: fields a kind does not use keep their defaults, so `canonical()` is the same text
     for the same effective rope whatever source (GGUF or HF) it was read from.
@@ -162,6 +168,13 @@ class RopeSpec:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many leading dimensions of a head rotate (all of them unless partial)."""
+        return int(head_dim * self.partial_rotary_factor)
 
     def canonical(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -196,6 +209,13 @@ class ModelVariant:
     """Whether `o_proj` has a bias (None: as the q/k/v projections, `attention_bias`)."""
     layer_ropes: tuple[RopeSpec, ...] = ()
     """Layer i's rotary settings where layers differ (empty: every layer uses `rope`)."""
+    num_experts: int = 0
+    """Mixture of experts: experts per layer (0: a dense MLP, `workers.moe`)."""
+    experts_per_token: int = 0
+    norm_topk_prob: bool = True
+    """Whether a token's top-k router weights are renormalized to sum to one."""
+    expert_intermediate_size: int = 0
+    """An expert's intermediate size (0: `intermediate_size`)."""
 
     @property
     def is_default(self) -> bool:

@@ -12,6 +12,7 @@ import collections
 import fcntl
 import os
 import pathlib
+from dataclasses import replace
 from typing import Any
 
 import gguf
@@ -51,6 +52,9 @@ def _rope_from_gguf(reader: gguf.GGUFReader, arch: str) -> RopeSpec:
     kind = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
     factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
     original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0))
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        return _longrope_from_gguf(reader, arch, theta, original, factors)
     if kind == "none" or factor == 1.0:
         return RopeSpec(theta=theta)
     if kind == "linear":
@@ -64,6 +68,36 @@ def _rope_from_gguf(reader: gguf.GGUFReader, arch: str) -> RopeSpec:
             attention_factor=0.1 * float(np.log(factor)) + 1.0,
         )
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
+
+
+def _longrope_from_gguf(
+    reader: gguf.GGUFReader, arch: str, theta: float, original: int, factors: dict[str, Any]
+) -> RopeSpec:
+    """LongRoPE as llama.cpp writes it (Phi-3): `rope_factors_short` / `rope_factors_long`
+    tensors, `rope.scaling.attn_factor` and the original context length."""
+    if set(factors) != {"rope_factors_short.weight", "rope_factors_long.weight"} or original <= 0:
+        raise ValueError(
+            "GGUF LongRoPE needs rope_factors_short and rope_factors_long tensors and "
+            f"{arch}.rope.scaling.original_context_length"
+        )
+    short, long = (
+        tuple(float(x) for x in np.asarray(factors[f"rope_factors_{kind}.weight"].data).ravel())
+        for kind in ("short", "long")
+    )
+    context = int(_field(reader, f"{arch}.context_length", original))
+    factor = context / original
+    attention = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else float(np.sqrt(1 + np.log(factor) / np.log(original)))
+    return RopeSpec(
+        theta=theta,
+        kind="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=float(attention),
+        short_factor=short,
+        long_factor=long,
+    )
 
 
 def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
@@ -89,11 +123,17 @@ def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     head_dim = _field(reader, f"{arch_name}.attention.key_length") or hidden // heads
     rope = _rope_from_gguf(reader, arch_name)
+    rotary_dim = _field(reader, f"{arch_name}.rope.dimension_count")
+    if rotary_dim and int(rotary_dim) < int(head_dim):
+        rope = replace(rope, partial_rotary_factor=int(rotary_dim) / int(head_dim))
     return ModelSpec(
         architecture=family.name,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch_name}.feed_forward_length")),
+        intermediate_size=int(
+            _field(reader, f"{arch_name}.feed_forward_length")
+            or _field(reader, f"{arch_name}.expert_feed_forward_length")
+        ),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch_name}.attention.head_count_kv", heads)),
@@ -109,6 +149,24 @@ def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
         eos_token_ids=tuple(eos),
         variant=family.variant_from_gguf(metadata, layers, rope),
     )
+
+
+READABLE_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+"""GGUF tensor types we dequantize (with the `gguf` package): Q4_K_M and Q5_K_M files are
+mixes of these."""
+
+
+def check_tensor_types(reader: gguf.GGUFReader) -> None:
+    """Raise a ValueError naming the first tensor whose type is not in `READABLE_TYPES`."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in READABLE_TYPES:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which is not "
+                f"supported (supported: {', '.join(READABLE_TYPES)})"
+            )
 
 
 def quantization_name(reader: gguf.GGUFReader) -> str:
@@ -158,6 +216,11 @@ def dequantized_tensors(reader: gguf.GGUFReader, spec: ModelSpec) -> dict[str, t
             values = unpermute_rows(values, spec.num_heads)
         elif permuted and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             values = unpermute_rows(values, spec.num_kv_heads)
+        if ".*." in name:  # an expert stack: one tensor per expert under its HF name
+            for expert, matrix in enumerate(values):
+                copied = np.array(matrix, dtype=np.float32, order="C", copy=True)
+                tensors[name.replace(".*.", f".{expert}.")] = torch.from_numpy(copied)
+            continue
         tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C", copy=True))
     return tensors
 

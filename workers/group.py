@@ -102,7 +102,9 @@ class WorkerGroup:
     def __init__(self, config: WorkerConfig) -> None:
         cache_root = pathlib.Path(config.weights_cache_dir or default_cache_root())
         description = describe_model(resolve_model_path(config.model), cache_root)
-        check_tensor_parallel(description.spec, config.tensor_parallel_size)
+        check_tensor_parallel(
+            description.spec, config.tensor_parallel_size, config.enable_expert_parallel
+        )
         max_model_len = _max_model_len(config, description)
         self.overhead = CallOverhead()
         self._local: WorkerRank | None = None

@@ -16,6 +16,7 @@ from workers.checkpoint import CheckpointReader, safetensors_files
 from workers.config import ModelSpec
 from workers.families import family_named
 from workers.gguf_weights import (
+    check_tensor_types,
     ensure_dequantized_cache,
     open_gguf,
     quantization_name,
@@ -24,6 +25,7 @@ from workers.gguf_weights import (
 from workers.model import CausalLM
 from workers.model_source import is_gguf, spec_from_hf_directory
 from workers.parallel import TensorParallel
+from workers.partial_rotary import partial_rotary_view
 from workers.weights_digest import weights_digest
 
 
@@ -58,6 +60,7 @@ def describe_model(path: pathlib.Path, cache_root: pathlib.Path) -> ModelDescrip
     """Spec, quantization and weights digest of the model at `path` (a .gguf or HF directory)."""
     if is_gguf(path):
         reader = open_gguf(path)
+        check_tensor_types(reader)
         spec = spec_from_gguf(reader)
         quantization = quantization_name(reader)
     else:
@@ -91,5 +94,6 @@ def load_model_shard(
         model = CausalLM(description.spec, tp, dtype, quantized_decode, quantized_activations)
     family = family_named(description.spec.architecture)
     with CheckpointReader(files) as checkpoint:
-        model.load(family.checkpoint_view(checkpoint, description.spec))
+        view = family.checkpoint_view(checkpoint, description.spec)
+        model.load(partial_rotary_view(view, description.spec))
     return model.eval()

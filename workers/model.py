@@ -28,6 +28,7 @@ from workers.layers import (
     VocabParallelEmbedding,
 )
 from workers.lora.apply import LoRAStep
+from workers.moe import SparseMoE
 from workers.parallel import TensorParallel, even_range, head_layout
 from workers.rope import RotaryEmbedding
 
@@ -206,6 +207,10 @@ class GatedMLP(torch.nn.Module):
             lora.row(self.layer_index, "down", activated, down)
         return down
 
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        self.gate_up_proj.load(reader, prefix)
+        self.down_proj.load(reader, f"{prefix}down_proj")
+
 
 class DecoderLayer(torch.nn.Module):
     """Pre-norm attention and MLP blocks around the residual stream.
@@ -227,7 +232,11 @@ class DecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, offset)
         self.self_attn = Attention(spec, layer_index, tp, dtype, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, offset)
-        self.mlp = GatedMLP(spec, layer_index, tp, dtype, ops)
+        self.mlp: GatedMLP | SparseMoE = (
+            SparseMoE(spec, layer_index, tp, dtype)
+            if spec.variant.num_experts
+            else GatedMLP(spec, layer_index, tp, dtype, ops)
+        )
 
     def forward(
         self,
@@ -249,8 +258,7 @@ class DecoderLayer(torch.nn.Module):
         self.input_layernorm.load(reader, f"{prefix}input_layernorm.weight")
         self.post_attention_layernorm.load(reader, f"{prefix}post_attention_layernorm.weight")
         self.self_attn.load(reader, f"{prefix}self_attn.")
-        self.mlp.gate_up_proj.load(reader, f"{prefix}mlp.")
-        self.mlp.down_proj.load(reader, f"{prefix}mlp.down_proj")
+        self.mlp.load(reader, f"{prefix}mlp.")
 
 
 class SandwichDecoderLayer(DecoderLayer):

@@ -21,6 +21,8 @@ class TensorParallel:
 
     rank: int = 0
     world_size: int = 1
+    expert_parallel: bool = False
+    """Mixture-of-experts layers place whole experts per rank (`workers.moe`)."""
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (identity on one rank)."""
@@ -53,9 +55,24 @@ class HeadLayout:
     num_kv: int
 
 
-def check_tensor_parallel(spec: ModelSpec, world_size: int) -> None:
+def check_tensor_parallel(spec: ModelSpec, world_size: int, expert_parallel: bool = False) -> None:
     """Raise a ValueError naming the problem when `world_size` cannot split this model; the
     message gives the model's query and KV head counts (and the sizes that would work)."""
+    experts = spec.variant.num_experts
+    if expert_parallel and experts == 0:
+        raise ValueError("enable_expert_parallel needs a mixture-of-experts model")
+    if expert_parallel and experts % world_size:
+        fitting = [n for n in range(1, experts + 1) if experts % n == 0]
+        raise ValueError(
+            f"enable_expert_parallel: tensor_parallel_size {world_size} does not divide the "
+            f"model's {experts} experts (tensor_parallel_size may be one of {fitting})"
+        )
+    width = spec.variant.expert_intermediate_size
+    if experts and not expert_parallel and width and width % world_size:
+        raise ValueError(
+            f"tensor_parallel_size {world_size} does not divide the model's expert "
+            f"intermediate size {width} (or pass enable_expert_parallel)"
+        )
     heads = f"(the model has {spec.num_heads} attention heads and {spec.num_kv_heads} KV heads"
     fitting = [n for n in range(1, spec.num_heads + 1) if _splits(spec, n)]
     hint = f"; tensor_parallel_size may be one of {fitting})"

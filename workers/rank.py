@@ -66,7 +66,7 @@ class WorkerRank:
         self.config = config
         self.description = description
         self.cache_root = cache_root
-        self.tp = TensorParallel(rank, world_size)
+        self.tp = TensorParallel(rank, world_size, config.enable_expert_parallel)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.max_model_len = max_model_len
         threads = config.cpu_threads() if self.device.type == "cpu" else None

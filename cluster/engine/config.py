@@ -103,6 +103,11 @@ class ParallelSettings(_Section):
         "'auto' = the cores the process may use, shared among the TP ranks; unset leaves "
         "torch's (Ray's OMP_NUM_THREADS)",
     )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="mixture-of-experts models: whole experts per rank instead of every "
+        "expert's intermediate columns split across the tensor-parallel ranks",
+    )
 
     @model_validator(mode="after")
     def _local_is_single_rank(self) -> ParallelSettings:
@@ -322,7 +327,9 @@ class EngineConfig(_Section):
         except (OSError, ValueError) as error:
             raise ConfigError(f"model.model {self.model.model!r}: {error}") from None
         try:
-            check_tensor_parallel(spec, self.parallel.tensor_parallel_size)
+            check_tensor_parallel(
+                spec, self.parallel.tensor_parallel_size, self.parallel.enable_expert_parallel
+            )
         except ValueError as error:
             raise ConfigError(
                 f"parallel.tensor_parallel_size cannot split model.model {self.model.model!r}: "
@@ -357,6 +364,7 @@ class EngineConfig(_Section):
             quantized_activations=self.model.quantized_activations,
             max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
             max_lora_rank=self.lora.max_lora_rank,
+            enable_expert_parallel=self.parallel.enable_expert_parallel,
         )
 
     # --- command line -------------------------------------------------------------------------

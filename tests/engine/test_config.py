@@ -98,3 +98,19 @@ def test_sampling_params_validation(kwargs: dict, message: str) -> None:
 
 def test_sampling_params_accepts_a_single_stop_string() -> None:
     assert SamplingParams(stop="END").stop == ["END"]
+
+
+def test_enable_expert_parallel_reaches_the_workers_and_is_checked(tmp_path: pathlib.Path) -> None:
+    from tests.workers.tiny_families import write_family_model
+
+    assert parse([]).to_worker_config().enable_expert_parallel is False
+    model = tmp_path / "qwen3_moe"
+    write_family_model("qwen3_moe", model)  # 6 experts
+    config = parse(["--model", str(model), "--enable-expert-parallel"])
+    assert config.to_worker_config().enable_expert_parallel is True
+    config.check_model()  # one rank holds all 6
+    wrong = parse(
+        ["--model", str(model), "--enable-expert-parallel", "--tensor-parallel-size", "4"]
+    )
+    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel_size .* 6 experts"):
+        wrong.check_model()

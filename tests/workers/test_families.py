@@ -41,3 +41,27 @@ def test_family_matches_hf(name: str, tmp_path: pathlib.Path) -> None:
             torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=0)
     finally:
         group.shutdown()
+
+
+def test_sharded_checkpoint_with_tied_embeddings(tmp_path: pathlib.Path) -> None:
+    """An HF directory saved in several shards (with its index file) loads as one checkpoint."""
+    reference = write_family_model("qwen3", tmp_path / "whole")
+    reference.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    group = WorkerGroup(
+        WorkerConfig(
+            model=str(tmp_path / "sharded"),
+            backend="local",
+            block_size=4,
+            num_device_blocks=32,
+            weights_cache_dir=str(tmp_path / "cache"),
+        )
+    )
+    try:
+        run = greedy_generate(group, PROMPTS[:1], 4, seed=1)
+        tokens, logits = hf_greedy(reference, PROMPTS[0], 4)
+        assert run.tokens[0] == tokens
+        torch.testing.assert_close(run.logits[0], logits, atol=1e-4, rtol=0)
+    finally:
+        group.shutdown()

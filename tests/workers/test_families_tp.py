@@ -1,4 +1,5 @@
-"""Every family beyond Llama's at TP=2 on CPU (two Ray actors joined by gloo) against HF.
+"""Every family beyond Llama's at TP=2 on CPU (two Ray actors joined by gloo) against HF;
+the mixture-of-experts ones also with expert parallelism (whole experts per rank).
 
 Tolerance: logits within 1e-4 absolute (the all-reduces sum partial products in another
 order); greedy tokens identical.
@@ -19,14 +20,23 @@ PROMPTS = [list(range(3, 20)), [42, 7, 300]]
 NEW_TOKENS = 6
 
 
-@pytest.mark.parametrize("name", sorted(FAMILY_MODELS))
-def test_family_tp2_matches_hf(ray_cluster: None, name: str, tmp_path: pathlib.Path) -> None:
+CASES = [(name, False) for name in sorted(FAMILY_MODELS)] + [
+    ("mixtral", True),
+    ("qwen3_moe", True),
+]
+
+
+@pytest.mark.parametrize(("name", "expert_parallel"), CASES)
+def test_family_tp2_matches_hf(
+    ray_cluster: None, name: str, expert_parallel: bool, tmp_path: pathlib.Path
+) -> None:
     reference = write_family_model(name, tmp_path / name)
     group = WorkerGroup(
         WorkerConfig(
             model=str(tmp_path / name),
             backend="ray",
             tensor_parallel_size=2,
+            enable_expert_parallel=expert_parallel,
             block_size=4,
             num_device_blocks=48,
             weights_cache_dir=str(tmp_path / "cache"),

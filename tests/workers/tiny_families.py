@@ -64,9 +64,40 @@ FAMILY_MODELS: dict[str, tuple[type[Any], type[Any], dict[str, Any]]] = {
             },
         },
     ),
+    "phi3": (  # Phi-4-mini's shape: a partial rotary under LongRoPE
+        transformers.Phi3ForCausalLM,
+        transformers.Phi3Config,
+        {
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                "long_factor": [2.0 + 0.5 * i for i in range(12)],
+            },
+        },
+    ),
+    "mixtral": (
+        transformers.MixtralForCausalLM,
+        transformers.MixtralConfig,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8},
+    ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeForCausalLM,
+        transformers.Qwen3MoeConfig,
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "norm_topk_prob": False,
+            "moe_intermediate_size": 64,
+        },
+    ),
 }
 """Family name -> (HF model class, config class, config entries beyond `COMMON`). Small
-windows and soft caps so that prompts cross the windows and the caps change the scores."""
+windows and soft caps so that prompts cross the windows and the caps change the scores; the
+Phi-3 sequences stay within its original context (64): there HF and we use the short factors
+(beyond it HF recomputes the whole sequence with the long ones; see `workers.rope`)."""
 
 
 def write_family_model(name: str, directory: pathlib.Path) -> transformers.PreTrainedModel:

@@ -10,9 +10,21 @@ from __future__ import annotations
 from workers.families.base import DecoderFamily, Family, GgufMetadata
 from workers.families.gemma import Gemma2, Gemma3
 from workers.families.llama import Llama, Mistral, Qwen2
+from workers.families.moe import Mixtral, Qwen3Moe
+from workers.families.phi3 import Phi3
 from workers.families.qwen3 import Qwen3
 
-FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Gemma2(), Gemma3())
+FAMILIES: tuple[Family, ...] = (
+    Llama(),
+    Mistral(),
+    Qwen2(),
+    Qwen3(),
+    Gemma2(),
+    Gemma3(),
+    Phi3(),
+    Mixtral(),
+    Qwen3Moe(),
+)
 """Every family, in the order `supported_architectures` lists them."""
 
 

@@ -119,6 +119,12 @@ class DecoderFamily:
     def variant_from_gguf(
         self, metadata: GgufMetadata, layers: int, rope: RopeSpec
     ) -> ModelVariant:
+        if metadata(f"{self.gguf_architecture}.expert_count", 0):
+            raise ValueError(
+                f"GGUF {self.gguf_architecture}.expert_count: mixture-of-experts files of "
+                f"architecture {self.gguf_architecture!r} (llama.cpp's Mixtral) are not "
+                "supported; load the HF directory (GGUF experts are read for qwen3moe)"
+            )
         return ModelVariant()
 
     def sliding_windows_from_gguf(self, metadata: GgufMetadata, layers: int) -> list[int | None]:

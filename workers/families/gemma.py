@@ -145,7 +145,8 @@ class Gemma3(Gemma2):
     def _extra_from_gguf(
         self, metadata: GgufMetadata, layers: int, rope: RopeSpec
     ) -> dict[str, Any]:
-        local = RopeSpec(theta=LOCAL_ROPE_BASE)
+        arch = self.gguf_architecture
+        local = RopeSpec(theta=float(metadata(f"{arch}.rope.freq_base_swa", LOCAL_ROPE_BASE)))
         pattern = self.sliding_pattern
         ropes = tuple(rope if (i + 1) % pattern == 0 else local for i in range(layers))
         return {"qk_norm": True, "layer_ropes": ropes}
