@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h)
+$(STAMP): pyproject.toml setup.py $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h kernels/csrc/*.inc)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_PIN)"

@@ -1,10 +1,10 @@
 """Offline throughput of `LLM(...)` with and without `quantized_activations` on the same prompts.
 
 `python -m benchmarks.int8_offline --json [--prompts 64] [--max-tokens 128] [--max-num-seqs 64]
-[--modes float32,float32+int8]` generates, for each mode in turn in one process, greedy
-continuations of `--prompts` natural-text chat prompts with `ignore_eos` (so every mode
-produces exactly prompts x max_tokens tokens), and reports output tokens per second, the
-wall time, and how many of the greedy texts equal the first mode's.
+[--modes float32,float32+int8] [--threads auto]` generates, for each mode in turn in one
+process, greedy continuations of `--prompts` natural-text chat prompts with `ignore_eos` (so
+every mode produces exactly prompts x max_tokens tokens), and reports output tokens per second,
+the wall time, and how many of the greedy texts equal the first mode's.
 
 Modes: a dtype (`float32`, `bfloat16`), optionally `+int8` (`quantized_activations=True`).
 Prompts: "Summarize this documentation" over the docstrings of a Python standard-library module
@@ -56,7 +56,9 @@ def documentation_prompts(count: int) -> list[str]:
     raise ValueError(f"only {len(prompts)} standard-library modules have enough docstrings")
 
 
-def run_mode(mode: str, prompts: list[str], max_tokens: int, max_num_seqs: int) -> dict[str, Any]:
+def run_mode(
+    mode: str, prompts: list[str], max_tokens: int, max_num_seqs: int, threads: int | str
+) -> dict[str, Any]:
     from cluster.engine.llm import LLM
     from cluster.engine.sampling_params import SamplingParams
 
@@ -66,7 +68,7 @@ def run_mode(mode: str, prompts: list[str], max_tokens: int, max_num_seqs: int) 
         dtype=dtype,
         quantized_activations=extra == "int8",
         max_num_seqs=max_num_seqs,
-        num_threads="auto",
+        num_threads=threads,
     )
     loaded = time.perf_counter() - began
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -95,10 +97,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--modes", default="float32,float32+int8")
+    parser.add_argument("--threads", default="auto", help="torch threads: auto or a number")
     args = parser.parse_args()
     prompts = documentation_prompts(args.prompts)
+    threads = args.threads if args.threads == "auto" else int(args.threads)
     runs = [
-        run_mode(mode, prompts, args.max_tokens, args.max_num_seqs)
+        run_mode(mode, prompts, args.max_tokens, args.max_num_seqs, threads)
         for mode in args.modes.split(",")
     ]
     first = runs[0]["texts"]

@@ -61,10 +61,10 @@ class WorkerConfig:
     with them: the exact checkpoint weights, 0.75 bytes per weight read instead of 2 or 4. Off:
     every product uses the `dtype` weights (`workers.dense_matmul`)."""
     quantized_activations: bool = False
-    """CPU ranks: the products the 4-bit copy does not take (prefill, larger batches; every
-    product where that kernel does not run) quantize their activations to int8 per row-block of
-    32 and multiply GGUF Q4_1 / Q8_0 codes with integer dot products (`kernels.quant_dot_cpu`,
-    AVX2 or better). Faster, not float32-exact (docs/quantized_activations.md)."""
+    """CPU ranks: every product on GGUF Q4_1 / Q8_0 weights quantizes its activations to int8
+    per row-block of 32 and multiplies the codes with integer dot products
+    (`kernels.quant_dot_cpu`, AVX2 or better), except decode steps the native decoder stack
+    takes (exact, as without it). Faster, not float32-exact (docs/quantized_activations.md)."""
 
     max_loras: int = 0
     """LoRA device slots per rank (0: LoRA off, no slot memory allocated)."""

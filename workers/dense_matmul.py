@@ -21,16 +21,16 @@ the sums are float32, the result is rounded once), so a bfloat16 model's decode 
 to float32 than its larger batches.
 
 With `quantized_activations` (the model's setting, off by default) such a layer also keeps its
-codes in the layout of `kernels.quant_dot_cpu`, and every call the 4-bit copy does not take
-(more rows, or a CPU without AVX-512 where that kernel does not run) quantizes `x` to int8 per
+codes in the layout of `kernels.quant_dot_cpu`, and every call quantizes `x` to int8 per
 row-block of 32 and multiplies with integer dot products: not float32-exact
-(docs/quantized_activations.md).
+(docs/quantized_activations.md). The 4-bit copy then serves only the native decoder stack
+(`workers.decoder_stack`), which keeps its exact decode steps.
 
 Invariants: `__call__` returns, in `x`'s dtype, what `F.linear(x, weight, bias)` returns (bitwise
 in bfloat16, to float32 rounding in float32), or for a call on the 4-bit copy what
 `F.linear(x.float(), source, bias)` returns rounded to `x`'s dtype (to float32 rounding, the
-bias added in `x`'s dtype), or for an int8-activation call `quant_dot_cpu.quant_matmul(x, ...)`
-(within its stated bound of that product); the packed copy is a snapshot taken by the last
+bias added in `x`'s dtype), or with panels `quant_dot_cpu.quant_matmul(x, ...)` (within its
+stated bound of that product); the packed copy is a snapshot taken by the last
 `pack()`, so whoever changes the weight in place afterwards must call `pack()` again (the model
 packs once, at the end of its `load`); `pack()` keeps the 4-bit copy and the panels only while
 they still round to the weight, bit for bit. Only bfloat16 (with oneDNN bfloat16 support) and
@@ -80,8 +80,8 @@ class DenseMatmul:
         """Whether `adopt_exact_source` may keep a 4-bit copy (the model's setting)."""
         self.panels: quant_dot_cpu.PanelWeight | None = None
         self.quantized_activations = False
-        """Whether `adopt_exact_source` may keep the codes for int8-activation products of
-        more rows than the 4-bit copy takes (the model's setting; not float32-exact)."""
+        """Whether `adopt_exact_source` may keep the codes for int8-activation products (the
+        model's setting; not float32-exact)."""
 
     def adopt_exact_source(self, *row_blocks: torch.Tensor) -> None:
         """Keep the float32 values the weight was loaded from (its rows, in one or more
@@ -119,11 +119,11 @@ class DenseMatmul:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, bias)
+        if self.panels is not None:  # faster than every other product at every batch size
+            y = quant_dot_cpu.quant_matmul(x, self.panels)
+            return y if bias is None else y + bias
         if self.q4 is not None and x.numel() <= Q4_MAX_ROWS.get(x.dtype, 0) * x.shape[-1]:
             y = q4_cpu.q4_matmul(x, self.q4)
-            return y if bias is None else y + bias
-        if self.panels is not None:
-            y = quant_dot_cpu.quant_matmul(x, self.panels)
             return y if bias is None else y + bias
         if self.packed is None:
             return F.linear(x, self.weight, bias)

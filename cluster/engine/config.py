@@ -45,9 +45,9 @@ class ModelSettings(_Section):
     )
     quantized_activations: bool = Field(
         False,
-        description="CPU: the products the 4-bit decode copy does not take (prefill, larger "
-        "batches) quantize activations to int8 per block of 32 and multiply the GGUF codes with "
-        "integer dot products (AVX2 or better): faster, not float32-exact",
+        description="CPU: products on GGUF Q4_1/Q8_0 weights quantize activations to int8 per "
+        "block of 32 and multiply the codes with integer dot products (AVX2 or better; decode "
+        "steps of the native decoder stack stay exact): faster, not float32-exact",
     )
 
 

@@ -212,10 +212,11 @@ inline int32_t quantize_block(const float* x, int8_t* codes, float* scale) {
   return _mm_cvtsi128_si32(s);
 }
 
+// Called by every thread of an OpenMP team (or by one thread alone), which split the rows.
 void quantize_rows(const void* x, bool x_bf16, int64_t M, int64_t K, int8_t* codes, float* dx,
                    float* sx) {
   const int64_t blocks = K / 32;
-#pragma omp parallel for schedule(static) if (M * K >= (1 << 15))
+#pragma omp for schedule(static)
   for (int64_t r = 0; r < M; ++r) {
     float widened[32];
     for (int64_t b = 0; b < blocks; ++b) {
@@ -251,6 +252,7 @@ int quant_dot_quantize(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* 
                        float* sx) {
   if (K <= 0 || K % 32 != 0 || M < 0) return -1;
   if (!isa_supported(kAvx2)) return -2;
+#pragma omp parallel if (M * K >= (1 << 15))
   quantize_rows(x, x_bf16 != 0, M, K, codes, dx, sx);
   return 0;
 }
@@ -264,20 +266,25 @@ int quant_dot_matmul(int isa, const void* x, int x_bf16, int64_t M, int64_t K, i
                      const float* scales, const float* mins, int64_t N, void* out, int out_bf16) {
   if (K <= 0 || K % 32 != 0 || M < 0 || N < 0 || (bits != 4 && bits != 8)) return -1;
   if (!isa_supported(isa)) return -2;
-  quantize_rows(x, x_bf16 != 0, M, K, codes, dx, sx);
   const bool bf16 = out_bf16 != 0;
-  switch (isa) {
-    case kAvx512Vnni:
-      isa_avx512_vnni::matmul(codes, dx, sx, M, K, weight_codes, bits, scales, mins, N, out, bf16);
-      break;
-    case kAvx512Bw:
-      isa_avx512_bw::matmul(codes, dx, sx, M, K, weight_codes, bits, scales, mins, N, out, bf16);
-      break;
-    case kAvxVnni:
-      isa_avx_vnni::matmul(codes, dx, sx, M, K, weight_codes, bits, scales, mins, N, out, bf16);
-      break;
-    default:
-      isa_avx2::matmul(codes, dx, sx, M, K, weight_codes, bits, scales, mins, N, out, bf16);
+#pragma omp parallel
+  {  // one team for both passes: the rows are quantized (a barrier) before any product
+    quantize_rows(x, x_bf16 != 0, M, K, codes, dx, sx);
+    switch (isa) {
+      case kAvx512Vnni:
+        isa_avx512_vnni::matmul(codes, dx, sx, M, K, weight_codes, bits, scales, mins, N, out,
+                                bf16);
+        break;
+      case kAvx512Bw:
+        isa_avx512_bw::matmul(codes, dx, sx, M, K, weight_codes, bits, scales, mins, N, out,
+                              bf16);
+        break;
+      case kAvxVnni:
+        isa_avx_vnni::matmul(codes, dx, sx, M, K, weight_codes, bits, scales, mins, N, out, bf16);
+        break;
+      default:
+        isa_avx2::matmul(codes, dx, sx, M, K, weight_codes, bits, scales, mins, N, out, bf16);
+    }
   }
   return 0;
 }
