@@ -10,7 +10,9 @@ variant in turn, round after round, on the same weights:
   bfloat16 weights (oneDNN);
 - `q4_f32`: `kernels.q4_cpu` (4-bit codes, float32 arithmetic; rows <= 16, layers only);
 - `int8_<isa>`: `kernels.quant_dot_cpu.quant_matmul` with each instruction set (by default only
-  the fastest; `--isas all` for every one this CPU runs), float32 activations.
+  the fastest; `--isas all` for every one this CPU runs), float32 activations;
+- with `--k-quants` (layers only), `int8_5bit` and `int8_6bit`: the fastest set on the panels'
+  forms of Q5_K (5-bit codes) and Q6_K (6-bit codes, scales per 16) weights.
 
 Run it under `ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI` to see oneDNN without native bfloat16 (its
 bfloat16 product is then emulated, as on an Ice Lake). Weights are random Q4_1 / Q8_0 codes
@@ -55,7 +57,16 @@ def _q8(rows: int, cols: int) -> Q8Weight:
     )
 
 
-def _variants(name: str, isas: list[str], rows: int) -> dict[str, Callable[[torch.Tensor], object]]:
+def _byte_panels(rows: int, cols: int, bits: int) -> quant_dot_cpu.PanelWeight:
+    groups = cols // quant_dot_cpu.SCALE_GROUP[bits]
+    scales = torch.rand(rows, groups) * 0.001
+    codes = torch.randint(0, 1 << bits, (rows, cols), dtype=torch.uint8)
+    return quant_dot_cpu.PanelWeight.pack(codes, scales, -scales * (1 << (bits - 1)), bits)
+
+
+def _variants(
+    name: str, isas: list[str], rows: int, k_quants: bool = False
+) -> dict[str, Callable[[torch.Tensor], object]]:
     out_features, in_features = HEAD_SHAPE if name == "lm_head" else LAYER_SHAPES[name]
     if name == "lm_head":
         q8 = _q8(out_features, in_features)
@@ -75,14 +86,20 @@ def _variants(name: str, isas: list[str], rows: int) -> dict[str, Callable[[torc
         variants["q4_f32"] = lambda x: q4_matmul(x, q4)
     for isa in isas:
         variants[f"int8_{isa}"] = lambda x, isa=isa: quant_dot_cpu.quant_matmul(x, panels, isa)
+    if k_quants and name != "lm_head":
+        for bits in (5, 6):
+            form = _byte_panels(out_features, in_features, bits)
+            variants[f"int8_{bits}bit"] = lambda x, form=form: quant_dot_cpu.quant_matmul(x, form)
     return variants
 
 
-def report(rounds: int, batches: list[int], isas: list[str]) -> dict[str, object]:
+def report(
+    rounds: int, batches: list[int], isas: list[str], k_quants: bool = False
+) -> dict[str, object]:
     results: dict[str, object] = {}
     for rows in batches:
         for name in [*LAYER_SHAPES, "lm_head"]:
-            variants = _variants(name, isas, rows)
+            variants = _variants(name, isas, rows, k_quants)
             x = torch.randn(rows, (HEAD_SHAPE if name == "lm_head" else LAYER_SHAPES[name])[1])
             repeat = max(1, 64 // rows)  # short calls repeated so a round is not all timer
             for product in variants.values():
@@ -113,6 +130,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--rows", default="1,8,16,64,256,1024", help="batch sizes")
     parser.add_argument("--isas", default="best", help="best | all | comma-separated names")
+    parser.add_argument("--k-quants", action="store_true", help="add Q5_K / Q6_K panel forms")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     supported = list(quant_dot_cpu.supported_isas())
@@ -121,7 +139,7 @@ def main() -> None:
     out = {
         "torch_threads": torch.get_num_threads(),
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "(unset)"),
-        "results": report(args.rounds, batches, isas),
+        "results": report(args.rounds, batches, isas, args.k_quants),
     }
     print(json.dumps(out, indent=None if args.json else 2))
 

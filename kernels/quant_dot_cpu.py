@@ -1,13 +1,14 @@
 """Products with int8-quantized activations against 4- and 8-bit block weights on the CPU (the
 native kernel in `kernels/csrc/quant_dot_cpu.cpp`), the way llama.cpp multiplies GGUF weights.
 
-Weights are unsigned codes `u` with a float32 scale and minimum per block of 32 of a row,
-`w = scale * u + min`: GGUF's Q4_1 as it is, Q4_0 and Q8_0 with `min = -8 * scale` and
-`u = q + 128, min = -128 * scale`. `PanelWeight` holds them in the kernel's streamed layout
+Weights are unsigned codes `u` with a float32 scale and minimum per block of 32 of a row (per
+16 for 6-bit codes), `w = scale * u + min`: GGUF's Q4_1 as it is, Q4_0 and Q8_0 with
+`min = -8 * scale` and `u = q + 128, min = -128 * scale`, the K-quants as `kernels.gguf_panels`
+maps them. `PanelWeight` holds them in the kernel's streamed layout
 (columns in panels of 16; see the C++ file), repacked once at load. Activations are quantized
 per row and block of 32 to int8 (`d = max|x| / 127`, codes `round(x / d)`), every block's
 integer dot product is exact, and the float32 result accumulates
-`float(isum) * scale * d + min * d * sum(codes)` over the blocks.
+`float(isum) * scale * d + min * d * sum(codes)` over the blocks (scale groups).
 
 Not float32-exact: each activation is rounded to its block's 8-bit grid (an error of at most
 `d / 2`), so an output differs from the float32 product over the same weights by at most
@@ -41,8 +42,10 @@ PANEL = 16
 """Output columns per panel of the weight layout."""
 PANEL_PAIR = 2 * PANEL
 """Columns are padded to whole pairs of panels (an AVX-512 tile's width)."""
-BLOCK_BYTES = {4: 256, 8: 512}
-"""Code bytes per panel and block of 32, by code width."""
+BLOCK_BYTES = {4: 256, 5: 512, 6: 512, 8: 512}
+"""Code bytes per panel and block of 32, by code width (5-, 6- and 8-bit codes take a byte)."""
+SCALE_GROUP = {4: 32, 5: 32, 6: 16, 8: 32}
+"""Weights per scale and minimum, by code width (6-bit codes: GGUF Q6_K's groups of 16)."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,9 @@ class QuantizedActivations:
 @dataclass(frozen=True)
 class PanelWeight:
     """`[rows, cols]` weights `scale * u + min` in the kernel's layout: `codes` uint8 (flat),
-    `scales` and `mins` float32 `[panels, cols / 32, 16]` (flat), `bits` 4 or 8. Columns past
-    `rows` (the padding to whole panel pairs) have code, scale and minimum 0."""
+    `scales` and `mins` float32 `[panels, cols / group, 16]` (flat; group `SCALE_GROUP[bits]`),
+    `bits` 4, 5, 6 or 8 (codes below `2**bits`). Columns past `rows` (the padding to whole panel
+    pairs) have code, scale and minimum 0."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -77,19 +81,22 @@ class PanelWeight:
         codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
     ) -> PanelWeight:
         """The layout of unsigned `codes` `[rows, cols]` (values below 2**bits) with `scales` and
-        `mins` `[rows, cols / 32]`."""
+        `mins` `[rows, cols / SCALE_GROUP[bits]]`."""
         if bits not in BLOCK_BYTES:
-            raise ValueError(f"PanelWeight takes 4- or 8-bit codes, got {bits}")
+            raise ValueError(f"PanelWeight takes 4-, 5-, 6- or 8-bit codes, got {bits}")
         rows, cols = codes.shape
-        if cols % BLOCK or scales.shape != (rows, cols // BLOCK) or mins.shape != scales.shape:
+        groups = cols // SCALE_GROUP[bits]
+        if cols % BLOCK or scales.shape != (rows, groups) or mins.shape != scales.shape:
             raise ValueError(f"PanelWeight: codes {tuple(codes.shape)} and scales do not match")
+        if codes.numel() and int(codes.max()) >= 1 << bits:
+            raise ValueError(f"PanelWeight: codes of {bits} bits must be below {1 << bits}")
         padded = -(-rows // PANEL_PAIR) * PANEL_PAIR
         blocks = cols // BLOCK
         u = torch.zeros(padded, cols, dtype=torch.uint8)
         u[:rows] = codes
-        # [panel, column, block, k]: k = 4 * step + byte for 8 bits; 16 * half + 4 * chunk + byte
+        # [panel, column, block, k]: k = 4 * step + byte for bytes; 16 * half + 4 * chunk + byte
         u = u.view(padded // PANEL, PANEL, blocks, BLOCK)
-        if bits == 8:
+        if bits != 4:
             streamed = u.view(-1, PANEL, blocks, 8, 4).permute(0, 2, 3, 1, 4)
         else:
             halves = u.view(-1, PANEL, blocks, 2, 4, 4)
@@ -133,40 +140,42 @@ class PanelWeight:
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes uint8, scales, mins) `[rows, cols]` / `[rows, cols / 32]`, as `pack` took them."""
-        blocks = self.cols // BLOCK
-        panels = self.scales.numel() // (blocks * PANEL)
-        if self.bits == 8:
+        blocks, groups = self.cols // BLOCK, self.cols // SCALE_GROUP[self.bits]
+        panels = self.scales.numel() // (groups * PANEL)
+        if self.bits != 4:
             streamed = self.codes.view(panels, blocks, 8, PANEL, 4).permute(0, 3, 1, 2, 4)
             codes = streamed.reshape(panels * PANEL, self.cols)
         else:
             nibbles = self.codes.view(panels, blocks, 4, PANEL, 4).permute(0, 3, 1, 2, 4)
             codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3)
             codes = codes.reshape(panels * PANEL, self.cols)
-        scales = self.scales.view(panels, blocks, PANEL).permute(0, 2, 1).reshape(-1, blocks)
-        mins = self.mins.view(panels, blocks, PANEL).permute(0, 2, 1).reshape(-1, blocks)
+        scales = self.scales.view(panels, groups, PANEL).permute(0, 2, 1).reshape(-1, groups)
+        mins = self.mins.view(panels, groups, PANEL).permute(0, 2, 1).reshape(-1, groups)
         return codes[: self.rows], scales[: self.rows], mins[: self.rows]
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weights `scale * u + min`."""
+        """The float32 weights `scale * u + min`, rounded once (computed in float64, where
+        `scale * u + min` of float32 scales and minimums is exact or rounds as float32 would)."""
         codes, scales, mins = self.unpacked()
-        blocks = codes.view(self.rows, -1, BLOCK).to(torch.float32)
-        return (blocks * scales[:, :, None] + mins[:, :, None]).reshape(self.rows, self.cols)
+        grouped = codes.view(self.rows, -1, SCALE_GROUP[self.bits]).to(torch.float64)
+        weights = grouped * scales.double()[:, :, None] + mins.double()[:, :, None]
+        return weights.to(torch.float32).reshape(self.rows, self.cols)
 
 
 def _panel_floats(values: torch.Tensor, padded: int) -> torch.Tensor:
-    """`[rows, blocks]` float32 values as `[panels, blocks, 16]` (flat), zero-padded rows."""
-    rows, blocks = values.shape
-    full = torch.zeros(padded, blocks, dtype=torch.float32)
+    """`[rows, groups]` float32 values as `[panels, groups, 16]` (flat), zero-padded rows."""
+    rows, groups = values.shape
+    full = torch.zeros(padded, groups, dtype=torch.float32)
     full[:rows] = values
-    return full.view(padded // PANEL, PANEL, blocks).permute(0, 2, 1).contiguous().view(-1)
+    return full.view(padded // PANEL, PANEL, groups).permute(0, 2, 1).contiguous().view(-1)
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built kernel library, or None (`kernels.native.load_library`)."""
     quantize = [POINTER, FLAG, SIZE, SIZE, POINTER, POINTER, POINTER]
-    matmul = [FLAG, POINTER, FLAG, SIZE, SIZE, POINTER, POINTER, POINTER]
-    matmul += [POINTER, FLAG, POINTER, POINTER, SIZE, POINTER, FLAG]
+    matmul = [FLAG, POINTER, FLAG, SIZE, SIZE, POINTER, FLAG, POINTER, POINTER, SIZE, POINTER]
+    matmul += [FLAG]
     signatures = {
         "quant_dot_quantize": quantize,
         "quant_dot_matmul": matmul,
@@ -242,7 +251,6 @@ def quant_matmul(x: torch.Tensor, weight: PanelWeight, isa: str | None = None) -
     if chosen not in supported_isas():
         raise ValueError(f"instruction set {chosen!r} is not one of {supported_isas()}")
     rows = flat.shape[0]
-    scratch = _scratch(rows, weight.cols)
     out = torch.empty(rows, weight.rows, dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
     status = library.quant_dot_matmul(
@@ -251,9 +259,6 @@ def quant_matmul(x: torch.Tensor, weight: PanelWeight, isa: str | None = None) -
         bf16,
         rows,
         weight.cols,
-        scratch.codes.data_ptr(),
-        scratch.scales.data_ptr(),
-        scratch.sums.data_ptr(),
         weight.codes.data_ptr(),
         weight.bits,
         weight.scales.data_ptr(),

@@ -23,9 +23,9 @@ int quant_dot_supported(void);
 int quant_dot_isa_supported(int isa);
 int quant_dot_quantize(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* codes, float* dx,
                        float* sx);
-int quant_dot_matmul(int isa, const void* x, int x_bf16, int64_t M, int64_t K, int8_t* codes,
-                     float* dx, float* sx, const uint8_t* weight_codes, int bits,
-                     const float* scales, const float* mins, int64_t N, void* out, int out_bf16);
+int quant_dot_matmul(int isa, const void* x, int x_bf16, int64_t M, int64_t K,
+                     const uint8_t* weight_codes, int bits, const float* scales,
+                     const float* mins, int64_t N, void* out, int out_bf16);
 
 int decode_attention_supported(void);
 int decode_attention(const void* query, int64_t query_row_stride, int64_t query_head_stride,

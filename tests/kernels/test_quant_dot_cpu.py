@@ -121,6 +121,27 @@ def test_every_instruction_set_gives_the_same_bits(kind: gguf.GGMLQuantizationTy
 
 @needs_kernel
 @pytest.mark.parametrize("isa", EXPECTED_ISAS)
+@pytest.mark.parametrize("rows", [1, 64, 100, 300])
+def test_any_number_of_threads_gives_the_same_bits(isa: str, rows: int) -> None:
+    """Threads split (row chunk, panel group) items and quantize their own chunks: an output is
+    computed the same way whichever thread owns it, and chunks shared by two threads agree."""
+    panels = panels_of(Q4_1, 200, 576, seed=11)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(quant_matmul(x, panels, isa))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(results[0], other) for other in results[1:])
+    expected, summation = reference_product(x, *panels.unpacked())
+    assert bool(((results[0].double() - expected).abs() <= summation).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", EXPECTED_ISAS)
 def test_bfloat16_inputs_give_the_float32_result_rounded_once(isa: str) -> None:
     panels = panels_of(Q4_1, 48, 128, seed=9)
     x = torch.randn(2, 6, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
@@ -138,8 +159,12 @@ def test_bad_inputs_are_refused_with_a_clear_error() -> None:
         quant_matmul(torch.randn(2, 64).half(), panels)
     with pytest.raises(ValueError, match="instruction set"):
         quant_matmul(torch.randn(2, 64), panels, "sse2")
-    with pytest.raises(ValueError, match="4- or 8-bit"):
+    with pytest.raises(ValueError, match="4-, 5-, 6- or 8-bit"):
         PanelWeight.pack(
-            torch.zeros(16, 64, dtype=torch.uint8), torch.zeros(16, 2), torch.zeros(16, 2), 5
+            torch.zeros(16, 64, dtype=torch.uint8), torch.zeros(16, 2), torch.zeros(16, 2), 7
+        )
+    with pytest.raises(ValueError, match="below 32"):
+        PanelWeight.pack(
+            torch.full((16, 64), 32, dtype=torch.uint8), torch.zeros(16, 2), torch.zeros(16, 2), 5
         )
     assert quant_matmul(torch.randn(0, 64), panels).shape == (0, 16)
