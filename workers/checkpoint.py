@@ -10,17 +10,27 @@ from __future__ import annotations
 import pathlib
 from contextlib import ExitStack
 from types import TracebackType
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from kernels.gguf_panels import BlockForm
+
+
+class BlockSource(Protocol):
+    """Where a checkpoint's weights were quantized (a GGUF file), their stored block codes."""
+
+    def form(self, name: str, dim: int, start: int, stop: int | None) -> BlockForm | None: ...
 
 
 class CheckpointReader:
     """Name -> tensor slices over one or more safetensors files (memory-mapped, read lazily)."""
 
-    def __init__(self, files: list[pathlib.Path]) -> None:
+    def __init__(self, files: list[pathlib.Path], blocks: BlockSource | None = None) -> None:
         if not files:
             raise ValueError("no *.safetensors weights files found")
+        self._blocks = blocks
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
         self._files = files
@@ -84,6 +94,13 @@ class CheckpointReader:
         else:
             tensor = sliced[:, start:stop]
         return tensor.to(torch.float32)
+
+    def block_form(
+        self, name: str, dim: int = 0, start: int = 0, stop: int | None = None
+    ) -> BlockForm | None:
+        """The slice `read` returns for the same arguments as the block codes it was
+        dequantized from (GGUF files), or None where the reader has none for it."""
+        return None if self._blocks is None else self._blocks.form(name, dim, start, stop)
 
 
 def safetensors_files(directory: pathlib.Path) -> list[pathlib.Path]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -22,9 +23,22 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
 KV_LAYOUTS = ("paged", "contiguous", "virtual")
 
 
+class WorkerConfigError(ValueError):
+    """A `WorkerConfig` refused, naming the field at fault (the engine's config prefixes its
+    section: `cache.block_size`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What the engine asks of the workers (see the README's Workers section for each field)."""
+    """What the engine asks of the workers (see the README's Workers section for each field).
+
+    The one definition of the rules on these knobs: the engine's config copies its fields of
+    the same name into one (`EngineConfig.to_worker_config`) and reports this class's refusals
+    as its own, so a value is checked once, here, whoever builds it."""
 
     model: str = "default"
     dtype: str = "float32"
@@ -74,53 +88,58 @@ class WorkerConfig:
     """Mixture of experts: whole experts per rank instead of every expert's columns split."""
 
     def __post_init__(self) -> None:
-        if self.max_loras < 0 or self.max_lora_rank <= 0:
-            raise ValueError(
-                f"max_loras must be >= 0 and max_lora_rank > 0, got {self.max_loras} and "
-                f"{self.max_lora_rank}"
-            )
+        """The one check of every worker knob; each refusal names its field (`field`)."""
+        for field_name, problem in self._problems():
+            raise WorkerConfigError(field_name, problem)
+
+    def _problems(self) -> Iterator[tuple[str, str]]:
+        if self.max_loras < 0:
+            yield "max_loras", f"max_loras must be >= 0, got {self.max_loras}"
+        if self.max_lora_rank <= 0:
+            yield "max_lora_rank", f"max_lora_rank must be positive, got {self.max_lora_rank}"
         if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout {self.kv_layout!r} is not one of {list(KV_LAYOUTS)}")
+            yield "kv_layout", f"kv_layout {self.kv_layout!r} is not one of {list(KV_LAYOUTS)}"
         if self.kv_layout == "virtual" and self.kv_virtual_slots <= 0:
-            raise ValueError("kv_layout 'virtual' needs kv_virtual_slots > 0")
+            yield "kv_virtual_slots", "kv_layout 'virtual' needs kv_virtual_slots > 0"
         if self.dtype != "auto" and self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"dtype {self.dtype!r} is not 'auto' or one of {sorted(SUPPORTED_DTYPES)}"
-            )
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.tensor_parallel_size <= 0:
-            raise ValueError(
-                f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}"
+            yield (
+                "dtype",
+                f"dtype {self.dtype!r} is not 'auto' or one of {sorted(SUPPORTED_DTYPES)}",
             )
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device {self.device!r} is not 'auto', 'cpu' or 'cuda'")
+            yield "device", f"device {self.device!r} is not 'auto', 'cpu' or 'cuda'"
         if self.backend not in ("ray", "local"):
-            raise ValueError(f"backend {self.backend!r} is not 'ray' or 'local'")
-        if self.backend == "local" and self.tensor_parallel_size != 1:
-            raise ValueError(
-                "backend 'local' runs one in-process rank: tensor_parallel_size must be 1"
-            )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        optional_counts = {
+            yield "backend", f"backend {self.backend!r} is not 'ray' or 'local'"
+        positive = {
+            "block_size": self.block_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
             "num_device_blocks": self.num_device_blocks,
             "kv_cache_bytes": self.kv_cache_bytes,
-            "num_cpu_blocks": self.num_cpu_blocks,
             "max_model_len": self.max_model_len,
         }
-        for name, value in optional_counts.items():
+        for name, value in positive.items():
             if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive when given, got {value}")
+                yield name, f"{name} must be positive, got {value}"
+        if self.backend == "local" and self.tensor_parallel_size != 1:
+            yield (
+                "tensor_parallel_size",
+                "backend 'local' runs one in-process rank: tensor_parallel_size must be 1",
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            yield (
+                "gpu_memory_utilization",
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+            )
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            yield "num_cpu_blocks", f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}"
         if self.swap_space_bytes < 0:
-            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
-        if self.num_threads is not None and self.num_threads != "auto":
-            if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int):
-                raise ValueError(f"num_threads must be 'auto' or an int, got {self.num_threads!r}")
-            if self.num_threads <= 0:
-                raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+            yield "swap_space_bytes", f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}"
+        threads = self.num_threads
+        if threads is not None and threads != "auto":
+            if isinstance(threads, bool) or not isinstance(threads, int):
+                yield "num_threads", f"num_threads must be 'auto' or an int, got {threads!r}"
+            elif threads <= 0:
+                yield "num_threads", f"num_threads must be positive, got {threads}"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,15 +1,15 @@
 """The model's decode steps through one native call (`kernels.decoder_stack_cpu`) where it can.
 
-`NativeDecode.build(model)` says once, after loading, whether the whole stack can run natively:
-a CPU model of Llama's layer (`ModelVariant` at its defaults) on one rank, float32 or
-bfloat16, with the native layer ops, every linear layer's exact 4-bit copy and no biases.
-`NativeDecode.forward` then takes each step that is all decodes
-(one token per sequence) of at most `max_rows` sequences (by default where the per-operator path
-multiplies on the 4-bit copy too: `Q4_MAX_ROWS`, 8 in bfloat16, 16 in float32), in the paged
-layout and without LoRA; it returns None for every other step, which keeps the per-operator
-path. (Beyond 8 bfloat16 rows the 4-bit kernel's float32 arithmetic is slower than oneDNN's
-bfloat16 product, so the stack stops paying there: benchmarks/README.md, "Figures behind
-choices in the code".)
+The model builds its own stack layers once, after loading (`CausalLM.native_stack`: a CPU model
+of Llama's layer on one rank, with the native layer ops, every linear layer's exact 4-bit copy
+and no biases); `NativeDecode.build` makes the native stack of them where the kernels take its
+dtype (float32 or bfloat16) and geometry. `NativeDecode.forward` then takes each step that is
+all decodes (one token per sequence) of at most `max_rows` sequences (by default where the
+per-operator path multiplies on the 4-bit copy too: `Q4_MAX_ROWS`, 8 in bfloat16, 16 in
+float32), in the paged layout and without LoRA; it returns None for every other step, which
+keeps the per-operator path. (Beyond 8 bfloat16 rows the 4-bit kernel's float32 arithmetic is
+slower than oneDNN's bfloat16 product, so the stack stops paying there: benchmarks/README.md,
+"Figures behind choices in the code".)
 
 Invariant: where it runs, its results are bit-identical to the per-operator path's (the same
 kernels in the same order, `kernels.decoder_stack_cpu`), so the greedy parity tests cover it;
@@ -19,17 +19,22 @@ each row's result is independent of the rest of the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import AttentionStep, decoder_stack_cpu
 from kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
 from workers.dense_matmul import Q4_MAX_ROWS
-from workers.layer_ops import NativeCpuLayerOps
 
-if TYPE_CHECKING:
-    from workers.model import CausalLM
+
+@dataclass(frozen=True)
+class NativeStack:
+    """A loaded model's decoder as the native stack takes it: every layer's weights, the
+    geometry they share, and the final norm's weight."""
+
+    layers: list[StackLayer]
+    shape: StackShape
+    final_norm: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -41,49 +46,14 @@ class NativeDecode:
     """The most decodes a step may have to go through the stack."""
 
     @staticmethod
-    def build(model: CausalLM) -> NativeDecode | None:
-        """The native stack of a loaded model, or None where it cannot run it."""
-        spec = model.spec
-        usable = (
-            decoder_stack_cpu.available()
-            and isinstance(model.ops, NativeCpuLayerOps)
-            and model.tp.world_size == 1
-            and len(model.layers) > 0
-            and spec.variant.is_default  # the stack computes Llama's layer only
-        )
-        if not usable:
+    def build(parts: NativeStack | None) -> NativeDecode | None:
+        """The native stack of a model's `parts`, or None where there are none or the
+        kernels cannot run them."""
+        if parts is None or not decoder_stack_cpu.available():
             return None
-        layers = []
-        for index, layer in enumerate(model.layers):
-            attention, mlp = layer.self_attn, layer.mlp
-            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(linear.matmul.q4 is None or linear.bias is not None for linear in linears):
-                return None  # no exact 4-bit copy, or a bias the stack does not add
-            qkv, out, gate_up, down = (linear.matmul.q4 for linear in linears)
-            layers.append(
-                StackLayer(
-                    input_norm=layer.input_layernorm.weight.detach(),
-                    qkv=qkv,
-                    out=out,
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=gate_up,
-                    down=down,
-                    window=spec.layer_sliding_windows[index],
-                )
-            )
-        first = model.layers[0].self_attn
-        shape = StackShape(
-            hidden=spec.hidden_size,
-            num_q=first.num_q,
-            num_kv=first.num_kv,
-            head_dim=first.head_dim,
-            intermediate=model.layers[0].mlp.down_proj.weight.shape[1],
-            eps=model.norm.eps,
-            scale=first.scale,
-        )
-        dtype = layers[0].input_norm.dtype
+        dtype = parts.layers[0].input_norm.dtype
         try:
-            stack = DecoderStack(layers, shape, model.norm.weight.detach(), dtype)
+            stack = DecoderStack(parts.layers, parts.shape, parts.final_norm, dtype)
         except ValueError:
             return None  # a dtype, geometry or norm the kernels do not take
         return NativeDecode(stack, max_rows=Q4_MAX_ROWS[dtype])

@@ -21,8 +21,10 @@ the sums are float32, the result is rounded once), so a bfloat16 model's decode 
 to float32 than its larger batches.
 
 With `quantized_activations` (the model's setting, off by default) such a layer also keeps its
-codes in the layout of `kernels.quant_dot_cpu`, and every call quantizes `x` to int8 per
-row-block of 32 and multiplies with integer dot products: not float32-exact
+codes in the layout of `kernels.quant_dot_cpu` (as does a layer whose GGUF blocks are handed
+over by `adopt_panels`: Q4_0, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K), and every call
+quantizes `x` to int8 per row-block of 32 and multiplies with integer dot products: not
+float32-exact
 (docs/quantized_activations.md). The 4-bit copy then serves only the native decoder stack
 (`workers.decoder_stack`), which keeps its exact decode steps.
 
@@ -49,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import q4_cpu, quant_dot_cpu
+from kernels.gguf_panels import BlockForm
 
 PACK_BATCH_HINT = 16
 """The batch size oneDNN is told to expect when it picks the packed layout (decode batches)."""
@@ -90,9 +93,8 @@ class DenseMatmul:
         `quant_dot_cpu` panels where that kernel runs); otherwise keep nothing. The blocks are
         stacked only when a copy can be kept, so other models pay no copy at load."""
         self.q4, self.panels = None, None
-        usable = self.weight.device.type == "cpu" and self.weight.dtype in Q4_MAX_ROWS
-        keep_q4 = usable and self.quantized_decode and q4_cpu.available()
-        keep_panels = usable and self.quantized_activations and quant_dot_cpu.available()
+        keep_q4 = self._usable() and self.quantized_decode and q4_cpu.available()
+        keep_panels = self.wants_panels()
         if not (keep_q4 or keep_panels):
             return
         if sum(block.shape[0] for block in row_blocks) != self.weight.shape[0]:
@@ -102,6 +104,22 @@ class DenseMatmul:
         if exact is not None:
             self.q4 = exact if keep_q4 else None
             self.panels = quant_dot_cpu.PanelWeight.from_q4(exact) if keep_panels else None
+
+    def _usable(self) -> bool:
+        return self.weight.device.type == "cpu" and self.weight.dtype in Q4_MAX_ROWS
+
+    def wants_panels(self) -> bool:
+        """Whether this layer would keep panels (`quantized_activations`, a CPU float weight,
+        the kernel runs here) and has none yet."""
+        keep = self._usable() and self.quantized_activations and quant_dot_cpu.available()
+        return keep and self.panels is None
+
+    def adopt_panels(self, form: BlockForm | None) -> None:
+        """Keep the weight's stored block codes (a GGUF file's, `kernels.gguf_panels`) as
+        panels where `wants_panels()`; `pack()` drops them unless they dequantize to the weight
+        bit for bit."""
+        if form is not None and self.wants_panels() and form.codes.shape == self.weight.shape:
+            self.panels = form.panels()
 
     def pack(self) -> None:
         """Snapshot the weight into oneDNN's layout (a no-op where `can_pack` is false), and drop

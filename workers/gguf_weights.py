@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from workers.config import ModelSpec, RopeSpec
-from workers.families import Family, family_named
+from workers.families import Family, family_named, gguf_family
 
 GLOBAL_TENSOR_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -103,14 +103,21 @@ def _longrope_from_gguf(
 def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
     """The model description of a GGUF file's metadata."""
     arch_name = str(_field(reader, "general.architecture", ""))
-    family = family_named(arch_name)
 
     def metadata(key: str, default: Any) -> Any:
         return _field(reader, key, default)
 
+    family = gguf_family(arch_name, metadata)
+
     shapes = {tensor.name: tensor.shape for tensor in reader.tensors}
     if "token_embd.weight" not in shapes:
         raise ValueError("GGUF file has no token_embd.weight tensor")
+    if family.gguf_experts and "blk.0.ffn_gate_exps.weight" not in shapes:
+        raise ValueError(
+            f"GGUF {arch_name}.expert_count is set but blk.0.ffn_gate_exps.weight is missing: "
+            "only expert stacks (blk.N.ffn_{gate,up,down}_exps) are supported, not one tensor "
+            "per expert (blk.N.ffn_gate.E.weight, older llama.cpp files); convert it again"
+        )
     hidden = int(_field(reader, f"{arch_name}.embedding_length"))
     heads = int(_field(reader, f"{arch_name}.attention.head_count"))
     layers = int(_field(reader, f"{arch_name}.block_count"))
@@ -198,7 +205,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def dequantized_tensors(reader: gguf.GGUFReader, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Every used tensor dequantized to float32 under its HF name, Q/K rows in HF order."""
-    family = family_named(str(_field(reader, "general.architecture", "")))
+    family = family_named(spec.architecture)  # the one `spec_from_gguf` found
     permuted = family.gguf_qk_permuted
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:

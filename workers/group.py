@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from workers.config import ModelInfo, WorkerConfig
+from workers.block_io import BlockShard
+from workers.config import ModelInfo, ModelSpec, WorkerConfig
 from workers.cpu_features import auto_dtype
 from workers.kv_memory import KVShape
-from workers.loader import ModelDescription, describe_model
+from workers.loader import ModelDescription, describe_model, read_metadata
 from workers.lora import AdapterSummary
 from workers.model_source import resolve_model_path
 from workers.parallel import check_tensor_parallel
@@ -58,8 +59,8 @@ class CallOverhead:
         return self.total / self.steps if self.steps else 0.0
 
 
-def _max_model_len(config: WorkerConfig, description: ModelDescription) -> int:
-    limit = description.spec.max_position_embeddings
+def _max_model_len(config: WorkerConfig, spec: ModelSpec) -> int:
+    limit = spec.max_position_embeddings
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
@@ -101,11 +102,12 @@ class WorkerGroup:
 
     def __init__(self, config: WorkerConfig) -> None:
         cache_root = pathlib.Path(config.weights_cache_dir or default_cache_root())
-        description = describe_model(resolve_model_path(config.model), cache_root)
-        check_tensor_parallel(
-            description.spec, config.tensor_parallel_size, config.enable_expert_parallel
-        )
-        max_model_len = _max_model_len(config, description)
+        path = resolve_model_path(config.model)
+        metadata = read_metadata(path)  # refusals from the metadata first: no weights read
+        spec = metadata.spec
+        check_tensor_parallel(spec, config.tensor_parallel_size, config.enable_expert_parallel)
+        max_model_len = _max_model_len(config, spec)
+        description = describe_model(path, cache_root, metadata)
         self.overhead = CallOverhead()
         self._local: WorkerRank | None = None
         # Local backend only (a RankThread starts its thread on first use). The rank thread
@@ -180,6 +182,12 @@ class WorkerGroup:
             ]
         )
 
+    @property
+    def local_rank(self) -> WorkerRank | None:
+        """The in-process rank (backend "local"), for tools that observe its steps from
+        outside (the layouts benchmark); None for Ray actors. Read it only between steps."""
+        return self._local
+
     def rank_nodes(self) -> list[str]:
         """The Ray node id of every rank actor, in rank order (empty for the local backend)."""
         if not self._actors:
@@ -246,6 +254,28 @@ class WorkerGroup:
         assert output is not None
         self.overhead.record(time.perf_counter() - began, output.forward_seconds)
         return output
+
+    async def read_blocks_async(self, sources: list[tuple[str, int]]) -> list[BlockShard]:
+        """Every rank's `BlockShard` of the (tier, block) `sources`, in rank order; each rank
+        reads only its own KV heads, between its steps."""
+        if self._local is not None:
+            return [await self._rank_thread.call_async(self._local.read_blocks, sources)]
+        return list(await asyncio.gather(*[a.read_blocks.remote(sources) for a in self._actors]))
+
+    async def write_blocks_async(self, blocks: list[int], shards: list[BlockShard]) -> int:
+        """Rank i writes `shards[i]` into device `blocks`; returns how many leading blocks every
+        rank verified and wrote (blocks past it must not be used)."""
+        if len(shards) != self.config.tensor_parallel_size:
+            raise ValueError(
+                f"{len(shards)} shards for {self.config.tensor_parallel_size} ranks (the peer "
+                "runs another tensor-parallel split)"
+            )
+        if self._local is not None:
+            return await self._rank_thread.call_async(self._local.write_blocks, blocks, shards[0])
+        written = await asyncio.gather(
+            *[a.write_blocks.remote(blocks, s) for a, s in zip(self._actors, shards, strict=True)]
+        )
+        return min(written)
 
     def shutdown(self) -> None:
         """Stop every rank and release the placement group (idempotent)."""

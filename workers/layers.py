@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import q8_cpu, quant_dot_cpu
+from kernels.gguf_panels import stack_forms
 from kernels.q8_cpu import Q8Weight
 from kernels.quant_dot_cpu import PanelWeight
 from workers.checkpoint import CheckpointReader
@@ -109,6 +110,14 @@ class ColumnParallelLinear(torch.nn.Module):
                 self.bias[row : row + count].copy_(bias)
             row += count
         self.matmul.adopt_exact_source(*sources)
+        if self.matmul.wants_panels():  # not recovered from the values: the file's own codes
+            forms = [
+                reader.block_form(f"{prefix}{segment.name}.weight", 0, segment.start, segment.stop)
+                for segment in self.segments
+            ]
+            held = [form for form in forms if form is not None]
+            if len(held) == len(forms):
+                self.matmul.adopt_panels(stack_forms(held))
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -151,6 +160,8 @@ class RowParallelLinear(torch.nn.Module):
         weight = reader.read(f"{name}.weight", full, 1, start, stop)
         self.weight.copy_(weight)
         self.matmul.adopt_exact_source(weight)
+        if self.matmul.wants_panels():
+            self.matmul.adopt_panels(reader.block_form(f"{name}.weight", 1, start, stop))
         if self.bias is not None:
             self.bias.copy_(reader.read(f"{name}.bias", (self.output_size,)))
 

@@ -2,7 +2,8 @@
 
 `describe_model` is cheap enough for the driver (reads metadata, hashes the weights once, then
 remembers the digest); `load_model_shard` runs on each rank and reads only that rank's rows and
-columns (for GGUF, from the dequantized cache it builds on first use).
+columns (for GGUF, from the dequantized cache it builds on first use; with
+`quantized_activations` also the file's block codes, `workers.gguf_blocks`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from workers.checkpoint import CheckpointReader, safetensors_files
 from workers.config import ModelSpec
 from workers.families import family_named
+from workers.gguf_blocks import GgufBlockSource
 from workers.gguf_weights import (
     check_tensor_types,
     ensure_dequantized_cache,
@@ -48,27 +50,43 @@ def _check_hf_quantization(directory: pathlib.Path) -> None:
         )
 
 
-def read_spec(path: pathlib.Path) -> ModelSpec:
-    """The architecture of the model at `path` from its metadata only (no weights read, no
-    digest): what config checks need before any replica starts."""
-    if is_gguf(path):
-        return spec_from_gguf(open_gguf(path))
-    return spec_from_hf_directory(path)
+@dataclass(frozen=True)
+class ModelMetadata:
+    """What a model's metadata alone tells (no weights read, no digest)."""
+
+    spec: ModelSpec
+    quantization: str
 
 
-def describe_model(path: pathlib.Path, cache_root: pathlib.Path) -> ModelDescription:
-    """Spec, quantization and weights digest of the model at `path` (a .gguf or HF directory)."""
+def read_metadata(path: pathlib.Path) -> ModelMetadata:
+    """The architecture and quantization of the model at `path` from its metadata only: what
+    config checks need before any replica starts. Refuses, with a ValueError naming the field
+    and what is supported, an architecture we do not run, a GGUF tensor type we cannot read and
+    a quantized HF checkpoint. Reads the GGUF header once (parsing it is the slow part)."""
     if is_gguf(path):
         reader = open_gguf(path)
         check_tensor_types(reader)
-        spec = spec_from_gguf(reader)
-        quantization = quantization_name(reader)
-    else:
-        _check_hf_quantization(path)
-        spec = spec_from_hf_directory(path)
+        return ModelMetadata(spec_from_gguf(reader), quantization_name(reader))
+    _check_hf_quantization(path)
+    return ModelMetadata(spec_from_hf_directory(path), "none")
+
+
+def read_spec(path: pathlib.Path) -> ModelSpec:
+    """`read_metadata(path).spec`."""
+    return read_metadata(path).spec
+
+
+def describe_model(
+    path: pathlib.Path, cache_root: pathlib.Path, metadata: ModelMetadata | None = None
+) -> ModelDescription:
+    """Spec, quantization and weights digest of the model at `path` (a .gguf or HF directory);
+    `metadata` when the caller has read it already."""
+    metadata = metadata if metadata is not None else read_metadata(path)
+    if not is_gguf(path):
         safetensors_files(path)
-        quantization = "none"
-    return ModelDescription(path, spec, quantization, weights_digest(path, cache_root))
+    return ModelDescription(
+        path, metadata.spec, metadata.quantization, weights_digest(path, cache_root)
+    )
 
 
 def load_model_shard(
@@ -82,18 +100,21 @@ def load_model_shard(
 ) -> CausalLM:
     """Rank `tp.rank`'s shard of the model on `device` in `dtype`, weights loaded
     (`quantized_decode`, `quantized_activations`: see `CausalLM`)."""
+    blocks = None
     if is_gguf(description.path):
         files = [
             ensure_dequantized_cache(
                 description.path, description.spec, description.weights_digest, cache_root
             )
         ]
+        if quantized_activations:  # the layers keep the file's own codes (K-quants included)
+            blocks = GgufBlockSource(open_gguf(description.path), description.spec)
     else:
         files = safetensors_files(description.path)
     with torch.device(device):
         model = CausalLM(description.spec, tp, dtype, quantized_decode, quantized_activations)
     family = family_named(description.spec.architecture)
-    with CheckpointReader(files) as checkpoint:
+    with CheckpointReader(files, blocks) as checkpoint:
         view = family.checkpoint_view(checkpoint, description.spec)
         model.load(partial_rotary_view(view, description.spec))
     return model.eval()

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import AttentionStep, PagedAttentionStep, prepare_attention
+from kernels.decoder_stack_cpu import StackLayer, StackShape
 from kernels.range_attention import RangeAttention
 from workers.checkpoint import CheckpointReader
 from workers.config import ModelSpec
-from workers.decoder_stack import NativeDecode
-from workers.layer_ops import LayerOps, layer_ops_for
+from workers.decoder_stack import NativeDecode, NativeStack
+from workers.layer_ops import LayerOps, NativeCpuLayerOps, layer_ops_for
 from workers.layers import (
     ColumnParallelLinear,
     RMSNorm,
@@ -215,6 +216,12 @@ class GatedMLP(torch.nn.Module):
 class DecoderLayer(torch.nn.Module):
     """Pre-norm attention and MLP blocks around the residual stream.
 
+    Llama's layer norms the attention's output and the MLP's input together
+    (`post_attention_layernorm`, folded into the residual add). With
+    `ModelVariant.sandwich_norms` (Gemma) the attention and MLP outputs are normed too before
+    they join the stream (`post_attention_layernorm`, `post_feedforward_layernorm`), and the
+    MLP's input norm is `pre_feedforward_layernorm`.
+
     The MLP's output is not added here but handed on as the next block's pending `delta`, so
     that the add and the next norm are one `LayerOps.add_norm`."""
 
@@ -228,15 +235,19 @@ class DecoderLayer(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.ops = ops
-        offset = spec.variant.norm_offset
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, offset)
+        offset, eps = spec.variant.norm_offset, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps, dtype, offset)
         self.self_attn = Attention(spec, layer_index, tp, dtype, ops)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, offset)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, dtype, offset)
         self.mlp: GatedMLP | SparseMoE = (
             SparseMoE(spec, layer_index, tp, dtype)
             if spec.variant.num_experts
             else GatedMLP(spec, layer_index, tp, dtype, ops)
         )
+        self.sandwich = spec.variant.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, dtype, offset)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, dtype, offset)
 
     def forward(
         self,
@@ -251,53 +262,45 @@ class DecoderLayer(torch.nn.Module):
         returns the new stream as (residual, the MLP's output still to be added)."""
         hidden, normed = self.ops.add_norm(hidden, delta, self.input_layernorm)
         attended = self.self_attn(normed, cos_sin, step, kv_layer[0], kv_layer[1], lora)
-        hidden, normed = self.ops.add_norm(hidden, attended, self.post_attention_layernorm)
-        return hidden, self.mlp(normed, lora)
+        if not self.sandwich:
+            hidden, normed = self.ops.add_norm(hidden, attended, self.post_attention_layernorm)
+            return hidden, self.mlp(normed, lora)
+        attended = self.post_attention_layernorm(attended)
+        hidden, normed = self.ops.add_norm(hidden, attended, self.pre_feedforward_layernorm)
+        return hidden, self.post_feedforward_layernorm(self.mlp(normed, lora))
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         self.input_layernorm.load(reader, f"{prefix}input_layernorm.weight")
         self.post_attention_layernorm.load(reader, f"{prefix}post_attention_layernorm.weight")
         self.self_attn.load(reader, f"{prefix}self_attn.")
         self.mlp.load(reader, f"{prefix}mlp.")
+        if self.sandwich:
+            self.pre_feedforward_layernorm.load(reader, f"{prefix}pre_feedforward_layernorm.weight")
+            self.post_feedforward_layernorm.load(
+                reader, f"{prefix}post_feedforward_layernorm.weight"
+            )
 
-
-class SandwichDecoderLayer(DecoderLayer):
-    """Gemma's layer: the attention and MLP outputs are normed too before they join the
-    residual stream (`post_attention_layernorm`, `post_feedforward_layernorm`), and the MLP's
-    input norm is `pre_feedforward_layernorm`."""
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        layer_index: int,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        ops: LayerOps,
-    ) -> None:
-        super().__init__(spec, layer_index, tp, dtype, ops)
-        offset, eps = spec.variant.norm_offset, spec.rms_norm_eps
-        self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, dtype, offset)
-        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, dtype, offset)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        delta: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        step: AttentionStep,
-        kv_layer: torch.Tensor,
-        lora: LoRAStep | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, normed = self.ops.add_norm(hidden, delta, self.input_layernorm)
-        attended = self.self_attn(normed, cos_sin, step, kv_layer[0], kv_layer[1], lora)
-        attended = self.post_attention_layernorm(attended)
-        hidden, normed = self.ops.add_norm(hidden, attended, self.pre_feedforward_layernorm)
-        return hidden, self.post_feedforward_layernorm(self.mlp(normed, lora))
-
-    def load(self, reader: CheckpointReader, prefix: str) -> None:
-        super().load(reader, prefix)
-        self.pre_feedforward_layernorm.load(reader, f"{prefix}pre_feedforward_layernorm.weight")
-        self.post_feedforward_layernorm.load(reader, f"{prefix}post_feedforward_layernorm.weight")
+    def stack_layer(self) -> StackLayer | None:
+        """This layer as one layer of the native decoder stack (`kernels.decoder_stack_cpu`),
+        or None where the stack does not compute it: sandwich norms, experts, a product
+        without its exact 4-bit copy, or a bias."""
+        if self.sandwich or not isinstance(self.mlp, GatedMLP):
+            return None
+        attention, mlp = self.self_attn, self.mlp
+        linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(linear.matmul.q4 is None or linear.bias is not None for linear in linears):
+            return None
+        qkv, out, gate_up, down = (linear.matmul.q4 for linear in linears)
+        assert qkv is not None and out is not None and gate_up is not None and down is not None
+        return StackLayer(
+            input_norm=self.input_layernorm.weight.detach(),
+            qkv=qkv,
+            out=out,
+            post_norm=self.post_attention_layernorm.weight.detach(),
+            gate_up=gate_up,
+            down=down,
+            window=attention.sliding_window,
+        )
 
 
 class CausalLM(torch.nn.Module):
@@ -336,9 +339,8 @@ class CausalLM(torch.nn.Module):
         self.ops = layer_ops_for(torch.empty(0).device)  # the device being built on
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, dtype)
         variant = spec.variant
-        layer_class = SandwichDecoderLayer if variant.sandwich_norms else DecoderLayer
         self.layers = torch.nn.ModuleList(
-            layer_class(spec, i, tp, dtype, self.ops) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, tp, dtype, self.ops) for i in range(spec.num_layers)
         )
         head_dtype = torch.float32 if self.reduced else dtype
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, head_dtype, variant.norm_offset)
@@ -421,4 +423,34 @@ class CausalLM(torch.nn.Module):
             self.lm_head.head_matmul.pack()
         if self.quantized_decode or self.quantized_activations:
             self.lm_head.keep_exact_q8(self.quantized_decode, self.quantized_activations)
-        self.native_decode = NativeDecode.build(self)
+        self.native_decode = NativeDecode.build(self.native_stack())
+
+    def native_stack(self) -> NativeStack | None:
+        """The whole stack as the native decoder stack takes it, or None where it cannot run
+        it: Llama's layer only (`ModelVariant` at its defaults), on one rank, with the native
+        layer ops, and every layer one it computes (`DecoderLayer.stack_layer`)."""
+        usable = (
+            isinstance(self.ops, NativeCpuLayerOps)
+            and self.tp.world_size == 1
+            and len(self.layers) > 0
+            and self.spec.variant.is_default
+        )
+        if not usable:
+            return None
+        layers = [layer.stack_layer() for layer in self.layers]
+        if any(layer is None for layer in layers):
+            return None
+        first = self.layers[0]
+        attention = first.self_attn
+        assert isinstance(first.mlp, GatedMLP)
+        shape = StackShape(
+            hidden=self.spec.hidden_size,
+            num_q=attention.num_q,
+            num_kv=attention.num_kv,
+            head_dim=attention.head_dim,
+            intermediate=first.mlp.down_proj.weight.shape[1],
+            eps=self.norm.eps,
+            scale=attention.scale,
+        )
+        kept = [layer for layer in layers if layer is not None]
+        return NativeStack(kept, shape, self.norm.weight.detach())

@@ -56,26 +56,29 @@ class HeadLayout:
 
 
 def check_tensor_parallel(spec: ModelSpec, world_size: int, expert_parallel: bool = False) -> None:
-    """Raise a ValueError naming the problem when `world_size` cannot split this model; the
-    message gives the model's query and KV head counts (and the sizes that would work)."""
+    """Raise a ValueError naming the problem when `world_size` cannot split this model: the
+    count at fault, the model's query and KV head counts, and the degrees that split all of
+    it (heads, KV heads, MLP columns, and the experts or each expert's columns)."""
     experts = spec.variant.num_experts
     if expert_parallel and experts == 0:
-        raise ValueError("enable_expert_parallel needs a mixture-of-experts model")
+        raise ValueError(
+            "enable_expert_parallel needs a mixture-of-experts model; this one is dense "
+            f"({spec.architecture})"
+        )
+    fitting = [n for n in range(1, spec.num_heads + 1) if _splits(spec, n, expert_parallel)]
+    heads = f"(the model has {spec.num_heads} attention heads and {spec.num_kv_heads} KV heads"
+    hint = f"; tensor_parallel_size may be one of {fitting})"
     if expert_parallel and experts % world_size:
-        fitting = [n for n in range(1, experts + 1) if experts % n == 0]
         raise ValueError(
             f"enable_expert_parallel: tensor_parallel_size {world_size} does not divide the "
-            f"model's {experts} experts (tensor_parallel_size may be one of {fitting})"
+            f"model's {experts} experts {heads}{hint}"
         )
     width = spec.variant.expert_intermediate_size
     if experts and not expert_parallel and width and width % world_size:
         raise ValueError(
             f"tensor_parallel_size {world_size} does not divide the model's expert "
-            f"intermediate size {width} (or pass enable_expert_parallel)"
+            f"intermediate size {width} {heads}{hint}; or pass enable_expert_parallel"
         )
-    heads = f"(the model has {spec.num_heads} attention heads and {spec.num_kv_heads} KV heads"
-    fitting = [n for n in range(1, spec.num_heads + 1) if _splits(spec, n)]
-    hint = f"; tensor_parallel_size may be one of {fitting})"
     if spec.num_heads % world_size:
         raise ValueError(
             f"tensor_parallel_size {world_size} does not divide the model's "
@@ -99,12 +102,19 @@ def check_tensor_parallel(spec: ModelSpec, world_size: int, expert_parallel: boo
         )
 
 
-def _splits(spec: ModelSpec, world_size: int) -> bool:
+def _splits(spec: ModelSpec, world_size: int, expert_parallel: bool = False) -> bool:
     kv = spec.num_kv_heads
+    experts = spec.variant.num_experts
+    width = spec.variant.expert_intermediate_size
+    if experts and expert_parallel:
+        experts_split = experts % world_size == 0
+    else:
+        experts_split = not (experts and width) or width % world_size == 0
     return (
         spec.num_heads % world_size == 0
         and (kv % world_size == 0 if kv >= world_size else world_size % kv == 0)
         and spec.intermediate_size % world_size == 0
+        and experts_split
     )
 
 

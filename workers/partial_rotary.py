@@ -41,6 +41,10 @@ class PartialRotaryView:
         self.head_dim = spec.head_dim
         self.order = head_order(spec.head_dim, spec.rope.rotary_dim(spec.head_dim))
 
+    def block_form(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> None:
+        """No stored block codes through this view: its layers keep their dense products."""
+        return None
+
     def read(
         self,
         name: str,

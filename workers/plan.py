@@ -150,11 +150,6 @@ class StepOutput:
     step_id: int
     samples: dict[int, list[SampledToken]] = field(default_factory=dict)
     forward_seconds: float = 0.0
-    page_faults: int = 0
-    """Minor page faults rank 0's process took during the step's forward pass (getrusage)."""
     corrupt_swap_ins: list[BlockPair] = field(default_factory=list)
     """(CPU block, device block) pairs of `swap_in` / `promote` whose CPU bytes failed their
     checksum (`verify_swaps`): the engine fails every sequence holding the device block."""
-    kv_backed_bytes: int | None = None
-    """Bytes of rank 0's KV pool physically resident after the step (the `virtual` layout's
-    mapping, measured with mincore); None for a pool that is committed whole."""

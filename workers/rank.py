@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import pathlib
-import resource
 import socket
 import time
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import allocate_kv_pool, copy_blocks, swap_blocks
+from workers import block_io
 from workers.batch import SequenceRegistry, pack_batch
 from workers.config import WorkerConfig
 from workers.kv_memory import KVShape, cpu_device_blocks, cpu_swap_blocks, cuda_device_blocks
@@ -320,6 +320,20 @@ class WorkerRank:
             copy_blocks(self.device_pool, _pairs_tensor(plan.copy_pairs).to(self.device))
         return corrupt
 
+    def read_blocks(self, sources: list[tuple[str, int]]) -> block_io.BlockShard:
+        """This rank's bytes of the (tier, block) `sources`, with their checksums (a peer
+        replica pulls them; the engine pins the blocks until this returned)."""
+        assert self.device_pool is not None, "rank not allocated"
+        return block_io.read_from_tiers(
+            self.device_pool, self.cpu_pool, sources, self.cpu_checksums
+        )
+
+    def write_blocks(self, blocks: list[int], shard: block_io.BlockShard) -> int:
+        """Writes the verified leading rows of a peer's `shard` into device `blocks` (held by
+        the engine for this); returns how many rows passed their checksum and were written."""
+        assert self.device_pool is not None, "rank not allocated"
+        return block_io.write_blocks(self.device_pool, blocks, shard)
+
     def execute(self, plan: StepPlan) -> StepOutput | None:
         """Swaps, copies, forward, and (rank 0) sampling. Ranks other than 0 return None.
 
@@ -362,12 +376,10 @@ class WorkerRank:
         output = StepOutput(step_id=plan.step_id, corrupt_swap_ins=corrupt)
         logits = None
         if plan.sequences:
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             lora = None
             if self.lora is not None and batch.lora_slots is not None:
                 lora = LoRAStep.prepare(self.lora.slots, batch.lora_slots)
             hidden = self.model(batch.token_ids, batch.metadata, self.device_pool, lora)
-            output.page_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             if batch.sample_requests:
                 logits = self.model.logits(hidden[batch.metadata.logits_indices])
                 if self.tp.rank == 0:
@@ -377,8 +389,6 @@ class WorkerRank:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         output.forward_seconds = time.perf_counter() - began
-        if self.virtual_pool is not None:
-            output.kv_backed_bytes = self.virtual_pool.resident_bytes()
         if self.tp.rank != 0:
             return None, None
         kept = logits.cpu() if keep_logits and logits is not None else None

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -33,7 +34,7 @@ class ModelSettings(_Section):
         description="auto: bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16, "
         "AMX), float32 elsewhere; float32 is the exact mode",
     )
-    max_model_len: int | None = Field(None, gt=0, description="default: the model's context")
+    max_model_len: int | None = Field(None, description="default: the model's context")
     seed: int = Field(0, ge=0, description="seed of requests that do not give one (with a counter)")
     weights_cache_dir: str | None = None
     quantized_decode: bool = Field(
@@ -52,12 +53,12 @@ class ModelSettings(_Section):
 
 
 class CacheSettings(_Section):
-    block_size: int = Field(16, gt=0, le=256)
-    num_device_blocks: int | None = Field(None, gt=0)
-    kv_cache_bytes: int | None = Field(None, gt=0, description="device KV budget (CPU backend)")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    num_cpu_blocks: int | None = Field(None, ge=0)
-    swap_space_bytes: int = Field(256 * MIB, ge=0)
+    block_size: int = Field(16, le=256)
+    num_device_blocks: int | None = None
+    kv_cache_bytes: int | None = Field(None, description="device KV budget (CPU backend)")
+    gpu_memory_utilization: float = 0.9
+    num_cpu_blocks: int | None = None
+    swap_space_bytes: int = 256 * MIB
     watermark: float = Field(
         0.01, ge=0.0, lt=1.0, description="device fraction kept free at admission"
     )
@@ -90,7 +91,7 @@ class CacheSettings(_Section):
 
 
 class ParallelSettings(_Section):
-    tensor_parallel_size: int = Field(1, gt=0)
+    tensor_parallel_size: int = 1
     backend: Literal["ray", "local"] = "ray"
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
@@ -108,17 +109,6 @@ class ParallelSettings(_Section):
         description="mixture-of-experts models: whole experts per rank instead of every "
         "expert's intermediate columns split across the tensor-parallel ranks",
     )
-
-    @model_validator(mode="after")
-    def _local_is_single_rank(self) -> ParallelSettings:
-        if self.backend == "local" and self.tensor_parallel_size != 1:
-            raise ValueError(
-                "parallel.backend 'local' runs one in-process rank: "
-                "parallel.tensor_parallel_size must be 1"
-            )
-        if isinstance(self.num_threads, int) and self.num_threads <= 0:
-            raise ValueError(f"parallel.num_threads must be positive, got {self.num_threads}")
-        return self
 
 
 class SchedulerSettings(_Section):
@@ -172,7 +162,7 @@ class LoRASettings(_Section):
 
     enable_lora: bool = False
     max_loras: int = Field(4, gt=0, description="distinct adapters in one step (device slots)")
-    max_lora_rank: int = Field(64, gt=0, le=512, description="largest adapter rank accepted")
+    max_lora_rank: int = Field(64, le=512, description="largest adapter rank accepted")
     max_cpu_loras: int | None = Field(
         None, gt=0, description="adapters kept loaded in CPU memory (default: max_loras)"
     )
@@ -279,7 +269,20 @@ class EngineConfig(_Section):
             )
         if self.model.max_model_len is not None:
             self.scheduler.check_context(self.model.max_model_len)
+        self._check_worker_settings()
         return self
+
+    def _check_worker_settings(self) -> None:
+        """The workers' own rules on the knobs they receive (`WorkerConfig`, their one
+        definition), reported as `section.field: message`."""
+        from workers.config import WorkerConfigError
+
+        try:
+            self.to_worker_config()
+        except WorkerConfigError as error:
+            section = EngineConfig.section_of(error.field)
+            name = error.field if section is None else f"{section}.{error.field}"
+            raise ValueError(f"{name}: {error}") from None
 
     # --- construction helpers -------------------------------------------------------------
 
@@ -314,9 +317,11 @@ class EngineConfig(_Section):
         return EngineConfig.build(data)
 
     def check_model(self) -> None:
-        """Checks what only the model can tell, from its metadata (no weights are read):
-        `parallel.tensor_parallel_size` must split its attention and KV heads. Raises
-        ConfigError naming the field, the value and the model's head counts; call it when the
+        """Checks what only the model can tell, from its metadata (no weights are read): that we
+        run its architecture and can read its GGUF tensor types (`model.model`), that
+        `model.max_model_len` fits its context, and that `parallel.tensor_parallel_size` (with
+        `parallel.enable_expert_parallel`) splits its heads, KV heads, MLP and experts. Raises
+        ConfigError naming the field, the value and what would be accepted; call it when the
         config is loaded (a replica would otherwise fail in its constructor, again and again)."""
         from workers.loader import read_spec
         from workers.model_source import resolve_model_path
@@ -326,46 +331,47 @@ class EngineConfig(_Section):
             spec = read_spec(resolve_model_path(self.model.model))
         except (OSError, ValueError) as error:
             raise ConfigError(f"model.model {self.model.model!r}: {error}") from None
+        context = spec.max_position_embeddings
+        if self.model.max_model_len is not None and self.model.max_model_len > context:
+            raise ConfigError(
+                f"model.max_model_len {self.model.max_model_len} exceeds the context length of "
+                f"model.model {self.model.model!r} ({context}); give at most {context}"
+            )
+        parallel = self.parallel
         try:
             check_tensor_parallel(
-                spec, self.parallel.tensor_parallel_size, self.parallel.enable_expert_parallel
+                spec, parallel.tensor_parallel_size, parallel.enable_expert_parallel
             )
         except ValueError as error:
+            field = "parallel.tensor_parallel_size"
+            if parallel.enable_expert_parallel:
+                field = f"{field} with parallel.enable_expert_parallel"
             raise ConfigError(
-                f"parallel.tensor_parallel_size cannot split model.model {self.model.model!r}: "
-                f"{error}"
+                f"{field} cannot split model.model {self.model.model!r}: {error}"
             ) from None
 
     def to_worker_config(self) -> WorkerConfig:
-        from workers import WorkerConfig
+        """The workers' config: every field of the model, cache and parallel sections that
+        `WorkerConfig` has, by name, plus what the workers derive from the rest."""
+        from workers.config import WorkerConfig
 
-        paged = self.cache.kv_layout == "paged"
-        return WorkerConfig(
-            model=self.model.model,
-            dtype=self.model.dtype,
-            block_size=self.cache.block_size,
-            tensor_parallel_size=self.parallel.tensor_parallel_size,
-            num_device_blocks=self.cache.num_device_blocks,
-            kv_cache_bytes=self.cache.kv_cache_bytes,
-            gpu_memory_utilization=self.cache.gpu_memory_utilization,
-            # the non-paged layouts have no swap tier: no CPU pool is allocated for them
-            num_cpu_blocks=self.cache.num_cpu_blocks if paged else None,
-            swap_space_bytes=self.cache.swap_space_bytes if paged else 0,
-            max_model_len=self.model.max_model_len,
-            backend=self.parallel.backend,
-            weights_cache_dir=self.model.weights_cache_dir,
-            seed=self.model.seed,
-            kv_layout=self.cache.kv_layout,
+        accepted = {f.name for f in fields(WorkerConfig)}
+        copied = {
+            name: value
+            for section in (self.model, self.cache, self.parallel)
+            for name, value in section
+            if name in accepted
+        }
+        config = WorkerConfig(
+            **copied,
             kv_virtual_slots=self.scheduler.max_num_seqs,
-            verify_swaps=self.cache.verify_swaps,
-            device=self.parallel.device,
-            num_threads=self.parallel.num_threads,
-            quantized_decode=self.model.quantized_decode,
-            quantized_activations=self.model.quantized_activations,
             max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
             max_lora_rank=self.lora.max_lora_rank,
-            enable_expert_parallel=self.parallel.enable_expert_parallel,
         )
+        if self.cache.kv_layout == "paged":
+            return config
+        # the non-paged layouts have no swap tier: no CPU pool is allocated for them
+        return replace(config, num_cpu_blocks=None, swap_space_bytes=0)
 
     # --- command line -------------------------------------------------------------------------
 
@@ -382,9 +388,26 @@ class EngineConfig(_Section):
             '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\'; "none": off (the '
             "speculative settings' own flags override it)",
         )
+        EngineConfig.add_section_groups(parser)
+
+    @staticmethod
+    def add_section_groups(
+        parser: argparse.ArgumentParser,
+        exclude: tuple[str, ...] = (),
+        default_source: str | None = None,
+    ) -> None:
+        """One argument group per section (but `exclude`), one flag per field
+        (`add_section_flags`): the one definition of every engine flag, for each command that
+        takes them. `default_source` says where a flag not given comes from, in its help."""
         for section_name, section_type in _SECTIONS.items():
-            group = parser.add_argument_group(f"{section_name} settings")
-            add_section_flags(group, section_name, section_type)
+            if section_name in exclude:
+                continue
+            group = parser.add_argument_group(f"engine {section_name} settings")
+            add_section_flags(group, section_name, section_type, default_source)
+
+    @staticmethod
+    def section_names() -> tuple[str, ...]:
+        return tuple(_SECTIONS)
 
     @staticmethod
     def section_of(field_name: str) -> str | None:
@@ -436,14 +459,24 @@ def _describe(error: ValidationError) -> str:
 
 
 def add_section_flags(
-    group: argparse._ArgumentGroup, section_name: str, section_type: type[BaseModel]
+    group: argparse._ArgumentGroup,
+    section_name: str,
+    section_type: type[BaseModel],
+    default_source: str | None = None,
 ) -> None:
     """One `--field-name` flag per field of a section, stored as `section.field` (None when not
     given; a string for pydantic to coerce, 'none' meaning None: `section_values`); booleans take
-    `--no-field-name` too."""
+    `--no-field-name` too (vLLM's `--enable-X` / `--no-enable-X`). The help shows the field's
+    default, after `default_source` (e.g. "the config file") when the flag's default comes from
+    there."""
     for name, info in section_type.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_text = f"{info.description or ''} (default: {info.default!r})".strip()
+        default = (
+            f"{info.default!r}"
+            if default_source is None
+            else (f"{default_source}, else {info.default!r}")
+        )
+        help_text = f"{info.description or ''} (default: {default})".strip()
         if info.annotation is bool:
             group.add_argument(
                 flag,
@@ -457,9 +490,23 @@ def add_section_flags(
                 flag,
                 dest=f"{section_name}.{name}",
                 default=None,
-                metavar=name.upper(),
+                metavar=_metavar(name, info.annotation),
                 help=help_text,
             )
+
+
+def _metavar(name: str, annotation: Any) -> str:
+    """`{a,b,c}` for a field of literal choices (as argparse shows `choices`), `NAME|a` for a
+    value or a literal (`int | Literal["auto"]`), else NAME."""
+    if get_origin(annotation) is Literal:
+        return "{" + ",".join(str(value) for value in get_args(annotation)) + "}"
+    members = [arg for arg in get_args(annotation) if arg is not type(None)]
+    literals = [str(v) for arg in members if get_origin(arg) is Literal for v in get_args(arg)]
+    if not literals:
+        return name.upper()
+    if all(get_origin(arg) is Literal for arg in members):
+        return "{" + ",".join(literals) + "}"
+    return "|".join([name.upper(), *literals])
 
 
 def section_values(args: argparse.Namespace, section: str) -> dict[str, Any]:

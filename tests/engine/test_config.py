@@ -64,11 +64,22 @@ def test_quantized_activations_is_off_by_default_and_reaches_the_workers(
             "scheduler.max_num_batched_tokens",
         ),
         (["--watermark", "1.5"], "cache.watermark"),
+        (["--num-device-blocks", "0"], "cache.num_device_blocks"),
+        (["--num-threads", "0"], "parallel.num_threads"),
+        (["--gpu-memory-utilization", "1.5"], "cache.gpu_memory_utilization"),
+        (["--max-model-len", "0"], "model.max_model_len"),
     ],
 )
 def test_invalid_settings_name_the_field(argv: list[str], field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         parse(argv)
+
+
+def test_what_the_engine_config_accepts_the_workers_accept() -> None:
+    """The workers' rules are the config's (one definition): a config that validates builds
+    its workers' config, no CPU tier (0 blocks) included."""
+    worker = EngineConfig.build({"cache": {"num_cpu_blocks": 0}}).to_worker_config()
+    assert worker.num_cpu_blocks == 0
 
 
 def test_unknown_yaml_field_is_refused(tmp_path: pathlib.Path) -> None:

@@ -1,9 +1,11 @@
-"""Fixtures of the workers tests: the tiny model as a local group and as the HF reference."""
+"""Fixtures of the workers tests: the tiny model as a local group and as the HF reference, and
+HF's SmolLM2 greedy references of the teacher-forced parity tests (computed once)."""
 
 from __future__ import annotations
 
 import pathlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,6 +15,29 @@ from workers import WorkerConfig, WorkerGroup
 
 TINY_BLOCK_SIZE = 4
 TINY_DEVICE_BLOCKS = 96
+SMOLLM2_CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a hash table is in one sentence.",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish.",
+    "Name two planets of the solar system.",
+    "What does a compiler do?",
+    "Suggest a name for a black cat.",
+]
+"""The user messages of the teacher-forced SmolLM2 parity tests (bfloat16, int8 activations)."""
+SMOLLM2_NEW_TOKENS = 24
+
+
+@dataclass(frozen=True)
+class ChatReferences:
+    """`SMOLLM2_CHATS` as prompt ids (chat template applied) and HF float32's greedy tokens and
+    logits `[SMOLLM2_NEW_TOKENS, vocab]` for each."""
+
+    prompts: list[list[int]]
+    references: list[tuple[list[int], torch.Tensor]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,3 +77,17 @@ def tiny_group(tiny_model_dir: pathlib.Path, weights_cache: pathlib.Path) -> Ite
     )
     yield group
     group.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_chat_references(
+    smollm2_hf: transformers.PreTrainedModel, tiny_model_dir: pathlib.Path
+) -> ChatReferences:
+    """HF float32's greedy run of every `SMOLLM2_CHATS` prompt, the oracle the teacher-forced
+    tests share (the tiny model directory holds SmolLM2's tokenizer)."""
+    from tests.workers.paged_runner import chat_prompt_ids, hf_greedy
+    from workers import load_tokenizer
+
+    prompts = chat_prompt_ids(load_tokenizer(str(tiny_model_dir)), SMOLLM2_CHATS)
+    references = [hf_greedy(smollm2_hf, prompt, SMOLLM2_NEW_TOKENS) for prompt in prompts]
+    return ChatReferences(prompts, references)

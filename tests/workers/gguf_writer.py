@@ -2,11 +2,15 @@
 
 Q and K rows are permuted into llama.cpp's interleaved rotary order and matrices are quantized
 with the `gguf` package, so loading the file exercises dequantization and the un-permutation.
+The gguf package cannot quantize K-quants: a matrix stored as one gets random blocks of that
+type instead of the model's values (scales small enough for a sane model), so such a file is
+a different random model, which both HF and we read from the file.
 """
 
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -36,10 +40,37 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+K_QUANTS = (
+    gguf.GGMLQuantizationType.Q4_K,
+    gguf.GGMLQuantizationType.Q5_K,
+    gguf.GGMLQuantizationType.Q6_K,
+)
+
+
+def random_k_blocks(
+    kind: gguf.GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Random `kind` blocks `[rows, bytes]` of a `[rows, cols]` matrix: every code, scale and
+    minimum pattern, with float16 super-block scales that keep weights below about 0.5."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
+    if kind == gguf.GGMLQuantizationType.Q6_K:  # d after the scales: |w| <= d * 128 * 32
+        d = rng.uniform(2e-5, 1e-4, (raw.shape[0], 1)).astype(np.float16)
+        raw[:, -2:] = d.view(np.uint8)
+    else:  # d and dmin first: |w| <= 63 * (d * 31 + dmin)
+        halves = rng.uniform(1e-4, 2.5e-4, (raw.shape[0], 2)).astype(np.float16)
+        raw[:, :4] = halves.view(np.uint8).reshape(-1, 4)
+    return raw.reshape(rows, -1)
+
+
 def write_llama_gguf(
-    model: transformers.LlamaForCausalLM, path: pathlib.Path, matrix_type: gguf.GGMLQuantizationType
+    model: transformers.LlamaForCausalLM,
+    path: pathlib.Path,
+    matrix_type: gguf.GGMLQuantizationType,
+    kind_of: Callable[[str], gguf.GGMLQuantizationType] | None = None,
 ) -> pathlib.Path:
-    """`model` as a llama GGUF with every 2-D weight stored as `matrix_type`, norms in F32."""
+    """`model` as a llama GGUF with every 2-D weight stored as `matrix_type` (or as
+    `kind_of(gguf tensor name)`: a mix such as Q4_K_M), norms in F32."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(config.max_position_embeddings)
@@ -64,14 +95,37 @@ def write_llama_gguf(
         for hf, ours in LAYER_NAMES.items():
             names[f"model.layers.{index}.{hf}"] = f"blk.{index}.{ours}"
     state = model.state_dict()
+    rng = np.random.default_rng(0)
     for hf, ours in names.items():
         values = state[hf].to(torch.float32).numpy()
         if ours.endswith("attn_q.weight"):
             values = llama_cpp_permute(values, config.num_attention_heads)
         elif ours.endswith("attn_k.weight"):
             values = llama_cpp_permute(values, config.num_key_value_heads)
-        kind = matrix_type if values.ndim == 2 else gguf.GGMLQuantizationType.F32
-        writer.add_tensor(ours, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        kind = gguf.GGMLQuantizationType.F32
+        if values.ndim == 2:
+            kind = matrix_type if kind_of is None else kind_of(ours)
+        if kind in K_QUANTS:
+            blocks = random_k_blocks(kind, *values.shape, rng)
+        else:
+            blocks = gguf.quants.quantize(values, kind)
+        writer.add_tensor(ours, blocks, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_iq4_nl_gguf(path: pathlib.Path) -> pathlib.Path:
+    """A one-layer qwen3 GGUF whose embedding is IQ4_NL, a tensor type the loader cannot read."""
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_embedding_length(32)
+    writer.add_block_count(1)
+    writer.add_head_count(1)
+    writer.add_feed_forward_length(32)
+    iq4_nl = np.zeros((64, 18), dtype=np.uint8)  # 64 rows of one 32-value IQ4_NL block
+    writer.add_tensor("token_embd.weight", iq4_nl, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

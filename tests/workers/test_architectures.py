@@ -15,8 +15,7 @@ import torch
 import transformers
 
 from tests.tiny_model import SEED
-from tests.workers.paged_runner import greedy_generate, hf_greedy
-from workers import WorkerConfig, WorkerGroup
+from tests.workers.family_parity import assert_greedy_matches_hf, family_group
 
 COMMON: dict[str, Any] = {
     "vocab_size": 512,
@@ -87,23 +86,8 @@ def _write_model(name: str, directory: pathlib.Path) -> transformers.PreTrainedM
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_family_member_matches_hf(name: str, tmp_path: pathlib.Path) -> None:
     reference = _write_model(name, tmp_path / name)
-    group = WorkerGroup(
-        WorkerConfig(
-            model=str(tmp_path / name),
-            backend="local",
-            block_size=4,
-            num_device_blocks=64,
-            weights_cache_dir=str(tmp_path / "cache"),
-        )
-    )
-    try:
+    with family_group(tmp_path / name, tmp_path / "cache", num_device_blocks=64) as group:
         prompts = [list(range(3, 20)), [7, 300, 41, 5, 99, 12, 8, 8, 21]]
-        run = greedy_generate(group, prompts, 8, seed=1, prefill_chunk=5)
-        for prompt, tokens, logits in zip(prompts, run.tokens, run.logits, strict=True):
-            reference_tokens, reference_logits = hf_greedy(reference, prompt, 8)
-            assert tokens == reference_tokens
-            torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=0)
+        assert_greedy_matches_hf(group, reference, prompts, 8, seed=1, prefill_chunk=5)
         expected_window = 6 if name.startswith("mistral") else None
         assert group.model_info.sliding_window == expected_window
-    finally:
-        group.shutdown()

@@ -2,7 +2,8 @@
 joined by gloo directly, without Ray: the logits of every prompt position against HF's.
 
 The same sharding the Ray workers run (`load_model_shard` on `TensorParallel(rank, 2)`), one
-prefill over a paged pool. Tolerance: 1e-4 absolute.
+prefill over a paged pool (`gloo_shards`). The two processes are spawned once for the module
+and run every case in turn. Tolerance: 1e-4 absolute.
 """
 
 from __future__ import annotations
@@ -12,20 +13,13 @@ import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+import transformers
 
-from tests.workers.tiny_families import FAMILY_MODELS, write_family_model
-from workers.loader import describe_model, load_model_shard
-from workers.model import AttentionMetadata
-from workers.parallel import TensorParallel, head_layout
+from tests.workers.gloo_shards import PROMPT, run_rank
+from tests.workers.tiny_families import FAMILY_CASES, FAMILY_MODELS, write_family_model
 
-PROMPT = list(range(3, 20))
-BLOCK_SIZE = 4
-CASES = [(name, False) for name in sorted(FAMILY_MODELS)] + [
-    ("mixtral", True),
-    ("qwen3_moe", True),
-]
+Case = tuple[str, bool]
 
 
 def _free_port() -> int:
@@ -34,40 +28,26 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _rank(rank: int, model: str, cache: str, expert_parallel: bool, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        description = describe_model(pathlib.Path(model), pathlib.Path(cache))
-        tp = TensorParallel(rank, 2, expert_parallel)
-        shard = load_model_shard(
-            description, tp, torch.float32, torch.device("cpu"), pathlib.Path(cache)
-        )
-        spec, tokens = description.spec, len(PROMPT)
-        blocks = -(-tokens // BLOCK_SIZE)
-        kv_heads = head_layout(spec, tp).num_kv
-        pool = torch.zeros(spec.num_layers, 2, blocks, BLOCK_SIZE, kv_heads, spec.head_dim)
-        metadata = AttentionMetadata(
-            positions=torch.arange(tokens),
-            slot_mapping=torch.arange(tokens),
-            cu_query_lens=torch.tensor([0, tokens], dtype=torch.int32),
-            context_lens=torch.tensor([tokens], dtype=torch.int32),
-            block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-            logits_indices=torch.arange(tokens),
-        )
-        logits = shard.logits(shard(torch.tensor(PROMPT), metadata, pool))
-        if rank == 0:
-            torch.save(logits, out)
-    finally:
-        dist.destroy_process_group()
+@pytest.fixture(scope="module")
+def gloo_outputs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[Case, tuple[pathlib.Path, transformers.PreTrainedModel]]:
+    """Per case: the file rank 0 saved its logits to, and the HF model with the same weights."""
+    root = tmp_path_factory.mktemp("gloo_families")
+    references = {name: write_family_model(name, root / name) for name in FAMILY_MODELS}
+    outputs = {case: root / f"{case[0]}-ep{int(case[1])}.pt" for case in FAMILY_CASES}
+    cases = [(str(root / name), ep, str(outputs[name, ep])) for name, ep in FAMILY_CASES]
+    mp.spawn(run_rank, args=(cases, str(root / "cache"), _free_port()), nprocs=2)
+    return {case: (outputs[case], references[case[0]]) for case in FAMILY_CASES}
 
 
-@pytest.mark.parametrize(("name", "expert_parallel"), CASES)
-def test_two_gloo_ranks_match_hf(name: str, expert_parallel: bool, tmp_path: pathlib.Path) -> None:
-    reference = write_family_model(name, tmp_path / name)
-    out = tmp_path / "logits.pt"
-    arguments = (str(tmp_path / name), str(tmp_path / "cache"), expert_parallel, _free_port())
-    mp.spawn(_rank, args=(*arguments, str(out)), nprocs=2)
+@pytest.mark.parametrize(("name", "expert_parallel"), FAMILY_CASES)
+def test_two_gloo_ranks_match_hf(
+    name: str,
+    expert_parallel: bool,
+    gloo_outputs: dict[Case, tuple[pathlib.Path, transformers.PreTrainedModel]],
+) -> None:
+    out, reference = gloo_outputs[name, expert_parallel]
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(torch.load(out), expected, atol=1e-4, rtol=0)

@@ -22,9 +22,9 @@ import torch
 import transformers
 
 from tests.tiny_model import SEED
-from tests.workers.paged_runner import greedy_generate, hf_greedy
+from tests.workers.family_parity import assert_greedy_matches_hf, family_group
+from tests.workers.gguf_writer import llama_cpp_permute
 from tests.workers.tiny_families import COMMON, FAMILY_MODELS
-from workers import WorkerConfig, WorkerGroup
 from workers.loader import read_spec
 
 LLAMA_CPP_NAMES = {
@@ -53,12 +53,18 @@ PHI3_NAMES = {
 }
 GGUF_CASES: dict[str, dict[str, Any]] = {
     "qwen3": {},
+    "mixtral": {"sliding_window": None},  # llama.cpp writes no window for Mixtral
     "qwen3_moe": {"norm_topk_prob": True},  # llama.cpp renormalizes
     "gemma2": {"query_pre_attn_scalar": 32},  # GGUF attends with head_dim ** -0.5
     "gemma3": {"query_pre_attn_scalar": 32},
     "phi3": {},  # LongRoPE with a partial rotary, as the parity test's
 }
 """Family -> config entries replacing the parity tests'."""
+GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+"""`general.architecture` where it is not our family name: llama.cpp writes Mixtral as a
+Llama with experts (`llama.expert_count`)."""
+QK_PERMUTED = ("mixtral",)
+"""Families whose Q/K rows llama.cpp's converter permutes into interleaved rotary order."""
 
 
 def _model(name: str) -> transformers.PreTrainedModel:
@@ -95,7 +101,7 @@ EXPERT_STACKS = {
 
 def _write(name: str, model: Any, path: pathlib.Path, matrix: gguf.GGMLQuantizationType) -> None:
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3moe" if name == "qwen3_moe" else name)
+    writer = gguf.GGUFWriter(str(path), GGUF_ARCHITECTURES.get(name, name))
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -110,6 +116,9 @@ def _write(name: str, model: Any, path: pathlib.Path, matrix: gguf.GGMLQuantizat
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if name == "mixtral":  # the experts' width is feed_forward_length
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     rope = config.rope_parameters
     if name == "gemma3":
         writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
@@ -153,7 +162,7 @@ def _write(name: str, model: Any, path: pathlib.Path, matrix: gguf.GGMLQuantizat
             if f"model.layers.{index}.{hf}" in state:
                 tensors[f"model.layers.{index}.{hf}"] = f"blk.{index}.{ours}"
     arrays = {}
-    if name == "qwen3_moe":  # the router, and each projection of every expert as one stack
+    if name in ("qwen3_moe", "mixtral"):  # the router, each projection of the experts as a stack
         for index in range(config.num_hidden_layers):
             prefix = f"model.layers.{index}.mlp."
             arrays[f"blk.{index}.ffn_gate_inp.weight"] = state[f"{prefix}gate.weight"].numpy()
@@ -170,6 +179,10 @@ def _write(name: str, model: Any, path: pathlib.Path, matrix: gguf.GGMLQuantizat
         values = state[hf].to(torch.float32)
         if name.startswith("gemma") and hf.endswith("norm.weight"):
             values = values + 1.0  # llama.cpp stores Gemma's norms as 1 + w
+        if name in QK_PERMUTED and hf.endswith("q_proj.weight"):
+            values = torch.from_numpy(llama_cpp_permute(values.numpy(), config.num_attention_heads))
+        if name in QK_PERMUTED and hf.endswith("k_proj.weight"):
+            values = torch.from_numpy(llama_cpp_permute(values.numpy(), config.num_key_value_heads))
         arrays[ours] = values.numpy()
     for ours, array in arrays.items():
         kind = matrix if array.ndim >= 2 else gguf.GGMLQuantizationType.F32
@@ -186,16 +199,7 @@ def test_family_gguf_round_trip(name: str, matrix: str, tmp_path: pathlib.Path) 
     model = _model(name)
     path = tmp_path / f"{name}.gguf"
     _write(name, model, path, getattr(gguf.GGMLQuantizationType, matrix))
-    group = WorkerGroup(
-        WorkerConfig(
-            model=str(path),
-            backend="local",
-            block_size=4,
-            num_device_blocks=48,
-            weights_cache_dir=str(tmp_path / "cache"),
-        )
-    )
-    try:
+    with family_group(path, tmp_path / "cache", num_device_blocks=48) as group:
         assert group.model_info.architecture == name
         assert group.model_info.quantization == f"gguf:{matrix}"
         if name == "phi3":  # the long factors, unused by these short sequences, read back too
@@ -204,10 +208,26 @@ def test_family_gguf_round_trip(name: str, matrix: str, tmp_path: pathlib.Path) 
             assert rope.kind == "longrope" and rope.partial_rotary_factor == 0.75
             assert rope.long_factor == pytest.approx(config_rope["long_factor"])
             assert rope.short_factor == pytest.approx(config_rope["short_factor"])
-        prompt = list(range(3, 20))
-        run = greedy_generate(group, [prompt], 6, seed=2, prefill_chunk=5)
-        tokens, logits = hf_greedy(_as_stored(model, matrix), prompt, 6)
-        torch.testing.assert_close(run.logits[0], logits, atol=1e-4, rtol=0)
-        assert run.tokens[0] == tokens
-    finally:
-        group.shutdown()
+        reference = _as_stored(model, matrix)
+        assert_greedy_matches_hf(group, reference, [list(range(3, 20))], 6, seed=2, prefill_chunk=5)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_mixtral_gguf_at_tp2_matches_hf(
+    ray_cluster: None, expert_parallel: bool, tmp_path: pathlib.Path
+) -> None:
+    """Each rank reads its shard of llama.cpp's expert stacks: every expert's columns split
+    across the two ranks, or (expert parallel) two whole experts each."""
+    model = _model("mixtral")
+    path = tmp_path / "mixtral.gguf"
+    _write("mixtral", model, path, gguf.GGMLQuantizationType.Q8_0)
+    with family_group(
+        path,
+        tmp_path / "cache",
+        num_device_blocks=48,
+        backend="ray",
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    ) as group:
+        reference = _as_stored(model, "Q8_0")
+        assert_greedy_matches_hf(group, reference, [list(range(3, 20))], 6, seed=2, prefill_chunk=5)

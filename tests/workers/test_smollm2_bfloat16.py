@@ -23,46 +23,28 @@ steps it does not take (prefills, more decodes than it takes) keep that path.
 from __future__ import annotations
 
 import contextlib
-import pathlib
 from collections.abc import Iterator
 
 import pytest
 import torch
-import transformers
 
 from kernels import decoder_stack_cpu, q4_cpu, q8_cpu
+from tests.workers.conftest import SMOLLM2_CHATS, SMOLLM2_NEW_TOKENS, ChatReferences
 from tests.workers.paged_runner import (
     TeacherForced,
-    chat_prompt_ids,
     fast_mode_flips,
     greedy_generate,
-    hf_greedy,
     teacher_forced,
 )
 from workers import (
     WorkerConfig,
     WorkerGroup,
-    load_tokenizer,
 )
 from workers.decoder_stack import NativeDecode
 from workers.dense_matmul import Q4_MAX_ROWS, DenseMatmul
 from workers.layers import Q8_MAX_ROWS
 
 pytestmark = pytest.mark.smollm2
-
-NEW_TOKENS = 24
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain what a hash table is in one sentence.",
-    "Give me a recipe for pancakes.",
-    "Why is the sky blue?",
-    "Translate 'good morning' into Spanish.",
-    "Name two planets of the solar system.",
-    "What does a compiler do?",
-    "Suggest a name for a black cat.",
-]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +78,7 @@ def native_decode(group: WorkerGroup, decode: NativeDecode | None) -> Iterator[N
     ("group_size", "stack"),
     [
         (Q4_MAX_ROWS[torch.bfloat16], True),
-        (len(CHATS), False),
+        (len(SMOLLM2_CHATS), False),
         (Q4_MAX_ROWS[torch.bfloat16], False),
         (Q8_MAX_ROWS, True),
     ],
@@ -104,8 +86,7 @@ def native_decode(group: WorkerGroup, decode: NativeDecode | None) -> Iterator[N
 )
 def test_bfloat16_greedy_matches_hf_float32_except_near_ties(
     bf16_group: WorkerGroup,
-    smollm2_hf: transformers.PreTrainedModel,
-    tiny_model_dir: pathlib.Path,
+    smollm2_chat_references: ChatReferences,
     group_size: int,
     stack: bool,
 ) -> None:
@@ -113,22 +94,17 @@ def test_bfloat16_greedy_matches_hf_float32_except_near_ties(
     assert (model.native_decode is not None) == decoder_stack_cpu.available()
     assert (model.lm_head.q8 is not None) == q8_cpu.available()  # the head is exactly Q8_0
     with native_decode(bf16_group, model.native_decode if stack else None):
-        greedy_matches_hf_except_near_ties(bf16_group, smollm2_hf, tiny_model_dir, group_size)
+        greedy_matches_hf_except_near_ties(bf16_group, smollm2_chat_references, group_size)
 
 
 def greedy_matches_hf_except_near_ties(
-    bf16_group: WorkerGroup,
-    smollm2_hf: transformers.PreTrainedModel,
-    tiny_model_dir: pathlib.Path,
-    group_size: int,
+    bf16_group: WorkerGroup, chats: ChatReferences, group_size: int
 ) -> None:
     matmuls = [m for m in bf16_group._local.model.modules() if hasattr(m, "matmul")]
     assert matmuls and all(isinstance(m.matmul, DenseMatmul) for m in matmuls)
     # every linear layer of the Q4_1 file keeps its 4-bit copy wherever the kernel runs
     assert all((m.matmul.q4 is not None) == q4_cpu.available() for m in matmuls)
-    tokenizer = load_tokenizer(str(tiny_model_dir))
-    prompts = chat_prompt_ids(tokenizer, CHATS)
-    references = [hf_greedy(smollm2_hf, prompt, NEW_TOKENS) for prompt in prompts]
+    prompts, references = chats.prompts, chats.references
     forced = [tokens for tokens, _ in references]
     ours = TeacherForced()
     for start in range(0, len(prompts), group_size):
@@ -136,7 +112,7 @@ def greedy_matches_hf_except_near_ties(
         ours += teacher_forced(bf16_group, prompts[start:stop], forced[start:stop])
     flips = fast_mode_flips(references, ours)
     # Near ties are rare: most steps must agree outright.
-    assert len(flips) <= len(prompts) * NEW_TOKENS // 10, flips
+    assert len(flips) <= len(prompts) * SMOLLM2_NEW_TOKENS // 10, flips
 
 
 @pytest.mark.skipif(not decoder_stack_cpu.available(), reason="the native stack needs AVX-512")

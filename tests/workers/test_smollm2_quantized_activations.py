@@ -22,27 +22,23 @@ the kernel's product.
 from __future__ import annotations
 
 import contextlib
-import pathlib
 from collections.abc import Iterator
 
 import pytest
 import torch
-import transformers
 
 from kernels import quant_dot_cpu
 from kernels.quant_dot_cpu import quant_matmul
+from tests.workers.conftest import SMOLLM2_NEW_TOKENS, ChatReferences
 from tests.workers.paged_runner import (
-    chat_prompt_ids,
     fast_mode_flips,
-    hf_greedy,
     teacher_forced,
 )
 from tests.workers.test_dense_matmul import q4_1_weights
-from workers import WorkerConfig, WorkerGroup, load_tokenizer
+from workers import WorkerConfig, WorkerGroup
 from workers.dense_matmul import Q4_MAX_ROWS, DenseMatmul
 from workers.model import CausalLM
 
-NEW_TOKENS = 24
 NEAR_TIE = 1.0
 """How far int8 activations may move a top-2 logit margin of SmolLM2-135M at any step (so a flip
 is a decision HF took by less than this). Measured over 16 prompts x 32 steps: up to 0.42 as
@@ -50,18 +46,6 @@ configured, 0.72 with every product on int8 (the bfloat16 mode: 0.40, bound 0.5)
 TYPICAL_MOVE = 0.15
 """The median move may not exceed this (measured 0.06 as configured, 0.10 with every product on
 int8; the bfloat16 mode: 0.03)."""
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain what a hash table is in one sentence.",
-    "Give me a recipe for pancakes.",
-    "Why is the sky blue?",
-    "Translate 'good morning' into Spanish.",
-    "Name two planets of the solar system.",
-    "What does a compiler do?",
-    "Suggest a name for a black cat.",
-]
 needs_kernel = pytest.mark.skipif(
     not quant_dot_cpu.available(), reason="the int8-activation kernel needs AVX2 and FMA"
 )
@@ -105,8 +89,7 @@ def every_product_on_int8(model: CausalLM) -> Iterator[None]:
 @pytest.mark.parametrize("everywhere", [False, True], ids=["as_configured", "every_product"])
 def test_int8_activations_greedy_matches_hf_float32_except_near_ties(
     int8_group: WorkerGroup,
-    smollm2_hf: transformers.PreTrainedModel,
-    tiny_model_dir: pathlib.Path,
+    smollm2_chat_references: ChatReferences,
     everywhere: bool,
 ) -> None:
     model = int8_group._local.model
@@ -115,14 +98,12 @@ def test_int8_activations_greedy_matches_hf_float32_except_near_ties(
     ]
     assert matmuls and all(matmul.panels is not None for matmul in matmuls)
     assert model.lm_head.int8_head is not None  # the tied head is exactly Q8_0
-    tokenizer = load_tokenizer(str(tiny_model_dir))
-    prompts = chat_prompt_ids(tokenizer, CHATS)
-    references = [hf_greedy(smollm2_hf, prompt, NEW_TOKENS) for prompt in prompts]
+    prompts, references = smollm2_chat_references.prompts, smollm2_chat_references.references
     forced = [tokens for tokens, _ in references]
     with every_product_on_int8(model) if everywhere else contextlib.nullcontext():
         ours = teacher_forced(int8_group, prompts, forced)
     flips = fast_mode_flips(references, ours, NEAR_TIE, TYPICAL_MOVE)
-    assert len(flips) <= len(prompts) * NEW_TOKENS // 10, flips
+    assert len(flips) <= len(prompts) * SMOLLM2_NEW_TOKENS // 10, flips
 
 
 @needs_kernel

@@ -99,6 +99,13 @@ windows and soft caps so that prompts cross the windows and the caps change the 
 Phi-3 sequences stay within its original context (64): there HF and we use the short factors
 (beyond it HF recomputes the whole sequence with the long ones; see `workers.rope`)."""
 
+FAMILY_CASES = [(name, False) for name in sorted(FAMILY_MODELS)] + [
+    ("mixtral", True),
+    ("qwen3_moe", True),
+]
+"""(family, expert parallel) cases of the sharded tests: every family split by columns, and the
+mixture-of-experts ones also by whole experts."""
+
 
 def write_family_model(name: str, directory: pathlib.Path) -> transformers.PreTrainedModel:
     """Save a seeded random model of family `name` to `directory`; returns it (float32, eval)."""

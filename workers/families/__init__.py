@@ -1,8 +1,8 @@
 """The model families we run, each in its own module behind the `Family` protocol.
 
-`family_named` maps an HF `model_type` / `architectures` entry or a GGUF
-`general.architecture` to its family; an unknown name raises a ValueError listing the
-supported ones.
+`family_named` maps an HF `model_type` / `architectures` entry (or our name) to its family,
+`gguf_family` a GGUF file's `general.architecture` and metadata; an unknown one raises a
+ValueError listing the supported ones.
 """
 
 from __future__ import annotations
@@ -40,6 +40,24 @@ def family_named(name: str) -> Family:
     raise ValueError(f"unknown model architecture {name!r}; supported: {supported_architectures()}")
 
 
+def gguf_family(architecture: str, metadata: GgufMetadata) -> Family:
+    """The family of a GGUF file: its `general.architecture`, with or without experts (a
+    ValueError naming the supported ones)."""
+    for family in FAMILIES:
+        if family.claims_gguf(architecture, metadata):
+            return family
+    supported = sorted(
+        f"{family.gguf_architecture}{' with experts' if family.gguf_experts else ''}"
+        for family in FAMILIES
+    )
+    experts = int(metadata(f"{architecture}.expert_count", 0) or 0)
+    described = f"{architecture!r}" + (f" with {experts} experts" if experts else "")
+    raise ValueError(
+        f"unknown model architecture {described} (GGUF general.architecture); supported: "
+        f"{supported}"
+    )
+
+
 def knows(name: str) -> bool:
     return any(name in family.hf_names or name == family.gguf_architecture for family in FAMILIES)
 
@@ -50,6 +68,7 @@ __all__ = [
     "Family",
     "GgufMetadata",
     "family_named",
+    "gguf_family",
     "knows",
     "supported_architectures",
 ]

@@ -42,9 +42,14 @@ class Family(Protocol):
     hf_names: tuple[str, ...]
     """HF `model_type` and `architectures` entries that mean this family."""
     gguf_architecture: str
-    """GGUF `general.architecture`."""
+    """GGUF `general.architecture` (also the prefix of its metadata keys)."""
+    gguf_experts: bool
+    """Whether its GGUF files carry experts (`{architecture}.expert_count` > 0): llama.cpp
+    writes Mixtral as `llama` with experts."""
     gguf_qk_permuted: bool
     """Whether llama.cpp's converter permuted the Q/K rows (interleaved rotary pairs)."""
+
+    def claims_gguf(self, architecture: str, metadata: GgufMetadata) -> bool: ...
 
     def default_attention_bias(self) -> bool: ...
 
@@ -100,7 +105,13 @@ class DecoderFamily:
     name = "llama"
     hf_names: tuple[str, ...] = ("llama", "LlamaForCausalLM")
     gguf_architecture = "llama"
+    gguf_experts = False
     gguf_qk_permuted = True
+
+    def claims_gguf(self, architecture: str, metadata: GgufMetadata) -> bool:
+        """Whether a GGUF file of this `general.architecture` and metadata is this family's."""
+        experts = int(metadata(f"{architecture}.expert_count", 0) or 0)
+        return architecture == self.gguf_architecture and (experts > 0) == self.gguf_experts
 
     def default_attention_bias(self) -> bool:
         return False
@@ -119,12 +130,6 @@ class DecoderFamily:
     def variant_from_gguf(
         self, metadata: GgufMetadata, layers: int, rope: RopeSpec
     ) -> ModelVariant:
-        if metadata(f"{self.gguf_architecture}.expert_count", 0):
-            raise ValueError(
-                f"GGUF {self.gguf_architecture}.expert_count: mixture-of-experts files of "
-                f"architecture {self.gguf_architecture!r} (llama.cpp's Mixtral) are not "
-                "supported; load the HF directory (GGUF experts are read for qwen3moe)"
-            )
         return ModelVariant()
 
     def sliding_windows_from_gguf(self, metadata: GgufMetadata, layers: int) -> list[int | None]:

@@ -38,6 +38,10 @@ class FusedSplitView:
             "mlp.up_proj": ("mlp.gate_up_proj", width, 2 * width),
         }
 
+    def block_form(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> None:
+        """No stored block codes through this view: its layers keep their dense products."""
+        return None
+
     def read(
         self,
         name: str,
