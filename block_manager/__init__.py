@@ -23,7 +23,7 @@ from block_manager.prompt_blocks import cacheable_blocks, prompt_block_hashes
 from block_manager.protocol import KVManager, TableDelta
 from block_manager.tiers import TierCounters, TierTransfers
 from block_manager.types import BlockCopy, SeqId
-from block_manager.usage import LayoutUsage
+from block_manager.usage import LayoutAccounting, LayoutUsage
 from block_manager.virtual import VirtualKVManager
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "InvalidOperation",
     "KVCacheManager",
     "KVManager",
+    "LayoutAccounting",
     "LayoutUsage",
     "NeverFits",
     "NoFreeBlocks",

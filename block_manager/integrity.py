@@ -114,11 +114,16 @@ def check_manager_integrity(
     caching: bool,
     verify_hashes: bool,
     pinned: tuple[dict[int, int], dict[int, int]] | None = None,
+    lease_pins: tuple[dict[int, int], dict[int, int]] = ({}, {}),
 ) -> None:
     """Invariants 1-5 over both tiers and every table; raises `IntegrityError`. `pinned`: the
-    CPU cache tier's in-flight references (device, cpu), when the tier is on."""
+    CPU cache tier's in-flight references (device, cpu), when the tier is on; `lease_pins`:
+    the references of blocks moving between replicas (`block_manager.transfer_leases`)."""
     refs = {"device": [0] * device.num_blocks, "cpu": [0] * cpu.num_blocks}
     for tier, extra in zip(("device", "cpu"), pinned or ({}, {}), strict=True):
+        for block, count in extra.items():
+            refs[tier][block] += count
+    for tier, extra in zip(("device", "cpu"), lease_pins, strict=True):
         for block, count in extra.items():
             refs[tier][block] += count
     exclusive: list[tuple[SeqId, BlockPool, int]] = []

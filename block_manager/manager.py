@@ -35,6 +35,7 @@ from block_manager.protocol import NoReservationHooks, TableDelta
 from block_manager.swap import SwapCounters, plan_swap_in, plan_swap_out
 from block_manager.table import BlockTable
 from block_manager.tiers import CpuHits, CpuTier
+from block_manager.transfer_leases import TransferLeases
 from block_manager.types import BlockCopy, SeqId
 from block_manager.validation import (
     check_manager_sizes,
@@ -72,6 +73,7 @@ class KVCacheManager(CacheViews, NoReservationHooks):
         "_cpu",
         "_device",
         "_device_refs",
+        "_leases",
         "_mask",
         "_prefix_hit_tokens",
         "_prefix_query_tokens",
@@ -119,6 +121,7 @@ class KVCacheManager(CacheViews, NoReservationHooks):
             if cpu_cache and self._caching and num_cpu_blocks > 0
             else None
         )
+        self._leases = TransferLeases(self._device, self._cpu, self._tier, watermark_blocks)
 
     # ------------------------------------------------------------------ queries
     def take_table_delta(self, seq_id: SeqId) -> TableDelta:

@@ -21,6 +21,7 @@ from block_manager.pressure import PressureSnapshot, tier_pressure, waste_slots
 from block_manager.swap import SwapCounters
 from block_manager.table import BlockTable
 from block_manager.tiers import CpuTier, TierCounters, TierTransfers
+from block_manager.transfer_leases import TransferLeases
 from block_manager.types import SeqId
 from block_manager.usage import LayoutUsage
 from block_manager.validation import unknown_sequence
@@ -42,6 +43,7 @@ class CacheViews:
     _cow_copies: int
     _swaps: SwapCounters
     _tier: CpuTier | None
+    _leases: TransferLeases
 
     # ------------------------------------------------------------------ attributes
     @property
@@ -192,7 +194,13 @@ class CacheViews:
             caching=self._caching,
             verify_hashes=verify_hashes,
             pinned=tier.pinned_refs() if tier is not None else None,
+            lease_pins=self._leases.pinned_refs(),
         )
+
+    @property
+    def transfer_leases(self) -> TransferLeases:
+        """Pins of blocks moving to or from another replica (`block_manager.transfer_leases`)."""
+        return self._leases
 
     # ------------------------------------------------------------------ the CPU cache tier
     @property

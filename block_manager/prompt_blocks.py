@@ -46,3 +46,17 @@ def prompt_block_hashes(token_ids: Sequence[int], key: CacheKey, block_size: int
         seed, tokens_to_bytes(tokens), block_size, suffix, key.unsalted_blocks
     )
     return digests
+
+
+def prompt_block_keys(
+    token_ids: Sequence[int], key: CacheKey, block_size: int
+) -> tuple[list[bytes], list[bytes]]:
+    """Hash preimages and chain hashes of the prompt's cacheable blocks (`prompt_block_hashes`
+    with the preimages a peer looks its blocks up by)."""
+    count = cacheable_blocks(len(token_ids), block_size)
+    if count == 0:
+        return [], []
+    seed = check_hash_seed(key.hash_seed)
+    suffix = encode_extra_keys(key.extra_keys)
+    tokens = new_token_array(token_ids[: count * block_size])
+    return chain_blocks(seed, tokens_to_bytes(tokens), block_size, suffix, key.unsalted_blocks)

@@ -9,7 +9,6 @@ asks which layout it holds. Layout differences are answered by hooks, not by typ
   reservation from it; the paged layout ignores both);
 - `take_decommits` / `has_pending_decommits` hand over memory to return to the OS (only the
   virtual layout has any);
-- `usage` is the layout's memory accounting (`LayoutUsage`);
 - `truncate` drops uncomputed tokens (a speculative step's rejected drafts) and any blocks only
   they used;
 - `take_table_delta` reports what changed in a sequence's block table since the workers were
@@ -17,6 +16,9 @@ asks which layout it holds. Layout differences are answered by hooks, not by typ
 - `take_transfers` / `complete_transfers` hand the step's CPU cache tier copies to the workers
   and unpin them once run; `tier_counters`, `set_promotion` and `discard` complete the tier
   (only the paged layout has one: `NoCacheTier` gives the others empty answers).
+
+A layout's memory accounting (`usage`) is outside it: the layouts benchmark reads it through
+`block_manager.usage.LayoutAccounting`, which every manager also satisfies.
 
 `NoDecommits` and `NoReservationHooks` give a manager the do-nothing hooks it has no use for.
 """
@@ -32,7 +34,6 @@ from block_manager.events import BlockEvent
 from block_manager.pressure import PressureSnapshot
 from block_manager.tiers import TierCounters, TierTransfers
 from block_manager.types import BlockCopy, SeqId
-from block_manager.usage import LayoutUsage
 
 TableDelta = tuple[int, list[int]]
 """(table_start, new_blocks): the workers keep their first `table_start` entries of the
@@ -76,7 +77,6 @@ class KVManager(Protocol):
     def can_swap_out(self, seq_ids: Sequence[SeqId]) -> bool: ...
     def can_swap_in(self, seq_ids: Sequence[SeqId]) -> bool: ...
     def pressure(self) -> PressureSnapshot: ...
-    def usage(self) -> LayoutUsage: ...
     def check_integrity(self, *, verify_hashes: bool = True) -> None: ...
 
     # mutations

@@ -1,8 +1,10 @@
-"""`LayoutUsage`: one KV layout's memory accounting at one instant, in token slots."""
+"""`LayoutUsage`: one KV layout's memory accounting at one instant, in token slots, and
+`LayoutAccounting`, the managers that report it (a benchmark's view, not the engine's)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -27,3 +29,11 @@ class LayoutUsage:
     internal_fragmentation_slots: int
     reservation_waste_slots: int
     pool_slots: int
+
+
+@runtime_checkable
+class LayoutAccounting(Protocol):
+    """A KV manager that reports its memory accounting (every layout's manager does); it scans
+    every table, so only the layouts benchmark asks, never the engine's step."""
+
+    def usage(self) -> LayoutUsage: ...

@@ -65,6 +65,7 @@ class DirectoryCollector(Collector):
         rate = GaugeMetricFamily(f"{PREFIX}_events_per_second", "Block events applied per second")
         rate.add_metric([], report.events_per_s)
         yield rate
+        yield from _transfer_families(report)
         for name, value, doc in (
             ("events", stats.events_applied, "Block events applied"),
             ("snapshots", stats.snapshots, "Full snapshots applied (resyncs and joins)"),
@@ -74,6 +75,25 @@ class DirectoryCollector(Collector):
             counter = CounterMetricFamily(f"{PREFIX}_{name}", doc)
             counter.add_metric([], float(value))
             yield counter
+
+
+def _transfer_families(report: DirectoryReport) -> Iterator[Metric]:
+    """The cluster's KV pulls by (holder, receiver) replica pair, as receivers reported them."""
+    families = {
+        "pulls": CounterMetricFamily(
+            f"{PREFIX}_transfers", "KV pulls between replicas", labels=["holder", "receiver"]
+        ),
+        "blocks": CounterMetricFamily(
+            f"{PREFIX}_transfer_blocks", "KV blocks pulled", labels=["holder", "receiver"]
+        ),
+        "bytes": CounterMetricFamily(
+            f"{PREFIX}_transfer_bytes", "KV bytes pulled", labels=["holder", "receiver"]
+        ),
+    }
+    for (holder, receiver), tally in report.transfers.items():
+        for field_name, family in families.items():
+            family.add_metric([holder, receiver], float(getattr(tally, field_name)))
+    yield from families.values()
 
 
 def render_directory(report: DirectoryReport | None, client: DirectoryClient) -> bytes:

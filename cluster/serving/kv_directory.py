@@ -27,7 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -61,6 +61,17 @@ class DirectoryReport:
     query_us_p50: float
     query_us_p99: float
     queries: int
+    transfers: dict[tuple[str, str], TransferTally] = field(default_factory=dict)
+    """Completed KV pulls, by (holder, receiver) replica pair, as the receivers reported them."""
+
+
+@dataclass
+class TransferTally:
+    """Cumulative pulls from one replica into another."""
+
+    pulls: int = 0
+    blocks: int = 0
+    bytes: int = 0
 
 
 class KVDirectory:
@@ -72,6 +83,7 @@ class KVDirectory:
         self._last_expiry_s = self._started_s
         self._query_us: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._queries = 0
+        self._transfers: dict[tuple[str, str], TransferTally] = {}
 
     def apply(self, replica: str, seq: int, events: list[BlockEvent], pool: PoolView) -> bool:
         """One batch from a replica; False means "send a snapshot"."""
@@ -94,6 +106,13 @@ class KVDirectory:
         self._queries += 1
         return holdings
 
+    def record_transfer(self, holder: str, receiver: str, blocks: int, num_bytes: int) -> None:
+        """A receiver pulled `blocks` blocks (`num_bytes` bytes) from `holder`."""
+        tally = self._transfers.setdefault((holder, receiver), TransferTally())
+        tally.pulls += 1
+        tally.blocks += blocks
+        tally.bytes += num_bytes
+
     def report(self) -> DirectoryReport:
         latencies = sorted(self._query_us)
         elapsed = max(time.monotonic() - self._started_s, 1e-9)
@@ -103,6 +122,7 @@ class KVDirectory:
             query_us_p50=_quantile(latencies, 0.5),
             query_us_p99=_quantile(latencies, 0.99),
             queries=self._queries,
+            transfers={pair: TransferTally(**vars(t)) for pair, t in self._transfers.items()},
         )
 
     def _expire(self) -> None:
