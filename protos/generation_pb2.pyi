@@ -243,7 +243,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "tensor_parallel_size", "dtype", "kv_cache_dtype", "weights_digest", "quantization")
+    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "tensor_parallel_size", "dtype", "kv_cache_dtype", "weights_digest", "quantization", "architecture")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,7 @@ class ModelInfo(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -262,7 +263,8 @@ class ModelInfo(_message.Message):
     kv_cache_dtype: str
     weights_digest: str
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., weights_digest: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    architecture: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., weights_digest: _Optional[str] = ..., quantization: _Optional[str] = ..., architecture: _Optional[str] = ...) -> None: ...
 
 class GetCacheStatsRequest(_message.Message):
     __slots__ = ()

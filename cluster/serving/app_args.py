@@ -42,6 +42,23 @@ class DirectoryArgs(BaseModel):
     )
 
 
+class KVTransferArgs(BaseModel):
+    """Peer pull: a replica lacking a request's leading blocks copies them from the replica the
+    KV directory says holds them, when that is predicted faster than computing them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pull: bool = Field(True, description="pull missing prefixes from peers (export stays on)")
+    timeout_s: float = Field(10.0, gt=0, description="a slower pull is computed instead")
+    min_blocks: int = Field(1, ge=1, description="fewer missing blocks are computed unasked")
+    use_cost_model: bool = Field(
+        True, description="false: pull whenever a peer holds more, whatever the measured costs"
+    )
+    bandwidth_prior_bytes_per_s: float = Field(
+        1e9, gt=0, description="assumed bandwidth to a peer until a pull measured it"
+    )
+
+
 class HealthArgs(BaseModel):
     """When a replica reports itself unhealthy."""
 
@@ -125,6 +142,7 @@ class ServeAppArgs(BaseModel):
     )
 
     directory: DirectoryArgs = Field(default_factory=DirectoryArgs)
+    kv_transfer: KVTransferArgs = Field(default_factory=KVTransferArgs)
     health: HealthArgs = Field(default_factory=HealthArgs)
     limits: LimitsArgs = Field(default_factory=LimitsArgs)
     shutdown: ShutdownArgs = Field(default_factory=ShutdownArgs)

@@ -27,8 +27,10 @@ from cluster.engine.config import (
     section_values,
 )
 from cluster.engine.errors import ConfigError
-from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S, DEPLOYMENT_NAME
+from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S
+from cluster.serving.engine_flags import add_model_arguments, apply_engine_flags
 from cluster.serving.lora_args import parse_module_item
+from cluster.serving.pd_config import ENGINE_DEPLOYMENTS, disaggregated
 from cluster.serving.serve_runner import apply_grace_period, run_config
 from workers.config import available_cores
 
@@ -45,6 +47,10 @@ BENCHMARKS: tuple[str, ...] = (
 """Modules under `benchmarks/` that `pagedserve bench NAME` runs."""
 
 
+APP_IMPORT_PATH = "cluster.serving.serve_app:build_app"
+"""The builder of pagedserve's Serve application, as a Serve config names it."""
+
+
 def shipped_serve_config() -> Path:
     """The Serve config YAML shipped with the package (`cluster/serving/serve_config.yaml`)."""
     return Path(str(resources.files("cluster.serving") / "serve_config.yaml"))
@@ -58,10 +64,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Ray Serve config YAML (default: the shipped cluster/serving/serve_config.yaml)",
     )
     parser.add_argument("--host", default=None, help="HTTP bind address (default: from config)")
-    parser.add_argument("--http-port", type=int, default=None, help="HTTP port (default 8000)")
+    parser.add_argument(
+        "--port",
+        "--http-port",
+        dest="http_port",
+        type=int,
+        default=None,
+        help="HTTP port (default: from config, 8000)",
+    )
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
     parser.add_argument(
-        "--model", default=None, help="engine model: a .gguf file, an HF directory or 'default'"
+        "--pd",
+        action="store_true",
+        help="prefill/decode disaggregation: a Prefill and a Decode engine deployment behind "
+        "the ingress (cluster/serving/pd_app.py); --replicas pins each",
     )
     parser.add_argument(
         "--replicas",
@@ -120,6 +136,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="start Ray's dashboard (:8265) with the local cluster; off by default, since its "
         "processes take CPU from the forward pass (no effect with RAY_ADDRESS set)",
     )
+    add_model_arguments(parser)
     add_lora_arguments(parser)
 
 
@@ -158,6 +175,8 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--config: {path} is not valid YAML: {error}") from error
     if not isinstance(config, dict):
         raise ConfigError(f"--config: {path} must hold a mapping, got {type(config).__name__}")
+    if getattr(args, "pd", False):
+        config = disaggregated(config)
     http = config.setdefault("http_options", {})
     grpc = config.setdefault("grpc_options", {})
     if args.host is not None:
@@ -166,10 +185,6 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
         http["port"] = args.http_port
     if args.grpc_port is not None:
         grpc["port"] = args.grpc_port
-    if args.model is not None:
-        for app in config.get("applications", []):
-            engine = app.setdefault("args", {}).setdefault("engine", {})
-            engine.setdefault("model", {})["model"] = args.model
     apply_lora_flags(config, args)
     if args.stream_interval is not None:
         if args.stream_interval < 1:
@@ -181,12 +196,13 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
             for app in config.get("applications", []):
                 app.setdefault("args", {})[flag] = getattr(args, flag)
     apply_speculative_flag(config, args.speculative_config)
+    apply_engine_flags(config, args)
     if args.replicas is not None:
         pin_replicas(config, args.replicas)
     else:
         cap_replicas_to_cores(config, available_cores())
     grace_s = resolve_grace_s(config, args.grace_period)
-    apply_grace_period(config, grace_s, DEPLOYMENT_NAME)
+    apply_grace_period(config, grace_s, ENGINE_DEPLOYMENTS)
     try:
         ServeDeploySchema.model_validate(config)
     except Exception as error:  # pydantic's ValidationError, named by Ray's schema
@@ -250,7 +266,7 @@ def shutdown_grace_s(config: dict[str, Any]) -> float:
     """The grace period `resolve_serve_config` settled on (the engine deployment's)."""
     for app in config.get("applications", []):
         for deployment in app.get("deployments", []):
-            if deployment.get("name") == DEPLOYMENT_NAME:
+            if deployment.get("name") in ENGINE_DEPLOYMENTS:
                 return float(deployment["graceful_shutdown_timeout_s"])
     return DEFAULT_SHUTDOWN_GRACE_S
 
@@ -263,7 +279,7 @@ def pin_replicas(config: dict[str, Any], replicas: int) -> None:
         raise ConfigError(f"--replicas must be at least 1, got {replicas}")
     for app in config.get("applications", []):
         for deployment in app.get("deployments", []):
-            if deployment.get("name") == DEPLOYMENT_NAME:
+            if deployment.get("name") in ENGINE_DEPLOYMENTS:
                 deployment.pop("autoscaling_config", None)
                 deployment["num_replicas"] = replicas
 
@@ -290,7 +306,7 @@ def cap_replicas_to_cores(config: dict[str, Any], cores: int) -> None:
         engine = (app.get("args") or {}).get("engine") or {}
         for deployment in app.get("deployments", []):
             autoscaling = deployment.get("autoscaling_config")
-            if deployment.get("name") != DEPLOYMENT_NAME or not autoscaling:
+            if deployment.get("name") not in ENGINE_DEPLOYMENTS or not autoscaling:
                 continue
             fits = max(1, cores // engine_cores(deployment, engine))
             low = int(autoscaling.get("min_replicas", 1))
@@ -321,11 +337,35 @@ def describe_endpoints(config: dict[str, Any]) -> list[str]:
     return lines
 
 
+def check_applications(config: dict[str, Any]) -> None:
+    """Validates the args of each application built by `APP_IMPORT_PATH` and checks its engine
+    against the model's metadata (architecture, GGUF tensor types, context, parallel degrees)
+    before Ray starts: a refusal is one ConfigError naming the field, not a replica failing in
+    its constructor again and again."""
+    from pydantic import ValidationError
+
+    from cluster.serving.app_args import ServeAppArgs
+
+    for app in config.get("applications", []):
+        if app.get("import_path") != APP_IMPORT_PATH:
+            continue
+        try:
+            app_args = ServeAppArgs.model_validate(app.get("args") or {})
+        except ValidationError as error:
+            problems = "; ".join(
+                f"{'.'.join(str(part) for part in item['loc'])}: {item['msg']}"
+                for item in error.errors()
+            )
+            raise ConfigError(f"application {app.get('name')!r} args: {problems}") from None
+        app_args.engine_config().check_model()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     config = resolve_serve_config(args)
     if args.print_config:
         print(yaml.safe_dump(config, sort_keys=False))
         return 0
+    check_applications(config)
     print("pagedserve serve: starting a local Ray cluster and the Serve application; once ready:")
     for line in describe_endpoints(config):
         print(f"  {line}")

@@ -256,6 +256,7 @@ class GenerationRpc:
             kv_cache_dtype=model.dtype,
             weights_digest=model.weights_digest,
             quantization=model.quantization,
+            architecture=model.architecture,
         )
 
 

@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
@@ -42,12 +42,15 @@ their end into error events."""
 log = logging.getLogger("pagedserve.serve")
 
 
-def apply_grace_period(config: dict[str, Any], grace_s: float, engine_name: str) -> None:
+def apply_grace_period(
+    config: dict[str, Any], grace_s: float, engine_names: Collection[str]
+) -> None:
     """Sets `graceful_shutdown_timeout_s` on every deployment of `config`: `grace_s` on the
-    engine deployment (`engine_name`), `grace_s + INGRESS_EXTRA_GRACE_S` on the others."""
+    engine deployments (named in `engine_names`), `grace_s + INGRESS_EXTRA_GRACE_S` on the
+    others."""
     for app in config.get("applications", []):
         for deployment in app.get("deployments", []):
-            extra = 0.0 if deployment.get("name") == engine_name else INGRESS_EXTRA_GRACE_S
+            extra = 0.0 if deployment.get("name") in engine_names else INGRESS_EXTRA_GRACE_S
             deployment["graceful_shutdown_timeout_s"] = grace_s + extra
             deployment.setdefault("graceful_shutdown_wait_loop_s", 0.5)
 
