@@ -38,6 +38,8 @@ from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.output_stream import OutputMailbox, RequestDelta
 from cluster.engine.request import Request
+from cluster.kv_transfer.hooks import KVTransferHooks
+from cluster.kv_transfer.payload import KVPayload
 from workers import ModelInfo, WorkerGroup
 from workers.plan import StepOutput
 
@@ -72,6 +74,9 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._shut_down = False
         self._last_step_finished_s: float | None = None
+        self.kv_transfer: KVTransferHooks | None = None
+        """Pulls a request's missing leading blocks from a peer before it is queued, and
+        serves this replica's blocks to peers (`attach_kv_transfer`)."""
 
     @classmethod
     async def create(
@@ -115,7 +120,15 @@ class AsyncEngine:
                     f"structured_outputs.{kind}: the constraint did not compile within "
                     f"{GRAMMAR_COMPILE_TIMEOUT_S:.0f} s"
                 ) from None
-        rid = self.core.add_request(request, constraint).request_id
+        pulled = None
+        if self.kv_transfer is not None:  # in this coroutine: steps go on meanwhile
+            pulled = await self.kv_transfer.prepare(request)
+        try:
+            rid = self.core.add_request(request, constraint).request_id
+        except BaseException:
+            if pulled is not None:
+                pulled.release()
+            raise
         mailbox = OutputMailbox()
         self._streams[rid] = mailbox
         self._wake()
@@ -123,6 +136,8 @@ class AsyncEngine:
         try:
             while not finished:
                 delta = await mailbox.get(stream_interval)
+                if pulled is not None:  # its first output: the request holds its blocks
+                    pulled.release()
                 finished = delta.finished
                 if delta.error is not None:
                     raise RequestRejected(delta.error)
@@ -131,6 +146,8 @@ class AsyncEngine:
             finished = True  # the engine ended the request already
             raise
         finally:
+            if pulled is not None:
+                pulled.release()
             self._streams.pop(rid, None)
             if not finished:
                 await self.abort(rid)
@@ -167,7 +184,22 @@ class AsyncEngine:
         return dict(self.core.request_keys.adapters)
 
     def metrics(self) -> EngineMetrics:
-        return self.core.metrics()
+        metrics = self.core.metrics()
+        if self.kv_transfer is not None:
+            metrics.kv_transfer = self.kv_transfer.snapshot()
+        return metrics
+
+    def attach_kv_transfer(self, service: KVTransferHooks) -> None:
+        """From now on requests pull missing leading blocks through `service` (see
+        `cluster.kv_transfer.puller`), and `export_kv_blocks` serves peers."""
+        self.kv_transfer = service
+
+    async def export_kv_blocks(self, block_keys: list[bytes]) -> KVPayload:
+        """A peer's pull: this replica's blocks for the leading run of `block_keys` it holds
+        (see `cluster.kv_transfer.exporter`); empty when no transfer service is attached."""
+        if self.kv_transfer is None:
+            return KVPayload("")
+        return await self.kv_transfer.export_blocks(block_keys)
 
     def health(self) -> EngineHealth:
         """Whether the step loop can still serve (a dead loop is reported even when idle)."""

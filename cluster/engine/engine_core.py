@@ -15,24 +15,27 @@ import time
 from typing import Any
 
 from block_manager import CacheIdentity, CacheKey
+from cluster.engine.admission_checks import check_fits, check_queue
 from cluster.engine.cache_keys import CacheKeyFactory, RequestKeys
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
 from cluster.engine.engine_lora import EngineAdapters
-from cluster.engine.errors import ConfigError, EngineOverloaded, RequestRejected
+from cluster.engine.errors import ConfigError, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.grammar_backend import CompiledConstraint, GrammarCompilerCache
+from cluster.engine.handoff import check_handoff, hand_off, resume_request
 from cluster.engine.kv_layouts import build_kv_manager
 from cluster.engine.lora_manager import LoRAManager
 from cluster.engine.lora_request import LoRARequest
-from cluster.engine.metrics import EngineMetrics, MetricsRecorder
+from cluster.engine.metrics import EngineMetrics, MetricsRecorder, collect_metrics
 from cluster.engine.output_processor import StopLimits, apply_sampled_token
 from cluster.engine.outputs import RequestMetrics, RequestOutput
 from cluster.engine.preemption import PreemptionCostModel
 from cluster.engine.queue_wait import QueueWait
 from cluster.engine.request import Branch, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
-from cluster.engine.scheduler import Scheduler, SchedulerStep
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.scheduler_step import SchedulerStep
 from cluster.engine.speculation import NgramSpeculator
 from cluster.engine.step_failures import blamed_sequences, step_failure_is_attributable
 from cluster.engine.structured_outputs import ConstraintError
@@ -135,25 +138,23 @@ class EngineCore:
         request_id = generate.request_id if generate.request_id is not None else f"req-{arrival}"
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting_requests:
-            raise EngineOverloaded(
-                f"{len(self.scheduler.waiting)} requests are waiting "
-                f"(scheduler.max_waiting_requests = {self.config.scheduler.max_waiting_requests})"
-            )
-        self._check_predicted_wait()
+        check_queue(len(self.scheduler.waiting), self.config.scheduler, self.queue_wait)
         params = generate.params
         ids = generate.token_ids
         digest = self.adapters.digest_for(generate.adapter)
-        self._check_fits(ids, params)
+        check_fits(
+            ids,
+            params,
+            max_model_len=self.max_model_len,
+            settings=self.config.scheduler,
+            block_size=self.config.cache.block_size,
+            block_manager=self.block_manager,
+        )
         cache_key = self.cache_key_for(generate)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        if params.n > 1 and not self.block_manager.can_fork:
-            raise RequestRejected(
-                f"n={params.n}: cache.kv_layout {self.block_manager.layout!r} gives every sequence "
-                "its own range and cannot fork one; parallel sampling needs the 'paged' layout"
-            )
+        check_handoff(generate.resume, generate.prefill_only, params.n, max_tokens)
         if params.structured_outputs is not None and constraint is None:
             constraint = self.compile_constraint(generate)
         seed = params.seed if params.seed is not None else self._default_seed(arrival)
@@ -172,7 +173,9 @@ class EngineCore:
             metrics=RequestMetrics(arrival_time=time.time()),
             adapter_name=generate.adapter,
             adapter_digest=digest,
+            prefill_only=generate.prefill_only,
         )
+        resume_request(request, generate.resume, self.limits)
         for branch in request.branches:  # what a range layout reserves at admission
             self.block_manager.reserve(branch.seq_id, len(ids) + max_tokens)
         self.adapters.admit(request)  # released by `_forget_limits`
@@ -318,7 +321,8 @@ class EngineCore:
                 touched[request.request_id] = request
                 new_tokens[request.request_id] = new_tokens.get(request.request_id, 0) + 1
                 try:
-                    if apply_sampled_token(request, branch, sampled, self.limits):
+                    done = apply_sampled_token(request, branch, sampled, self.limits)
+                    if done or hand_off(request, branch):
                         self.scheduler.finish_branch(request, branch)
                 except Exception as error:  # this request's token only: fail it alone
                     broken[request.request_id] = (request, f"{type(error).__name__}: {error}")
@@ -330,7 +334,7 @@ class EngineCore:
         if self.config.scheduler.check_integrity:
             self.block_manager.check_integrity()
         for request in touched.values():
-            self._record_token_times(request, now, new_tokens[request.request_id])
+            self.recorder.observe_tokens(request.metrics, now, new_tokens[request.request_id])
             if request.finished:
                 self._complete(request, now)
             reported.append(request)
@@ -421,65 +425,18 @@ class EngineCore:
         )
 
     def metrics(self) -> EngineMetrics:
-        pressure = self.block_manager.pressure()
-        rec = self.recorder
-        tier = self.block_manager.tier_counters()
-        kv_bytes = self.model_info.kv_bytes_per_block
-        return EngineMetrics(
-            pressure=pressure,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_swapped=len(self.scheduler.swapped),
-            preemptions_recompute=self.scheduler.preemptions.recompute,
-            preemptions_swap=self.scheduler.preemptions.swap,
-            prefix_cache_hit_rate=pressure.prefix_hit_rate,
-            peak_kv_utilization=rec.peak_kv_utilization,
-            peak_used_device_blocks=rec.peak_used_device_blocks,
-            num_steps=rec.num_steps,
-            num_generated_tokens=rec.num_generated_tokens,
-            num_finished_requests=rec.num_finished_requests,
-            num_rejected_requests=rec.num_rejected_requests,
-            num_aborted_requests=rec.num_aborted_requests,
-            num_failed_requests=rec.num_failed_requests,
-            ttft_seconds=rec.ttft.copy(),
-            tpot_seconds=rec.tpot.copy(),
-            cache_tier=tier,
-            kv_bytes_to_cpu=(pressure.swap_out_blocks + tier.demoted_blocks) * kv_bytes,
-            kv_bytes_to_device=(pressure.swap_in_blocks + tier.promoted_blocks) * kv_bytes,
-            swap_checksum_failures=rec.swap_checksum_failures,
-            adapter_requests_total=dict(self.adapters.counts.requests),
-            adapter_generation_tokens_total=dict(self.adapters.counts.tokens),
-            adapter_loads_total=self.adapters.loads,
-            adapter_evictions_total=self.adapters.evictions,
-            speculation=self.scheduler.speculation_counters(),
+        return collect_metrics(
+            self.recorder,
+            self.scheduler,
+            self.block_manager,
+            self.adapters,
+            kv_bytes_per_block=self.model_info.kv_bytes_per_block,
         )
 
     def shutdown(self) -> None:
         self.workers.shutdown()
 
     # --- helpers -------------------------------------------------------------------------
-
-    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        if len(ids) >= self.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
-                "tokens and at least one must be left to generate"
-            )
-        max_seqs = self.config.scheduler.max_num_seqs
-        if params.n > max_seqs:
-            raise RequestRejected(
-                f"n={params.n} branches exceed scheduler.max_num_seqs ({max_seqs})"
-            )
-        block_size = self.config.cache.block_size
-        needed = -(-len(ids) // block_size) + params.n
-        usable = self.block_manager.num_device_blocks - self.block_manager.watermark_blocks
-        if needed > usable:
-            raise RequestRejected(
-                f"the prompt needs {needed} KV blocks ({len(ids)} tokens in blocks of {block_size}"
-                f" plus one per branch, n={params.n}) but the device pool has {usable} to give "
-                f"({self.block_manager.num_device_blocks} minus a watermark of "
-                f"{self.block_manager.watermark_blocks})"
-            )
 
     def _new_branch(
         self,
@@ -506,43 +463,12 @@ class EngineCore:
     def _default_seed(self, arrival: int) -> int:
         return (self.config.model.seed * 1_000_003 + arrival * 7919 + 1) % 2**63
 
-    def _record_token_times(self, request: Request, now: float, new_tokens: int) -> None:
-        """TTFT at the first token; after it, the step's time shared by the tokens it added (a
-        speculative step adds several), one time per token."""
-        metrics = request.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-            self.recorder.ttft.observe(now - metrics.arrival_time)
-            new_tokens -= 1
-        if metrics.last_token_time is not None and new_tokens > 0:
-            per_token = (now - metrics.last_token_time) / new_tokens
-            for _ in range(new_tokens):
-                metrics.inter_token_times.append(per_token)
-                self.recorder.tpot.observe(per_token)
-        metrics.last_token_time = now
-
     def _forget_limits(self, request: Request) -> None:
         """What an ending request gives back besides its blocks: its reservations and its hold
         on its adapter's weights (once: the digest is cleared)."""
         for branch in request.branches:
             self.block_manager.forget(branch.seq_id)
         self.adapters.release(request)
-
-    def _check_predicted_wait(self) -> None:
-        """EngineOverloaded when requests already wait and a new one would wait longer than
-        `scheduler.max_queue_wait_s` by the measured drain rate; Retry-After is how much
-        longer, i.e. when the queue will have drained enough to start it in time."""
-        limit = self.config.scheduler.max_queue_wait_s
-        waiting = len(self.scheduler.waiting)
-        if limit is None or waiting == 0:
-            return
-        predicted = self.queue_wait.predict(waiting)
-        if predicted is not None and predicted > limit:
-            raise EngineOverloaded(
-                f"{waiting} requests are waiting; a new one would start in about "
-                f"{predicted:.0f} s (scheduler.max_queue_wait_s = {limit:g})",
-                retry_after_s=predicted - limit,
-            )
 
     def _complete(self, request: Request, now: float) -> None:
         self.queue_wait.observe_departure()

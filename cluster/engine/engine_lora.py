@@ -16,7 +16,7 @@ from cluster.engine.errors import InvalidAdapter
 from cluster.engine.lora_manager import LoRAManager, lora_disabled
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.request import Request
-from cluster.engine.scheduler import SchedulerStep
+from cluster.engine.scheduler_step import SchedulerStep
 from workers import WorkerGroup
 from workers.lora import AdapterSummary
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenization import PromptRenderer, RenderedPrompt
+from cluster.kv_transfer.hint import KVSourceHint
+from workers.plan import SampledToken
 
 PromptInput = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
 """Text, chat messages (a list of {"role", "content"}) or {"prompt_token_ids": [...]}."""
@@ -45,6 +47,14 @@ class GenerateRequest:
     block_hashes: tuple[bytes, ...] = ()
     """The chain of its blocks a prefix lookup could hit, hashed once where it was prepared
     (a routing ingress: the router reads it); empty where nothing routes by it."""
+    kv_source: KVSourceHint | None = None
+    """Pull the leading blocks from this replica before computing (a replica that just
+    computed them); on any failure they are computed. None: the engine decides alone."""
+    prefill_only: bool = False
+    """Stop after the first sampled token, handing the request off (`cluster.engine.handoff`)."""
+    resume: tuple[SampledToken, ...] = ()
+    """Tokens another engine already sampled for it: generation goes on after them
+    (`cluster.engine.handoff`)."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -5,21 +5,26 @@
 sampling and workload are the same under every layout. `LayoutRecorder` is the layouts
 benchmark's: it runs an engine's steps (`LayoutRecorder.step`, in place of `EngineCore.step`) and
 samples, at each, bytes reserved, bytes physically backed and bytes holding live tokens (plus
-internal fragmentation and reservation waste apart), and sums the page faults and decommits the
-workers report; an engine that is not recorded pays for none of it.
+internal fragmentation and reservation waste apart), and counts the page faults of the in-process
+rank's forward passes (hooks on its model) and the decommits the plans carry; an engine that is
+not recorded pays for none of it.
 """
 
 from __future__ import annotations
 
 import math
+import resource
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from block_manager import (
     ContiguousKVManager,
     KVCacheManager,
     KVManager,
+    LayoutAccounting,
     LayoutUsage,
     VirtualKVManager,
 )
@@ -27,10 +32,10 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.outputs import RequestOutput
 from workers import ModelInfo
 from workers.plan import StepOutput
+from workers.virtual_pool import VirtualKVPool, virtual_geometry
 
 if TYPE_CHECKING:
     from cluster.engine.engine_core import EngineCore
-from workers.virtual_pool import virtual_geometry
 
 
 def build_kv_manager(
@@ -92,6 +97,10 @@ class UsageSample:
     running_sequences: int
 
 
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 @dataclass
 class LayoutRecorder:
     """Per-step samples (kept only when `keep_samples`) plus running peaks and totals."""
@@ -110,24 +119,44 @@ class LayoutRecorder:
     sum_reservation_waste_bytes: float = 0.0
     num_samples: int = 0
     page_faults: int = 0
+    """Minor page faults taken inside the rank's forward passes."""
     decommit_ranges: int = 0
     forward_seconds: float = 0.0
     measured_backed_bytes: list[tuple[float, int]] = field(default_factory=list)
-    """(time, bytes) the workers measured resident (virtual layout), kept with `keep_samples`."""
+    """(time, bytes) resident in the rank's virtual pool after each step (mincore), kept with
+    `keep_samples`."""
+    virtual_pool: VirtualKVPool | None = field(default=None, repr=False)
+    _faults_before_forward: int = field(default=0, repr=False)
 
     @classmethod
     def of(cls, engine: EngineCore, keep_samples: bool = False) -> LayoutRecorder:
-        """A recorder for `engine`'s layout (its bytes per token slot from the model)."""
+        """A recorder for `engine`'s layout (its bytes per token slot from the model), hooked
+        to its in-process rank's model (backend "local": `getrusage` sees the rank's faults).
+        Raises ValueError for ranks on Ray."""
+        rank = engine.workers.local_rank
+        if rank is None or rank.model is None:
+            raise ValueError("the layouts recorder observes an in-process rank: backend 'local'")
         cache = engine.config.cache
         per_slot = engine.model_info.kv_bytes_per_block / cache.block_size
-        return cls(cache.kv_layout, per_slot, keep_samples=keep_samples)
+        recorder = cls(cache.kv_layout, per_slot, keep_samples, virtual_pool=rank.virtual_pool)
+        rank.model.register_forward_pre_hook(recorder._forward_begins)
+        rank.model.register_forward_hook(recorder._forward_ended)
+        return recorder
+
+    def _forward_begins(self, module: torch.nn.Module, args: Any) -> None:
+        self._faults_before_forward = _minor_faults()
+
+    def _forward_ended(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.page_faults += _minor_faults() - self._faults_before_forward
 
     def step(self, engine: EngineCore) -> list[RequestOutput]:
         """`engine.step()`, sampling the layout's memory once the step is scheduled and the
-        workers' page faults and decommits once it ran."""
+        rank's page faults, resident bytes and the plan's decommits once it ran."""
         step = engine.begin_step()
         running = sum(len(r.active_branches) for r in engine.scheduler.running)
-        self.observe(engine.block_manager.usage(), running)
+        manager = engine.block_manager
+        assert isinstance(manager, LayoutAccounting)
+        self.observe(manager.usage(), running)
         result = engine.execute(step)
         if isinstance(result, StepOutput):
             self.observe_output(result, len(step.plan.decommit))
@@ -157,11 +186,11 @@ class LayoutRecorder:
         self.sum_reservation_waste_bytes += sample.reservation_waste_bytes
 
     def observe_output(self, output: StepOutput, decommit_ranges: int) -> None:
-        self.page_faults += output.page_faults
         self.forward_seconds += output.forward_seconds
         self.decommit_ranges += decommit_ranges
-        if self.keep_samples and output.kv_backed_bytes is not None:
-            self.measured_backed_bytes.append((time.perf_counter(), output.kv_backed_bytes))
+        if self.keep_samples and self.virtual_pool is not None:
+            resident = self.virtual_pool.resident_bytes()
+            self.measured_backed_bytes.append((time.perf_counter(), resident))
 
     def waste_fraction(self) -> float:
         """Time-averaged (backed - live) / backed over the sampled steps (0 when nothing backed)."""

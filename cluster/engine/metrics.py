@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from block_manager import PressureSnapshot, TierCounters
+from cluster.engine.outputs import RequestMetrics
 from cluster.engine.speculation import SpeculationCounters
+
+if TYPE_CHECKING:
+    from block_manager import KVManager
+    from cluster.engine.engine_lora import EngineAdapters
+    from cluster.engine.scheduler import Scheduler
+    from cluster.kv_transfer.metrics import TransferCounters
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -81,6 +89,8 @@ class EngineMetrics:
     """Adapters displaced from a device slot by another, plus adapters the CPU LRU dropped."""
     speculation: SpeculationCounters | None = None
     """Speculative decoding's drafts and accepted drafts (None: speculative decoding off)."""
+    kv_transfer: TransferCounters | None = None
+    """KV pulls to and from peer replicas (None: no transfer service attached)."""
 
     @property
     def preemptions(self) -> int:
@@ -108,3 +118,59 @@ class MetricsRecorder:
             return
         self.peak_kv_utilization = max(self.peak_kv_utilization, pressure.kv_utilization)
         self.peak_used_device_blocks = max(self.peak_used_device_blocks, pressure.device.used)
+
+    def observe_tokens(self, metrics: RequestMetrics, now: float, new_tokens: int) -> None:
+        """A step added `new_tokens` to one request at `now`: TTFT at its first token; after
+        it, the step's time shared by the tokens it added (a speculative step adds several),
+        one time per token."""
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            self.ttft.observe(now - metrics.arrival_time)
+            new_tokens -= 1
+        if metrics.last_token_time is not None and new_tokens > 0:
+            per_token = (now - metrics.last_token_time) / new_tokens
+            for _ in range(new_tokens):
+                metrics.inter_token_times.append(per_token)
+                self.tpot.observe(per_token)
+        metrics.last_token_time = now
+
+
+def collect_metrics(
+    recorder: MetricsRecorder,
+    scheduler: Scheduler,
+    block_manager: KVManager,
+    adapters: EngineAdapters,
+    *,
+    kv_bytes_per_block: int,
+) -> EngineMetrics:
+    """One consistent snapshot of the engine's counters (read between steps)."""
+    pressure = block_manager.pressure()
+    tier = block_manager.tier_counters()
+    return EngineMetrics(
+        pressure=pressure,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_swapped=len(scheduler.swapped),
+        preemptions_recompute=scheduler.preemptions.recompute,
+        preemptions_swap=scheduler.preemptions.swap,
+        prefix_cache_hit_rate=pressure.prefix_hit_rate,
+        peak_kv_utilization=recorder.peak_kv_utilization,
+        peak_used_device_blocks=recorder.peak_used_device_blocks,
+        num_steps=recorder.num_steps,
+        num_generated_tokens=recorder.num_generated_tokens,
+        num_finished_requests=recorder.num_finished_requests,
+        num_rejected_requests=recorder.num_rejected_requests,
+        num_aborted_requests=recorder.num_aborted_requests,
+        num_failed_requests=recorder.num_failed_requests,
+        ttft_seconds=recorder.ttft.copy(),
+        tpot_seconds=recorder.tpot.copy(),
+        cache_tier=tier,
+        kv_bytes_to_cpu=(pressure.swap_out_blocks + tier.demoted_blocks) * kv_bytes_per_block,
+        kv_bytes_to_device=(pressure.swap_in_blocks + tier.promoted_blocks) * kv_bytes_per_block,
+        swap_checksum_failures=recorder.swap_checksum_failures,
+        adapter_requests_total=dict(adapters.counts.requests),
+        adapter_generation_tokens_total=dict(adapters.counts.tokens),
+        adapter_loads_total=adapters.loads,
+        adapter_evictions_total=adapters.evictions,
+        speculation=scheduler.speculation_counters(),
+    )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from block_manager import CacheKey
 from cluster.engine.detokenizer import TextTracker
 from cluster.engine.grammar_backend import BranchGrammar
+from cluster.engine.handoff import text_final
 from cluster.engine.output_stream import BranchDelta, RequestDelta
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
@@ -88,6 +89,8 @@ class Request:
     """The LoRA adapter's name as the caller gave it (None: the base model); metrics key."""
     adapter_digest: str | None = None
     """The adapter's weights digest: what the scheduler's slot limit and the slots key on."""
+    prefill_only: bool = False
+    """Ends after its first token, handed off to a decode engine (`cluster.engine.handoff`)."""
 
     @property
     def n(self) -> int:
@@ -114,7 +117,7 @@ class Request:
         branches = []
         for branch in self.branches:
             start = branch.emitted_tokens
-            text = branch.text.take_delta(finished=branch.finished)
+            text = branch.text.take_delta(finished=text_final(branch))
             newly_finished = branch.finished and not branch.finish_streamed
             if not (text or start < len(branch.output_token_ids) or newly_finished):
                 continue
@@ -149,7 +152,7 @@ class Request:
         self.announced = True
         outputs = []
         for branch in self.branches:
-            delta_text = branch.text.take_delta(finished=branch.finished)
+            delta_text = branch.text.take_delta(finished=text_final(branch))
             delta_ids = branch.output_token_ids[branch.emitted_tokens :]
             branch.emitted_tokens = len(branch.output_token_ids)
             outputs.append(

@@ -1,30 +1,12 @@
 """Continuous batching over the paged KV cache: one `StepPlan` per step.
 
-Each step, in priority order (arrival order; earlier is higher):
-1. Running requests: each active branch first gets its pending (sampled, not yet in the table)
-   token appended (a block when the tail is full, a copy-on-write pair when it is shared); when no
-   block is free, the latest running request is preempted (recompute, or swap to the CPU tier,
-   chosen by `PreemptionCostModel` in `auto`), and the current one if it is the latest. Then the
-   branch's uncomputed tokens (a decode: one; a prefill: a chunk) take from the step's token budget.
-2. If nothing was preempted this step: swapped requests come back first (swap-in), oldest first;
-   only when none is left swapped are waiting requests admitted, oldest first, by allocating their
-   table (prefix-cache hits are shared, the block manager keeps the watermark free). The first one
-   that does not fit stops admission (no overtaking, no starvation). With chunked prefill off,
-   a prompt is only scheduled whole, when the rest of the budget holds it.
-   LoRA (`max_loras` set): a request whose adapter would make the running requests use more
-   than `max_loras` distinct adapters waits for a slot instead: it is skipped, and so is every
-   later waiting request with an adapter, while later base-model requests may still be admitted
-   (they take no slot). Swapped requests come back under the same rule.
-   Speculative decoding (a `speculator`): once every running request has its pending token,
-   a decode that samples one token may also carry drafts (see `cluster.engine.speculation`),
-   appended to its table from the blocks above the watermark and the budget left; the step's
-   rows verify them and `on_step_done` truncates the table to the accepted ones.
-   Structured outputs: a constrained branch's drafts stop before the first its grammar rejects,
-   and each position it draws at carries the grammar's token bitmask for the state after the
-   drafts before it (`BranchGrammar.bitmasks`), so rank 0 only ever draws allowed tokens.
-3. The engine calls `unstick_head` when a step had nothing to run and nothing was preempted:
-   the head cannot fit even in an empty pool (a swapped one is recomputed instead, a waiting
-   one is given up on).
+Each step, in priority order (arrival order; earlier is higher): running requests get their
+pending token appended and their uncomputed tokens (a decode's one, a prefill's chunk) taken
+from the step's budget, preempting the latest running request (recompute or swap, chosen by
+`PreemptionCostModel`) when no block is free; then, if nothing was preempted, swapped requests
+come back, and only then are waiting requests admitted, oldest first, the first that does not
+fit stopping admission. LoRA slots, speculative drafts and grammar bitmasks ride the same pass
+(the whole policy is in docs/engine.md, "Scheduling").
 
 Invariants: the running requests use at most `max_loras` distinct adapters, so every step's
 adapters fit the device slots; a request waiting for a slot is never starved: while it waits no
@@ -40,80 +22,15 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from block_manager import KVManager, NeverFits, NoFreeBlocks
 from cluster.engine.config import SchedulerSettings
 from cluster.engine.preemption import PreemptionCostModel
 from cluster.engine.request import Branch, Request, RequestStatus
+from cluster.engine.scheduler_step import PreemptionCounts, ScheduledWork, SchedulerStep
 from cluster.engine.speculation import DraftAllowance, NgramSpeculator, SpeculationCounters
 from cluster.engine.step_budget import StepBudget
 from workers.plan import SampledToken, SequenceWork, StepOutput, StepPlan
-
-
-@dataclass
-class ScheduledWork:
-    """One sequence's share of a step, with the request it belongs to."""
-
-    request: Request
-    branch: Branch
-    start: int
-    num_tokens: int
-    num_samples: int
-    drafts: list[int] = field(default_factory=list)
-    """Speculative tokens after the pending one (`num_tokens == 1 + len(drafts)`), verified by
-    the step's rows; the block manager holds them until `on_step_done` keeps the accepted."""
-
-
-@dataclass
-class SchedulerStep:
-    plan: StepPlan
-    works: list[ScheduledWork]
-    rejected: list[Request] = field(default_factory=list)
-    preempted: bool = False
-    """Something was preempted, so swapped and waiting requests were not considered."""
-    swapped: list[Request] = field(default_factory=list)
-    """Requests whose blocks this plan swaps out or in (their KV moves only if the plan runs)."""
-    stalled: bool = False
-    """Nothing runs, nothing was preempted and nothing is running, yet a request waits or is
-    swapped: the head of the queues cannot fit even in an empty pool (see `unstick_head`)."""
-
-    def requests(self) -> list[Request]:
-        """Every request whose state depends on this plan running: its work and its swaps."""
-        seen: dict[str, Request] = {}
-        for request in [w.request for w in self.works] + self.swapped:
-            seen.setdefault(request.request_id, request)
-        return list(seen.values())
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(w.num_tokens for w in self.works)
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing for the workers to do: no work, no swaps or copies, no releases and no
-        decommits (a plan that only releases sequences must still reach the workers, or their
-        registries keep the state of requests that ended)."""
-        return not (self.runs_anything or self.plan.released or self.plan.decommit)
-
-    @property
-    def runs_anything(self) -> bool:
-        """The plan computes, swaps or copies something (releases alone do not count)."""
-        plan = self.plan
-        return bool(
-            plan.sequences
-            or plan.swap_out
-            or plan.swap_in
-            or plan.copy_pairs
-            or plan.demote
-            or plan.promote
-        )
-
-
-@dataclass
-class PreemptionCounts:
-    recompute: int = 0
-    swap: int = 0
 
 
 class Scheduler:

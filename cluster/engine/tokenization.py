@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from cluster.engine.errors import RequestRejected
 
@@ -46,6 +47,21 @@ def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
     return hasher.hexdigest()
 
 
+def exact_backend_decode(tokenizer: PreTrainedTokenizerBase) -> Any | None:
+    """The Rust tokenizer's `decode` when `tokenizer.decode` is exactly it (a fast tokenizer
+    whose class keeps the base `_decode` and that cleans up no spaces afterwards), else None.
+    It skips transformers' per-call argument conversion, most of a short decode's cost."""
+    if not isinstance(tokenizer, TokenizersBackend):
+        return None
+    if type(tokenizer)._decode is not TokenizersBackend._decode:
+        return None
+    if type(tokenizer).decode is not PreTrainedTokenizerBase.decode:
+        return None
+    if tokenizer.clean_up_tokenization_spaces:
+        return None
+    return tokenizer.backend_tokenizer.decode
+
+
 def template_digest(template: str) -> str:
     return hashlib.sha256(template.encode()).hexdigest()
 
@@ -57,6 +73,7 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.digest = tokenizer_digest(tokenizer)
+        self._backend_decode = exact_backend_decode(tokenizer)
 
     def render(
         self,
@@ -85,6 +102,10 @@ class PromptRenderer:
         return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """`tokenizer.decode`, straight from the Rust tokenizer when that is the same text
+        (the incremental detokenizer calls this twice per generated token)."""
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(

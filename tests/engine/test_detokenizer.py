@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
+from cluster.engine.tokenization import PromptRenderer, exact_backend_decode
 
 TEXTS = [
     "Hello 世界 🙂 world, naïve café — ok",
@@ -95,3 +97,32 @@ def test_property_stream_equals_decode_cut_at_first_stop(
     first = full.find(stop)
     assert match is not None
     assert streamed == full[: first + (len(stop) if include else 0)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=st.lists(st.integers(min_value=0, max_value=49151), max_size=12),
+    skip=st.booleans(),
+)
+def test_renderer_decode_is_the_tokenizers_decode(
+    smollm2_tokenizer: Any, ids: list[int], skip: bool
+) -> None:
+    """The renderer's fast decode gives `tokenizer.decode`'s text for any ids, special tokens
+    (0-16 in SmolLM2's vocabulary) and bytes of split characters included."""
+    renderer = PromptRenderer(smollm2_tokenizer, vocab_size=49152)
+    assert renderer.decode(ids, skip_special_tokens=skip) == smollm2_tokenizer.decode(
+        ids, skip_special_tokens=skip
+    )
+
+
+def test_renderer_keeps_transformers_decode_when_it_cleans_up_spaces(
+    smollm2_tokenizer: Any,
+) -> None:
+    """A tokenizer that post-processes decoded text is never bypassed."""
+    cleaning = copy.deepcopy(smollm2_tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert exact_backend_decode(cleaning) is None
+    assert exact_backend_decode(smollm2_tokenizer) is not None
+    renderer = PromptRenderer(cleaning, vocab_size=49152)
+    ids = cleaning.encode("Hello , world . It 's here", add_special_tokens=False)
+    assert renderer.decode(ids) == cleaning.decode(ids, skip_special_tokens=True)

@@ -14,6 +14,8 @@ from cluster.engine.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.structured_outputs import StructuredOutputsParams
 
+pytestmark = pytest.mark.smollm2
+
 SCHEMA = {
     "type": "object",
     "properties": {

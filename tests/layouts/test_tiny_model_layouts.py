@@ -60,7 +60,7 @@ def test_virtual_matches_paged_and_returns_its_pages(
         engine = llm.engine
         recorder = LayoutRecorder.of(engine, keep_samples=True)
         assert greedy_ids(recorded_generate(engine, recorder)) == paged_ids
-        measured = [b for _, b in recorder.measured_backed_bytes]  # the worker's mincore
+        measured = [b for _, b in recorder.measured_backed_bytes]  # the rank pool's mincore
         manager = engine.block_manager
         reserved_bytes = manager.num_virtual_blocks * engine.model_info.kv_bytes_per_block
         # what was committed follows what the manager planned (whole pages per plane) ...

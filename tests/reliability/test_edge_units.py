@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.grpc_validation import CorruptRequest, GrpcAbort, validated_generate
 from cluster.serving.grpc_wire import LenientDeserializer
-from cluster.serving.openai_protocol import CompletionRequest, OpenAIError, parse_request
+from cluster.serving.openai_protocol import OpenAIError
+from cluster.serving.openai_requests import CompletionRequest, parse_request
 from protos import generation_pb2 as pb
 
 

@@ -10,7 +10,7 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.llm import LLM
-from cluster.engine.scheduler import SchedulerStep
+from cluster.engine.scheduler_step import SchedulerStep
 from tests.engine.streams import engine_outputs
 from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
 from workers.plan import StepPlan

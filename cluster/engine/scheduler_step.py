@@ -1,0 +1,79 @@
+"""What one scheduling step produced: the plan for the workers and, beside it, what the
+engine needs to apply its result (each sequence's share, the requests it rejected, preempted
+or swapped, whether the queues are stuck).
+
+Invariant: every request named here is one the scheduler holds; `requests()` is exactly the set
+whose state depends on the plan running, so a refused plan is isolated to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.engine.request import Branch, Request
+from workers.plan import StepPlan
+
+
+@dataclass
+class ScheduledWork:
+    """One sequence's share of a step, with the request it belongs to."""
+
+    request: Request
+    branch: Branch
+    start: int
+    num_tokens: int
+    num_samples: int
+    drafts: list[int] = field(default_factory=list)
+    """Speculative tokens after the pending one (`num_tokens == 1 + len(drafts)`), verified by
+    the step's rows; the block manager holds them until `on_step_done` keeps the accepted."""
+
+
+@dataclass
+class SchedulerStep:
+    plan: StepPlan
+    works: list[ScheduledWork]
+    rejected: list[Request] = field(default_factory=list)
+    preempted: bool = False
+    """Something was preempted, so swapped and waiting requests were not considered."""
+    swapped: list[Request] = field(default_factory=list)
+    """Requests whose blocks this plan swaps out or in (their KV moves only if the plan runs)."""
+    stalled: bool = False
+    """Nothing runs, nothing was preempted and nothing is running, yet a request waits or is
+    swapped: the head of the queues cannot fit even in an empty pool (see `unstick_head`)."""
+
+    def requests(self) -> list[Request]:
+        """Every request whose state depends on this plan running: its work and its swaps."""
+        seen: dict[str, Request] = {}
+        for request in [w.request for w in self.works] + self.swapped:
+            seen.setdefault(request.request_id, request)
+        return list(seen.values())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(w.num_tokens for w in self.works)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the workers to do: no work, no swaps or copies, no releases and no
+        decommits (a plan that only releases sequences must still reach the workers, or their
+        registries keep the state of requests that ended)."""
+        return not (self.runs_anything or self.plan.released or self.plan.decommit)
+
+    @property
+    def runs_anything(self) -> bool:
+        """The plan computes, swaps or copies something (releases alone do not count)."""
+        plan = self.plan
+        return bool(
+            plan.sequences
+            or plan.swap_out
+            or plan.swap_in
+            or plan.copy_pairs
+            or plan.demote
+            or plan.promote
+        )
+
+
+@dataclass
+class PreemptionCounts:
+    recompute: int = 0
+    swap: int = 0
