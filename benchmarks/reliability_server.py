@@ -84,6 +84,8 @@ class LocalServer:
     grpc_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="reliability-")))
+    extra_args: list[str] = field(default_factory=list)
+    """More `pagedserve serve` arguments (a positional model, engine flags)."""
 
     @property
     def base(self) -> str:
@@ -120,6 +122,7 @@ class LocalServer:
             str(self.grace_period_s),
             "--ready-file",
             str(ready),
+            *self.extra_args,
         ]
         env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
         with self.log_path.open("wb") as log:

@@ -153,7 +153,8 @@ def run_llama(model: Path, args: argparse.Namespace, log: Path) -> dict[str, Any
 
 def run_ours(model: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
     port = free_port()
-    command = [sys.executable, "-m", "cluster.serving.cli", "serve", "--model", str(model)]
+    command = [sys.executable, "-m", "cluster.serving.cli", "serve", str(model)]
+    command += ["--served-model-name", MODEL_NAME]
     command += ["--host", "127.0.0.1", "--http-port", str(port)]
     command += ["--grpc-port", str(free_port()), "--replicas", str(args.replicas)]
     if args.serve_config:

@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,9 +38,19 @@ from cluster.engine.client import ModelInfo
 from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.output_stream import RequestDelta
+from cluster.kv_transfer.cost_model import TransferCostModel
+from cluster.kv_transfer.payload import KVPayload
+from cluster.kv_transfer.puller import PullSettings
+from cluster.kv_transfer.service import KVTransferService
 from cluster.serving.app_args import DEPLOYMENT_NAME, ServeAppArgs
 from cluster.serving.autoscaling import autoscaling_stats
-from cluster.serving.kv_directory import CacheSource, DirectoryPublisher, directory_handle
+from cluster.serving.kv_directory import (
+    CacheSource,
+    DirectoryClient,
+    DirectoryPublisher,
+    directory_handle,
+)
+from cluster.serving.kv_transport import ServeKVTransport
 from cluster.serving.lora_registry import registry_handle
 from cluster.serving.lora_sync import AdapterSync
 from cluster.serving.replica_health import StepProgress, replica_problem
@@ -97,6 +108,7 @@ class GenerationServer:
             heartbeat_s=min(HEARTBEAT_S, directory.replica_timeout_s / 4),
         )
         self.publisher.start()
+        self._attach_kv_transfer(context.app_name, context.deployment)
         self.adapter_sync: AdapterSync | None = None
         if self.config.lora.enable_lora:
             configured = self.args.configured_adapters()
@@ -105,6 +117,39 @@ class GenerationServer:
                 registry, self.engine, self.replica_id, configured, self.engine.adapter_digests
             )
             await self.adapter_sync.start()
+
+    def _attach_kv_transfer(self, app_name: str, deployment: str) -> None:
+        """Serve this replica's blocks to peers, and (unless off) pull missing prefixes from
+        the replica the directory names (of this replica's own `deployment`) or a request's
+        hint names (`cluster.kv_transfer`)."""
+        if self.config.cache.kv_layout != "paged" or not self.config.cache.enable_prefix_caching:
+            return
+        settings = self.args.kv_transfer
+        self.kv_transfer = KVTransferService(
+            self.replica_id,
+            self.engine.core,
+            ServeKVTransport(app_name, deployment),
+            DirectoryClient(self.publisher.directory, self.args.directory.query_timeout_s),
+            PullSettings(settings.timeout_s, settings.min_blocks, settings.use_cost_model),
+            TransferCostModel(bandwidth_prior_bytes_per_s=settings.bandwidth_prior_bytes_per_s),
+            pull=settings.pull,
+            on_pulled=self._report_pull,
+        )
+        self.engine.attach_kv_transfer(self.kv_transfer)
+
+    def _report_pull(self, holder: str, blocks: int, num_bytes: int) -> None:
+        """Tell the directory (fire and forget: a lost report only costs a figure)."""
+        with contextlib.suppress(Exception):
+            self.publisher.directory.record_transfer.remote(
+                holder, self.replica_id, blocks, num_bytes
+            )
+
+    async def export_kv(
+        self, block_keys: list[bytes], target_replica: str | None = None
+    ) -> KVPayload:
+        """A peer's pull: this replica's blocks for the leading run of `block_keys` (exact
+        hash preimages) it holds; `target_replica` is read by the router only."""
+        return await self.engine.export_kv_blocks(block_keys)
 
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica: stop the step loop and the workers."""
@@ -130,9 +175,12 @@ class GenerationServer:
         self,
         request: GenerateRequest,
         prefix_blocks: dict[str, int] | None = None,
+        target_replica: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Streams the engine's deltas (fold them with an `OutputAccumulator`); the request's
-        `block_hashes` and `prefix_blocks` are read by the router only. Raises RequestRejected,
+        `block_hashes`, `prefix_blocks` and `target_replica` (a replica id the caller wants
+        the request on, e.g. a decode replica named by a disaggregated proxy) are read by the
+        router only. Raises RequestRejected,
         EngineOverloaded, EngineDead like the engine, before the first delta."""
         stream = self.engine.generate(request, self.args.stream_interval)
         try:
@@ -142,8 +190,9 @@ class GenerationServer:
         finally:
             await stream.aclose()
 
-    async def metrics(self) -> tuple[str, EngineMetrics]:
-        """This replica's id and its engine's metrics (what /metrics and cache stats show)."""
+    async def metrics(self, target_replica: str | None = None) -> tuple[str, EngineMetrics]:
+        """This replica's id and its engine's metrics (what /metrics and cache stats show);
+        `target_replica` is read by the router only."""
         return self.replica_id, self.engine.metrics()
 
     def health_problem(self) -> str | None:

@@ -24,12 +24,8 @@ from pydantic import ValidationError
 
 from cluster.engine.generate_request import PromptInput
 from cluster.engine.sampling_params import SamplingParams
-from cluster.serving.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    error_from_validation,
-)
+from cluster.serving.openai_protocol import OpenAIError, error_from_validation
+from cluster.serving.openai_requests import ChatCompletionRequest, CompletionRequest
 from cluster.serving.tool_calls import ToolPlan, ToolSettings, render_options
 from protos import generation_pb2 as pb
 

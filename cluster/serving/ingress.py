@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.engine.client import EngineClient
 from cluster.engine.generate_request import RequestBuilder
 from cluster.engine.tokenization import PromptRenderer
 from cluster.serving.app_args import ServeAppArgs
@@ -53,18 +54,15 @@ from cluster.serving.kv_directory import DirectoryClient, directory_handle
 from cluster.serving.limits import read_body
 from cluster.serving.lora_admin import AdapterService
 from cluster.serving.lora_registry import registry_handle
-from cluster.serving.lora_routes import install_lora_routes, model_cards
+from cluster.serving.lora_routes import BaseModelFacts, install_lora_routes, model_cards
 from cluster.serving.metrics_listener import MetricsListener
-from cluster.serving.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    parse_request,
-)
+from cluster.serving.openai_protocol import OpenAIError
+from cluster.serving.openai_requests import ChatCompletionRequest, CompletionRequest, parse_request
 from cluster.serving.openai_serving import OpenAIServing, ResponseMeta
 from cluster.serving.openapi_schema import install_openapi, request_body
+from cluster.serving.pd_client import DisaggregatedClient
 from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
-from cluster.serving.routed_engine import RoutedEngineClient, client_error
+from cluster.serving.routed_engine import RoutedEngineClient, client_error, no_holdings
 from cluster.serving.tenancy import Forbidden, Tenancy, Unauthenticated
 from cluster.serving.tool_calls import ToolSettings
 from protos import generation_pb2 as pb
@@ -110,7 +108,7 @@ def build_http_api(ingress: OpenAIIngress) -> FastAPI:
     async def models(request: Request) -> JSONResponse:
         ingress.http_tenant_salt(request)
         await ingress.adapters.list_loras()  # refreshes the view from the registry
-        cards = model_cards(ingress.adapters, ingress.created, ingress.frontend.max_model_len)
+        cards = model_cards(ingress.adapters, ingress.created, ingress.base_model)
         return JSONResponse(cards.model_dump())
 
     async def run(request: Request, model: type[Any], unary: Any, stream: Any) -> Response:
@@ -155,10 +153,13 @@ and load shedding belong to the engines, which know their capacity)."""
 @serve.deployment(name=INGRESS_NAME, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
 @serve.ingress()
 class OpenAIIngress(GrpcMethods):
-    """The application's entry (see the module doc). `engine` is the engine deployment's handle."""
+    """The application's entry (see the module doc). `engine` is the engine deployment's
+    handle; with `decode` (a disaggregated app's decode deployment) `engine` is its prefill
+    deployment and each request runs as a prefill then a decode call (`DisaggregatedClient`)."""
 
-    async def __init__(self, engine: Any, args: dict[str, Any]) -> None:
+    async def __init__(self, engine: Any, args: dict[str, Any], decode: Any = None) -> None:
         self.engine = engine
+        self.decode = decode
         self.args = ServeAppArgs.model_validate(args)
         description: EngineDescription = await engine.describe.remote()
         self.description = description
@@ -170,7 +171,11 @@ class OpenAIIngress(GrpcMethods):
         app_name = serve.get_replica_context().app_name
         name = self.args.served_model_name
         registry = None
-        if self.args.engine_config().lora.enable_lora:
+        engine_config = self.args.engine_config()
+        self.base_model = BaseModelFacts(
+            engine_config.model.model, info.max_model_len, info.architecture
+        )
+        if engine_config.lora.enable_lora:
             registry = registry_handle(app_name, self.args.configured_adapters())
         self.adapters = AdapterService(name, registry)
         await self.adapters.start()
@@ -184,9 +189,14 @@ class OpenAIIngress(GrpcMethods):
             None if coordinator is None else coordinator.report.remote,
         )
         self.drain.start()
-        routed = RoutedEngineClient(
-            engine, self.directory.holdings, self.args.limits.queue_timeout_s
-        )
+        queue_timeout_s = self.args.limits.queue_timeout_s
+        routed: EngineClient = RoutedEngineClient(engine, self.directory.holdings, queue_timeout_s)
+        if decode is not None:
+            routed = DisaggregatedClient(
+                routed,
+                RoutedEngineClient(decode, no_holdings, queue_timeout_s),  # by KV pressure
+                prefill_deployment=engine.deployment_name,
+            )
         client = DrainingClient(routed, self.drain)
         self.frontend = FrontEnd(
             builder, info.max_model_len, client, self.adapters, description.keys
@@ -220,7 +230,11 @@ class OpenAIIngress(GrpcMethods):
         """The id of the engine replica that answered, and its metrics and the KV directory's
         in Prometheus' format."""
         replica_id, engine_metrics = await self.engine.metrics.remote()
-        text = render_prometheus({replica_id: engine_metrics})
+        snapshots = {replica_id: engine_metrics}
+        if self.decode is not None:
+            decode_id, decode_metrics = await self.decode.metrics.remote()
+            snapshots[decode_id] = decode_metrics
+        text = render_prometheus(snapshots)
         return replica_id, text + render_directory(await self.directory.report(), self.directory)
 
     async def _prometheus_body(self) -> bytes:
@@ -234,12 +248,17 @@ class OpenAIIngress(GrpcMethods):
         replica reports it, or None."""
         if self.drain.problem is not None:
             return self.drain.problem
-        try:
-            problem: str | None = await self.engine.health_report.remote()
-        except Exception as error:  # no replica could answer: that is the problem
-            mapped = client_error(error)
-            return str(mapped if mapped is not None else error)
-        return problem
+        for deployment in (self.engine, self.decode):
+            if deployment is None:
+                continue
+            try:
+                problem: str | None = await deployment.health_report.remote()
+            except Exception as error:  # no replica could answer: that is the problem
+                mapped = client_error(error)
+                return str(mapped if mapped is not None else error)
+            if problem is not None:
+                return problem
+        return None
 
     def http_tenant_salt(self, request: Request) -> bytes | None:
         try:

@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
@@ -61,18 +62,33 @@ def adapter_http_error(error: RequestRejected | EngineDead) -> OpenAIError:
     return OpenAIError(503, str(error), error_type="server_error", code="engine_unavailable")
 
 
-def model_cards(adapters: AdapterService, created: int, max_model_len: int) -> ModelList:
+@dataclass(frozen=True)
+class BaseModelFacts:
+    """What `/v1/models` says of the base model: where it was loaded from (its `root`, the
+    engine's `model.model`), its context and its architecture (ours, e.g. `qwen3_moe`). An
+    adapter runs on the base model, so its card repeats the context and the architecture."""
+
+    root: str
+    max_model_len: int
+    architecture: str
+
+
+def model_cards(adapters: AdapterService, created: int, base_model: BaseModelFacts) -> ModelList:
     """The base model, then each adapter with its path (`root`) and base model (`parent`)."""
     base = adapters.base_model
-    cards = [ModelCard(id=base, created=created, root=base, max_model_len=max_model_len)]
+    shared = {
+        "created": created,
+        "max_model_len": base_model.max_model_len,
+        "architecture": base_model.architecture,
+    }
+    cards = [ModelCard(id=base, root=base_model.root, **shared)]
     for adapter in adapters.view.adapters:
         cards.append(
             ModelCard(
                 id=adapter.lora_name,
-                created=created,
                 root=adapter.lora_path,
                 parent=adapter.base_model_name or base,
-                max_model_len=max_model_len,
+                **shared,
             )
         )
     return ModelList(data=cards)

@@ -1,49 +1,24 @@
-"""The OpenAI-compatible HTTP protocol at the edge: request and response models, SSE, errors.
+"""The OpenAI-compatible HTTP protocol at the edge: errors, body parsing, response models, SSE.
 
-Pydantic lives here and nowhere deeper: a request body is parsed and validated into a request
-model (`parse_request`), turned into the engine's sampling fields (`sampling_kwargs`), and engine
-outputs come back out as response or stream-chunk models.
+Pydantic lives here and nowhere deeper. Request models are in `openai_requests`; a body is
+decoded and validated by `parse_object`, and engine outputs go back out as the response or
+stream-chunk models here.
 
 Invariants:
 - Bad input never becomes a 500: malformed JSON, a wrong type, an out-of-range value or an
   unsupported feature all raise `OpenAIError` with status 400 and OpenAI's error body
   (`{"error": {"message", "type", "param", "code"}}`), naming the offending parameter.
-- Types are strict (`"5"` is not an integer, `1` is not a boolean), as in OpenAI's API; unknown
-  fields are ignored so newer clients keep working.
-- `sampling_kwargs` returns exactly the keyword arguments of the engine's `SamplingParams`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal, TypedDict, TypeVar
+from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
-from cluster.engine.structured_outputs import StructuredOutputsParams
-from cluster.serving.structured_fields import (
-    FieldError,
-    ResponseFormat,
-    StructuredOutputsField,
-    structured_outputs_of,
-)
-from cluster.serving.tool_calls import (
-    NamedToolChoice,
-    ToolCallIn,
-    ToolCallOut,
-    ToolDef,
-    ToolPlan,
-    ToolSettings,
-    plan_tools,
-    template_messages,
-)
-
-MAX_STOP_SEQUENCES = 16
-MAX_N = 128
-MAX_LOGPROBS = 20
-MAX_STOP_CHARS = 1024
-"""Longest stop string: stop strings are matched against the text after every step."""
+from cluster.serving.tool_calls import ToolCallOut
 
 
 class OpenAIError(Exception):
@@ -115,251 +90,6 @@ def error_from_validation(exc: ValidationError) -> OpenAIError:
     return invalid_request(f"Invalid value for '{param}': {detail}", param=param)
 
 
-class _Edge(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class StreamOptions(_Edge):
-    include_usage: bool = False
-
-
-class _SamplingRequest(_Edge):
-    """Fields shared by completions and chat completions; `top_k`, `ignore_eos`,
-    `stop_token_ids` and `include_stop_str_in_output` are extensions beyond OpenAI's API."""
-
-    model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: (
-        Annotated[str, Field(max_length=MAX_STOP_CHARS)]
-        | Annotated[
-            list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
-            Field(max_length=MAX_STOP_SEQUENCES),
-        ]
-        | None
-    ) = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    user: str | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsField | None = None
-    _constraint: tuple[StructuredOutputsParams | None] | None = PrivateAttr(default=None)
-
-    def _check_supported(self) -> None:
-        if self.stream_options is not None and not self.stream:
-            raise invalid_request(
-                "stream_options is only allowed when stream is true", "stream_options"
-            )
-        penalties = (
-            ("frequency_penalty", self.frequency_penalty),
-            ("presence_penalty", self.presence_penalty),
-        )
-        for name, value in penalties:
-            if value not in (None, 0.0):
-                raise invalid_request(f"{name} is not supported by this server", name)
-        if self.logit_bias:
-            raise invalid_request("logit_bias is not supported by this server", "logit_bias")
-        if isinstance(self.stop, list) and any(s == "" for s in self.stop):
-            raise invalid_request("stop sequences must not be empty", "stop")
-        self.constraint()
-
-    def constraint(self) -> StructuredOutputsParams | None:
-        """`response_format` / `structured_outputs` as the engine's constraint (a 400 naming
-        the field when it cannot compile; see `structured_fields`). Checked once: later calls
-        (on the event loop) reuse the result of `check_supported` (off it)."""
-        if self._constraint is None:
-            try:
-                params = structured_outputs_of(self.response_format, self.structured_outputs)
-            except FieldError as error:
-                raise invalid_request(error.message, error.param) from None
-            self._constraint = (params,)
-        return self._constraint[0]
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream and self.stream_options is not None and self.stream_options.include_usage
-
-    def _stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-
-class SamplingKwargs(TypedDict):
-    """Keyword arguments of the engine's `SamplingParams`, as the edge derives them."""
-
-    n: int
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    logprobs: int | None
-    ignore_eos: bool
-    include_stop_str_in_output: bool
-    structured_outputs: StructuredOutputsParams | None
-
-
-def _sampling_kwargs(
-    request: _SamplingRequest, max_tokens: int | None, logprobs: int | None
-) -> SamplingKwargs:
-    return SamplingKwargs(
-        n=request.n,
-        max_tokens=max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k is None or request.top_k < 0 else request.top_k,
-        seed=request.seed,
-        stop=request._stop_list(),
-        stop_token_ids=list(request.stop_token_ids or []),
-        logprobs=logprobs,
-        ignore_eos=request.ignore_eos,
-        include_stop_str_in_output=request.include_stop_str_in_output,
-        structured_outputs=request.constraint(),
-    )
-
-
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-Prompt = str | TokenIds
-"""One prompt: text, or token ids that skip the tokenizer."""
-
-
-class CompletionRequest(_SamplingRequest):
-    """`POST /v1/completions`. A list of prompts is a batch: choice `i * n + j` is the `j`-th
-    completion of prompt `i`."""
-
-    prompt: (
-        str
-        | Annotated[list[str], Field(min_length=1)]
-        | TokenIds
-        | Annotated[list[TokenIds], Field(min_length=1)]
-    )
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-    def check_supported(self) -> None:
-        """Raise a 400 for a valid request this server cannot honour."""
-        self._check_supported()
-        if self.echo:
-            raise invalid_request("echo is not supported by this server", "echo")
-        if self.suffix:
-            raise invalid_request("suffix is not supported by this server", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise invalid_request("best_of other than n is not supported", "best_of")
-
-    def prompts(self) -> list[Prompt]:
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if all(isinstance(p, int) for p in self.prompt):
-            return [list(self.prompt)]  # type: ignore[arg-type]
-        return list(self.prompt)  # type: ignore[arg-type]
-
-    def sampling_kwargs(self) -> SamplingKwargs:
-        """`max_tokens` defaults to 16, as in OpenAI's completions API."""
-        max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        return _sampling_kwargs(self, max_tokens, self.logprobs)
-
-
-class ContentPart(_Edge):
-    """A part of a message's content; only `{"type": "text", "text": ...}` is supported (checked
-    in `ChatCompletionRequest.check_supported` so the error names the part's type)."""
-
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(_Edge):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text or "" for part in self.content)
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    """`POST /v1/chat/completions`. Text content only."""
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[ToolDef] | None = None
-    tool_choice: str | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-
-    def check_supported(self) -> None:
-        """Raise a 400 for a valid request this server cannot honour."""
-        self._check_supported()
-        if self.top_logprobs is not None and not self.logprobs:
-            raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        for i, message in enumerate(self.messages):
-            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-                if part.type != "text" or part.text is None:
-                    raise invalid_request(
-                        f"content parts of type {part.type!r} are not supported, only 'text' "
-                        "parts with a 'text' field",
-                        f"messages[{i}].content[{j}]",
-                    )
-
-    def chat_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template takes them (see `tool_calls.template_messages`)."""
-        return template_messages(self.messages)
-
-    def tool_plan(self, settings: ToolSettings) -> ToolPlan | None:
-        """What the request's tools ask for (a 400 naming the field when they cannot be
-        honoured; see `tool_calls.plan_tools`)."""
-        try:
-            plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, settings)
-        except FieldError as error:
-            raise invalid_request(error.message, error.param) from None
-        if plan is not None and plan.constraint() is not None and self.constraint() is not None:
-            raise invalid_request(
-                f"tool_choice {plan.mode!r} cannot be combined with response_format or "
-                "structured_outputs",
-                "tool_choice",
-            )
-        return plan
-
-    def sampling_kwargs(self) -> SamplingKwargs:
-        """`max_completion_tokens` wins over the deprecated `max_tokens`; neither means "until the
-        context is full" (`max_tokens=None`)."""
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return _sampling_kwargs(self, max_tokens, logprobs)
-
-
-RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
-
-
-def parse_request(body: bytes, model: type[RequestT]) -> RequestT:
-    """Parse a raw JSON body into `model` and check it is supported; every failure is a 400,
-    a body nested too deep to decode included (the decoder's RecursionError, never a 500)."""
-    request = parse_object(body, model)
-    request.check_supported()
-    return request
-
-
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
@@ -378,8 +108,6 @@ def parse_object(body: bytes, model: type[BodyT]) -> BodyT:
     except ValidationError as exc:
         raise error_from_validation(exc) from None
 
-
-# ---------------------------------------------------------------- responses
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -488,8 +216,10 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """One served model: the base model (`parent` None) or a LoRA adapter (`root` its path,
-    `parent` the base model's id), as vLLM lists them."""
+    """One served model, as vLLM lists them: the base model (`root` the model it was loaded
+    from, `parent` None) or a LoRA adapter (`root` its path, `parent` the base model's id);
+    `max_model_len` is the context a request may fill; `architecture` (ours, not vLLM's) the
+    model family that runs it (e.g. `llama`, `qwen3_moe`)."""
 
     id: str
     object: Literal["model"] = "model"
@@ -498,6 +228,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    architecture: str | None = None
 
 
 class ModelList(BaseModel):

@@ -39,22 +39,24 @@ from cluster.serving.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     FinishReason,
-    Prompt,
-    SamplingKwargs,
     TopLogprob,
     Usage,
     invalid_request,
     sse_event,
+)
+from cluster.serving.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Prompt,
+    SamplingKwargs,
 )
 from cluster.serving.tool_calls import (
     ToolPlan,

@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from cluster.engine.metrics import EngineMetrics, Histogram
+from cluster.serving.kv_transfer_metrics import kv_transfer_families
 
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "pagedserve"
@@ -63,6 +64,7 @@ class EngineMetricsCollector(Collector):
         yield from self._adapters(snapshots)
         yield from self._speculation(snapshots)
         yield from self._latency(snapshots)
+        yield from kv_transfer_families(snapshots, cumulative_buckets)
 
     def _blocks(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
         capacity = GaugeMetricFamily(

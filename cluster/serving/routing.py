@@ -32,6 +32,8 @@ from cluster.serving.autoscaling import kv_used_fraction
 from cluster.serving.prefix_index import PrefixIndex
 
 PREFIX_BLOCKS_KWARG = "prefix_blocks"
+TARGET_REPLICA_KWARG = "target_replica"
+"""A call naming one replica (a peer pulling KV blocks from their holder) goes there first."""
 ROUTER_CLASS_PATH = "cluster.serving.routing:PrefixAwareRouter"
 
 
@@ -144,6 +146,11 @@ class PrefixAwareRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         self._forget_gone(candidate_replicas)
+        target = pending_request.kwargs.get(TARGET_REPLICA_KWARG) if pending_request else None
+        if target is not None:
+            named = [c for c in candidate_replicas if c.replica_id.unique_id == target]
+            if named:
+                return [named]
         hashes = request_block_hashes(pending_request)
         prefix = self.recent.longest_prefixes(hashes) if hashes else {}
         held = request_prefix_blocks(pending_request)

@@ -91,12 +91,17 @@ class FakeDeployment:
     """Engine replicas following one registry; `client` is the ingress's `EngineClient` over
     them (round-robin generation, adapters through the registry)."""
 
-    def __init__(self, configured: Sequence[LoRARequest] = (), replicas: int = 2) -> None:
+    def __init__(
+        self,
+        configured: Sequence[LoRARequest] = (),
+        replicas: int = 2,
+        apply_timeout_s: float = 1.5,
+    ) -> None:
         self.configured = list(configured)
         self.registry = LoRARegistry(self.configured, watch_timeout_s=0.2, live_after_s=2.0)
         self.engines: list[FakeEngine] = []
         self.syncs: list[AdapterSync] = []
-        self.adapters = AdapterService(BASE, self.registry, apply_timeout_s=1.5)
+        self.adapters = AdapterService(BASE, self.registry, apply_timeout_s=apply_timeout_s)
         self._next = itertools.count()
         self._replicas = replicas
 

@@ -28,6 +28,7 @@ from cluster.serving.frontend import FrontEnd
 from cluster.serving.grpc_service import GenerationRpc
 from cluster.serving.grpc_validation import GrpcAbort
 from cluster.serving.ingress import OpenAIIngress, build_http_api
+from cluster.serving.lora_routes import BaseModelFacts
 from cluster.serving.openai_serving import OpenAIServing
 from cluster.serving.tenancy import Tenancy
 from protos import generation_pb2 as pb
@@ -81,6 +82,7 @@ def run(
         ingress.frontend = frontend
         ingress.openai = OpenAIServing(frontend, BASE)
         ingress.created = 0
+        ingress.base_model = BaseModelFacts("/models/base", 512, "llama")
         rpc = GenerationRpc(frontend)
         transport = httpx.ASGITransport(app=build_http_api(ingress))
         async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
@@ -122,13 +124,21 @@ def test_models_lists_the_base_model_and_each_adapter_with_its_parent(
 ) -> None:
     async def check(h: Harness) -> None:
         base, sql = await h.models()
-        assert (base["id"], base["parent"], base["object"]) == (BASE, None, "model")
+        assert (base["id"], base["root"], base["parent"], base["object"]) == (
+            BASE,
+            "/models/base",
+            None,
+            "model",
+        )
         assert (sql["id"], sql["root"], sql["parent"], sql["object"]) == (
             "sql",
             "/a/sql",
             BASE,
             "model",
         )
+        # an adapter runs on the base model: its context and architecture are the base's
+        for card in (base, sql):
+            assert (card["max_model_len"], card["architecture"]) == (512, "llama")
 
     run(builder, check)
 

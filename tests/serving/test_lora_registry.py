@@ -19,9 +19,13 @@ from tests.serving.lora_fakes import BASE, FakeDeployment, FakeEngine
 CONFIGURED = [LoRARequest("sql", 1, "/adapters/sql", BASE)]
 
 
-def run(test: Callable[[FakeDeployment], Awaitable[None]], replicas: int = 2) -> None:
+def run(
+    test: Callable[[FakeDeployment], Awaitable[None]],
+    replicas: int = 2,
+    apply_timeout_s: float = 1.5,
+) -> None:
     async def body() -> None:
-        deployment = FakeDeployment(CONFIGURED, replicas)
+        deployment = FakeDeployment(CONFIGURED, replicas, apply_timeout_s)
         await deployment.start()
         await deployment.adapters.start()
         try:
@@ -121,7 +125,7 @@ def test_with_no_live_replica_a_load_fails_and_is_not_kept() -> None:
             await d.add_lora(lora("chat", "/adapters/chat"))
         assert (await d.registry.snapshot()).get("chat") is None
 
-    run(check, replicas=0)
+    run(check, replicas=0, apply_timeout_s=0.1)  # nothing can confirm: no need to wait long
 
 
 def test_a_configured_adapter_that_cannot_load_fails_the_replica_start() -> None:

@@ -23,20 +23,18 @@ from cluster.serving.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     OpenAIError,
     TopLogprob,
     Usage,
-    parse_request,
     sse_event,
 )
+from cluster.serving.openai_requests import ChatCompletionRequest, CompletionRequest, parse_request
 from cluster.serving.tenancy import Unauthenticated
 
 Handler = Callable[[httpx.Request], httpx.Response]

@@ -98,6 +98,7 @@ def test_tokenize_model_info_and_cache_stats(
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=KEY)
     assert (info.model, info.max_model_len, info.block_size) == (MODEL, MAX_MODEL_LEN, 4)
     assert info.vocab_size == len(oracle.tokenizer) and len(info.weights_digest) == 64
+    assert info.architecture == "llama"  # the tiny model's config.json model_type
 
     stats = stub.GetCacheStats(pb.GetCacheStatsRequest(), metadata=KEY)
     device = next(t for t in stats.tiers if t.name == "device")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import pathlib
 from typing import Any
 
 import httpx
@@ -269,9 +270,17 @@ def test_tenants_never_share_cached_blocks(served: Served) -> None:
     assert cached_tokens("key-bob") > 0
 
 
-def test_models_health_and_metrics(served: Served, client: openai.OpenAI) -> None:
+def test_models_health_and_metrics(
+    served: Served, client: openai.OpenAI, tiny_model_dir: pathlib.Path
+) -> None:
     (model,) = client.models.list().data
     assert model.id == MODEL
+    # vLLM's card fields: where the model was loaded from and the context a request may fill;
+    # and the family that runs it, the one the checkpoint's config.json names
+    card = model.model_dump()
+    assert (card["root"], card["max_model_len"]) == (str(tiny_model_dir), MAX_MODEL_LEN)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert card["architecture"] == config["model_type"] == "llama"
     assert httpx.get(f"{served.http_base}/health").status_code == 200
     samples = served.metrics()
     capacity = samples["pagedserve_kv_cache_capacity_blocks{tier=device}"]

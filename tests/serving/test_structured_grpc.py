@@ -13,7 +13,8 @@ import jsonschema
 import pytest
 
 from cluster.serving.grpc_validation import GrpcAbort, validate_generate, validated_generate
-from cluster.serving.openai_protocol import CompletionRequest, OpenAIError, parse_request
+from cluster.serving.openai_protocol import OpenAIError
+from cluster.serving.openai_requests import CompletionRequest, parse_request
 from protos import generation_pb2 as pb
 from protos import generation_pb2_grpc as pb_grpc
 from tests.serving.conftest import MODEL, Served
@@ -101,7 +102,7 @@ TOOL = pb.Tool(name="get_weather", parameters_json=json.dumps(WEATHER))
 
 
 def test_tool_refusals_match_http() -> None:
-    from cluster.serving.openai_protocol import ChatCompletionRequest
+    from cluster.serving.openai_requests import ChatCompletionRequest
     from cluster.serving.tool_calls import ToolSettings
 
     request = pb.GenerateRequest(
