@@ -1,0 +1,162 @@
+"""What serving costs over the engine: the same saturating burst in process and through HTTP.
+
+``python -m benchmarks.served_overhead --json`` renders `--requests` natural-text chats
+(``benchmarks.chat_corpus``) to token ids once, then runs them with `--max-tokens` output tokens
+each (greedy, ``ignore_eos``) twice, with the engine settings of the shipped Serve config:
+
+- in process: ``LLM(config=...)`` with every request submitted at once;
+- served: ``pagedserve serve`` as shipped (proxy, ingress and one engine replica on this
+  machine), every request sent at once as a streaming ``/v1/completions`` call with the same
+  token ids.
+
+Both sides are saturated the same way (the burst exceeds ``max_num_seqs``), so a request's
+TPOT is the decode step time of a full batch plus what its side adds per token. It prints each
+side's output tok/s and TPOT p50 and ``served_tpot_over_in_process`` (the served step over the
+same step in process; the goal is <= 1.15) and ``served_tok_s_over_in_process``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks import llama_server
+from benchmarks.chat_corpus import chat_prompts
+from benchmarks.load import Job, run_workload
+from benchmarks.serving import free_port, ratio
+from cluster.engine.config import EngineConfig
+from cluster.serving.cli_serve import shipped_serve_config
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def shipped_engine_config() -> EngineConfig:
+    """The engine section of the shipped Serve config's first application."""
+    config = yaml.safe_load(shipped_serve_config().read_text())
+    return EngineConfig.build(config["applications"][0]["args"]["engine"])
+
+
+def rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def p50(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def render_chats(config: EngineConfig, chats: list[list[dict[str, str]]]) -> list[list[int]]:
+    """The token ids the engine renders for each chat: what both sides are sent."""
+    from cluster.engine.tokenization import PromptRenderer
+    from workers import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model.model)
+    renderer = PromptRenderer(tokenizer, len(tokenizer))
+    return [renderer.render_chat(chat).token_ids for chat in chats]
+
+
+def run_in_process(
+    config: EngineConfig, prompts: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
+    """The burst through `LLM.generate`."""
+    from pagedserve import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(config=config) as llm:
+        llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompts[:4]], SamplingParams(max_tokens=8)
+        )
+        began = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy)
+        elapsed = time.perf_counter() - began
+        tokens = sum(len(r.outputs[0].token_ids) for r in results)
+        tpots = []
+        for result in results:
+            metrics, count = result.metrics, len(result.outputs[0].token_ids)
+            if metrics.first_token_time is not None and metrics.finished_time and count > 1:
+                tpots.append((metrics.finished_time - metrics.first_token_time) / (count - 1))
+        return {
+            "elapsed_s": round(elapsed, 2),
+            "output_tok_s": round(tokens / elapsed, 1),
+            "tpot_p50_ms": round(p50(tpots) * 1e3, 2) if tpots else None,
+            "dtype": llm.engine.model_info.dtype,
+        }
+
+
+def run_served(
+    prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The same token ids, all at once, through `pagedserve serve` as shipped."""
+    port = free_port()
+    command = [sys.executable, "-m", "cluster.serving.cli", "serve", "--host", "127.0.0.1"]
+    command += ["--http-port", str(port), "--grpc-port", str(free_port()), *args.serve_args]
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp(prefix="served-overhead-")) / "serve.log"
+    jobs = [Job(ids, max_tokens) for ids in prompts]
+    with llama_server.server_process(command, f"{url}/v1/models", log, args.ready_timeout, env):
+        asyncio.run(run_workload(url, MODEL_NAME, "none", jobs[:4], math.inf, 0, "warm-up"))
+        results, elapsed = asyncio.run(
+            run_workload(url, MODEL_NAME, "none", jobs, math.inf, 0, "served")
+        )
+    ok = [r for r in results if r.ok]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    return {
+        "command": " ".join(command),
+        "elapsed_s": round(elapsed, 2),
+        "output_tok_s": round(sum(r.output_tokens for r in ok) / elapsed, 1),
+        "tpot_p50_ms": round(p50(tpots) * 1e3, 2) if tpots else None,
+        "failed": len(results) - len(ok),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--served-only", action="store_true", help="skip the in-process side (A/B of serve flags)"
+    )
+    parser.add_argument(
+        "--serve-args", nargs=argparse.REMAINDER, default=[], help="extra `serve` flags (last)"
+    )
+    args = parser.parse_args(argv)
+    config = shipped_engine_config()
+    chats = chat_prompts(args.requests, args.seed)
+    prompts = render_chats(config, chats)
+    in_process: dict[str, Any] = {"tpot_p50_ms": None, "output_tok_s": None}
+    if not args.served_only:
+        in_process = run_in_process(config, prompts, args.max_tokens)
+    served = run_served(prompts, args.max_tokens, args)
+    out = {
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "in_process": in_process,
+        "served": served,
+        "served_tpot_over_in_process": rounded(
+            ratio(served["tpot_p50_ms"], in_process["tpot_p50_ms"])
+        ),
+        "served_tok_s_over_in_process": rounded(
+            ratio(served["output_tok_s"], in_process["output_tok_s"])
+        ),
+    }
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
