@@ -25,7 +25,7 @@ SLOT = "replica_slot"
 NODES = 3
 LOAD_CONCURRENCY = 8
 MAX_ONGOING = 4
-UP_TIMEOUT_S = 35.0
+UP_TIMEOUT_S = 90.0
 DOWN_TIMEOUT_S = 30.0
 SERVE_TIMEOUT_S = 10.0
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

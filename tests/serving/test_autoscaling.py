@@ -24,7 +24,7 @@ def test_replicas_grow_onto_new_nodes_and_shrink_back(tiny_model_dir: pathlib.Pa
         cwd=root,
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=240,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
