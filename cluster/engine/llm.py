@@ -7,6 +7,7 @@ RequestRejected."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cluster.engine.config import EngineConfig, SpeculativeSettings
@@ -17,6 +18,8 @@ from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.step_pipeline import StepPipeline
+from workers.plan import StepOutput
 
 
 def config_from_kwargs(
@@ -49,6 +52,14 @@ class LLM:
         """`model` defaults to the config's (SmolLM2-135M-Instruct without a config)."""
         self.config = config_from_kwargs(model, config, **kwargs)
         self.engine = EngineCore(self.config)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step")
+        """Runs each step's execution, so that with async scheduling the previous step's
+        text and outputs are done meanwhile in the calling thread."""
+        self._pipeline: StepPipeline[Future[StepOutput | Exception | None]] = StepPipeline(
+            self.engine,
+            lambda step: self._executor.submit(self.engine.execute, step),
+            overlap=self.config.scheduler.async_scheduling,
+        )
 
     def generate(
         self,
@@ -98,6 +109,7 @@ class LLM:
         return self.engine.metrics()
 
     def shutdown(self) -> None:
+        self._executor.shutdown()
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:
@@ -138,16 +150,20 @@ class LLM:
                 engine.abort(queued)
             raise
         finals: dict[str, RequestOutput] = {}
-        while engine.has_work():
-            step = engine.begin_step()
-            for request in engine.finish_step(step, engine.execute(step)):
-                if request.error is not None:
-                    for other in ids:
-                        engine.abort(other)
-                    error = RequestFailed if request.failed else RequestRejected
-                    raise error(f"request {request.request_id}: {request.error}")
-                if request.finished:  # its first output: its deltas cover everything
-                    finals[request.request_id] = request.make_output()
+        pipeline = self._pipeline
+        try:
+            while (in_flight := pipeline.start()) is not None:
+                pipeline.advance(in_flight.result())
+                for request in pipeline.settle():
+                    if request.error is not None:
+                        for other in ids:
+                            engine.abort(other)
+                        error = RequestFailed if request.failed else RequestRejected
+                        raise error(f"request {request.request_id}: {request.error}")
+                    if request.finished:  # its first output: its deltas cover everything
+                        finals[request.request_id] = request.make_output()
+        finally:  # a step launched ahead of an error ends here, its tokens dropped
+            pipeline.drain(Future.result)
         return [finals[i] for i in ids]
 
 
