@@ -2,9 +2,11 @@
 
 `EngineCore` owns the worker group, the block manager (sized from what the workers agreed on),
 the scheduler and the tokenizer. A step is `begin_step()` (schedule, giving the plan), the
-workers' execution, then `finish_step()` (KV marked computed, tokens applied, or a refused plan
-isolated to its requests); the offline `LLM` runs the three in a row (`step()`), the async
-engine awaits the execution in between. Nothing else drives a step.
+workers' execution, then `advance_step()` (what the next schedule needs: KV marked computed,
+tokens appended, the finishes that need no text, or a refused plan isolated to its requests) and
+`settle_step()` (text, stop strings, metrics, the requests to report). `StepPipeline` runs them
+for the offline `LLM` and the async engine alike, with async scheduling launching the next step
+between the two halves; `step()` runs everything in a row. Nothing else drives a step.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.scheduler_step import SchedulerStep
 from cluster.engine.speculation import NgramSpeculator
 from cluster.engine.step_failures import blamed_sequences, step_failure_is_attributable
-from cluster.engine.step_progress import AppliedToken, StepProgress
+from cluster.engine.step_progress import AppliedToken, StepProgress, apply_texts, holders_of
 from cluster.engine.structured_outputs import ConstraintError
 from cluster.engine.tokenization import PromptRenderer
 from workers import ModelInfo, WorkerGroup, load_tokenizer
@@ -255,8 +257,8 @@ class EngineCore:
 
     # --- steps -------------------------------------------------------------------------------
     # One path for every driver: `begin_step()`, the workers execute `step.plan` (unless
-    # `step.is_empty`), then `finish_step(step, output or the exception the execution raised)`.
-    # `step()` runs the three in this thread; the async engine awaits the execution instead.
+    # `step.is_empty`), then `advance_step(step, output or the exception the execution raised)`
+    # and `settle_step(progress)` (`finish_step` is both). `StepPipeline` drives it.
 
     def begin_step(self) -> SchedulerStep:
         """Schedules the next step; its plan carries every pending release and decommit."""
@@ -321,37 +323,20 @@ class EngineCore:
         ends drops its later tokens and frees its blocks), log-probabilities and latency
         metrics; returns the requests to report. A token whose text raises ends its request
         alone."""
+        texts = apply_texts(progress.tokens)
         reported = list(progress.reported)
-        now = progress.now
-        touched: dict[str, Request] = {}
-        new_tokens: dict[str, int] = {}
-        broken: dict[str, tuple[Request, str]] = {}
-        cut: set[int] = set()  # branches a stop string ended in this step
-        for applied in progress.tokens:
-            request, branch = applied.request, applied.branch
-            rid = request.request_id
-            if rid in broken or branch.seq_id in cut:
-                continue
-            touched[rid] = request
-            new_tokens[rid] = new_tokens.get(rid, 0) + 1
-            try:
-                if applied.text_done:
-                    continue
-                if apply_token_text(request, branch, applied.sampled, applied.end):
-                    cut.add(branch.seq_id)
-                    self._cut_branch(request, branch, applied.num_output_tokens, now)
-            except Exception as error:  # this request's token only: fail it alone
-                broken[rid] = (request, f"{type(error).__name__}: {error}")
-        for request, reason in broken.values():
-            touched.pop(request.request_id, None)
+        for request, branch in texts.cut:
+            self.scheduler.finish_branch(request, branch)
+            if request.finished and request.request_id in self.requests:
+                self._complete(request, progress.now)
+        for request, reason in texts.broken.values():
             reported += self._fail_requests(
                 [request], f"the engine could not apply a token of this request: {reason}"
             )
-        for request in touched.values():
-            count = new_tokens[request.request_id]
+        for request, count in texts.new_tokens.values():
             self.recorder.num_generated_tokens += count
             self.adapters.on_tokens(request, count)
-            self.recorder.observe_tokens(request.metrics, now, count)
+            self.recorder.observe_tokens(request.metrics, progress.now, count)
             reported.append(request)
         return reported
 
@@ -392,19 +377,6 @@ class EngineCore:
         if self.config.scheduler.check_integrity:
             self.block_manager.check_integrity()
         for request in ended.values():
-            self._complete(request, now)
-
-    def _cut_branch(
-        self, request: Request, branch: Branch, num_output_tokens: int, now: float
-    ) -> None:
-        """A stop string ended a running branch at its `num_output_tokens`-th token: later
-        tokens (of a speculative step) are dropped and its blocks go back."""
-        dropped = len(branch.output_token_ids) - num_output_tokens
-        if dropped:
-            del branch.output_token_ids[num_output_tokens:]
-            del branch.token_ids[-dropped:]
-        self.scheduler.finish_branch(request, branch)
-        if request.finished and request.request_id in self.requests:
             self._complete(request, now)
 
     def _refuse_step(self, step: SchedulerStep, error: BaseException) -> list[Request]:
@@ -470,20 +442,10 @@ class EngineCore:
         """Blocks copied back from the CPU failed their checksum: they become unfindable in
         both tiers and every request holding one fails now, its step's tokens dropped, so the
         wrong KV is never served (nor sealed under a hash later lookups could hit)."""
-        bm = self.block_manager
         bad = {device for _, device in pairs}
-        bm.discard(sorted(bad), [cpu for cpu, _ in pairs])
+        self.block_manager.discard(sorted(bad), [cpu for cpu, _ in pairs])
         self.recorder.swap_checksum_failures += len(pairs)
-        victims = [
-            request
-            for request in self.scheduler.running
-            if any(
-                bm.has_sequence(b.seq_id)
-                and not bm.is_swapped(b.seq_id)
-                and not bad.isdisjoint(bm.block_table(b.seq_id))
-                for b in request.active_branches
-            )
-        ]
+        victims = holders_of(self.block_manager, self.scheduler.running, bad)
         step.works = [work for work in step.works if work.request not in victims]
         return self._fail_requests(
             victims,

@@ -167,11 +167,11 @@ class Scheduler:
             if work.drafts:  # one branch, several tokens in order
                 sampled.extend((work.request, work.branch, t) for t in tokens)
                 continue
-            if not work.request.forked:
-                self._fork(work.request)
-                branches = work.request.branches
-            else:
-                branches = [work.branch]
+            if work.request.forked:  # a decode: one branch, one token
+                sampled.append((work.request, work.branch, tokens[0]))
+                continue
+            self._fork(work.request)
+            branches = work.request.branches
             sampled.extend((work.request, b, t) for b, t in zip(branches, tokens, strict=True))
         return sampled
 
