@@ -23,6 +23,9 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from tests.engine.slot_workers import SlotWorkers, reference_tokens
 from tests.engine.streams import engine_outputs
+from tests.engine.test_speculative_decoding import REPEATING
+from tests.engine.test_structured_outputs import PRESSURE, _constrained, _valid_json
+from tests.engine.test_structured_outputs import PROMPTS as STRUCTURED_PROMPTS
 from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
 
 MEMORY = {
@@ -213,3 +216,30 @@ def test_an_abort_under_overlap_frees_its_blocks_and_leaves_the_others_exact() -
     assert aborted.finish_reason == "abort"
     assert 5 <= len(aborted.token_ids) < 200
     assert aborted.token_ids == reference[-1].outputs[0].token_ids[: len(aborted.token_ids)]
+
+
+def test_constrained_and_speculative_outputs_are_identical_with_overlap(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    """JSON-schema constrained seeded sampling with n-gram drafts, and greedy decoding whose
+    stop strings fall inside accepted drafts: the grammar advances before the next step's
+    bitmask and a late stop drops the drafts after it, so nothing differs with overlap."""
+    json_prompts = STRUCTURED_PROMPTS * 2
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = {}
+    for overlap in (False, True):
+        sections = {**PRESSURE["speculation"], "scheduler": {"async_scheduling": overlap}}
+        with LLM(config=tiny_config(tiny_model_dir, **sections)) as llm:
+            constrained = llm.generate(
+                json_prompts, [_constrained(seed=s) for s in range(len(json_prompts))]
+            )
+            plain = llm.generate(REPEATING, greedy)
+            stops = [dataclasses.replace(greedy, stop=[o.outputs[0].text[12:15]]) for o in plain]
+            stopped = llm.generate(REPEATING, stops)
+            speculation = llm.metrics().speculation
+            assert speculation is not None and speculation.num_accepted_tokens > 0
+            assert_all_free(llm)
+        assert all(_valid_json(o.outputs[0].text) for o in constrained)
+        assert all(o.outputs[0].finish_reason == "stop" for o in stopped)
+        results[overlap] = summary(constrained + plain + stopped)
+    assert results[True] == results[False]
