@@ -22,14 +22,14 @@ import argparse
 import json
 import statistics
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler_step import SchedulerStep
-from cluster.engine.step_pipeline import StepPipeline
+from cluster.engine.step_pipeline import StepPipeline, ThreadLauncher
 from workers import ModelInfo, load_tokenizer
 from workers.plan import SampledToken, StepOutput, StepPlan
 
@@ -75,8 +75,8 @@ def measure(
     async_scheduling: bool = False,
 ) -> dict[str, Any]:
     """Per-step timings once all `num_seqs` sequences are decoding (prefill steps excluded),
-    the steps driven by the engine's `StepPipeline` as `LLM` drives them (the execution in a
-    thread of its own)."""
+    the steps driven by the engine's `StepPipeline` as `LLM` drives them (`ThreadLauncher`: the
+    execution in a thread of its own with async scheduling, in this one without)."""
     block_size, max_model_len = 16, 2048
     config = EngineConfig().with_overrides(
         {
@@ -113,9 +113,9 @@ def measure(
     for index in range(num_seqs):
         prompt = [FIRST_TOKEN + (index * 31 + t) % 20000 for t in range(prompt_len)]
         engine.add_request(engine.request_builder.build({"prompt_token_ids": prompt}, params))
-    executor = ThreadPoolExecutor(1)
+    launcher = ThreadLauncher(engine, overlap=async_scheduling)
     pipeline: StepPipeline[Future[StepOutput | Exception | None]] = StepPipeline(
-        engine, lambda step: executor.submit(engine.execute, step), overlap=async_scheduling
+        engine, launcher, overlap=async_scheduling
     )
 
     def one_step() -> SchedulerStep:
@@ -141,7 +141,7 @@ def measure(
         scheduler_us.append((spent["schedule"] + spent["on_step_done"]) * 1e6)
         assert len(step.plan.sequences) == num_seqs, (len(step.plan.sequences), num_seqs)
     pipeline.drain(Future.result)
-    executor.shutdown()
+    launcher.close()
     engine.shutdown()
     p50 = statistics.median(scheduler_us)
     return {

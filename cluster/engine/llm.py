@@ -7,7 +7,7 @@ RequestRejected."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from cluster.engine.config import EngineConfig, SpeculativeSettings
@@ -18,7 +18,7 @@ from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from cluster.engine.step_pipeline import StepPipeline
+from cluster.engine.step_pipeline import StepPipeline, ThreadLauncher
 from workers.plan import StepOutput
 
 
@@ -52,13 +52,10 @@ class LLM:
         """`model` defaults to the config's (SmolLM2-135M-Instruct without a config)."""
         self.config = config_from_kwargs(model, config, **kwargs)
         self.engine = EngineCore(self.config)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step")
-        """Runs each step's execution, so that with async scheduling the previous step's
-        text and outputs are done meanwhile in the calling thread."""
+        overlap = self.config.scheduler.async_scheduling
+        self._launcher = ThreadLauncher(self.engine, overlap=overlap)
         self._pipeline: StepPipeline[Future[StepOutput | Exception | None]] = StepPipeline(
-            self.engine,
-            lambda step: self._executor.submit(self.engine.execute, step),
-            overlap=self.config.scheduler.async_scheduling,
+            self.engine, self._launcher, overlap=overlap
         )
 
     def generate(
@@ -109,7 +106,7 @@ class LLM:
         return self.engine.metrics()
 
     def shutdown(self) -> None:
-        self._executor.shutdown()
+        self._launcher.close()
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:

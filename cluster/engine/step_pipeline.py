@@ -19,6 +19,7 @@ empty plan, or the exception the execution raised).
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from cluster.engine.scheduler_step import SchedulerStep
@@ -85,3 +86,28 @@ class StepPipeline(Generic[Handle]):
         if self._in_flight is not None:
             self.advance(wait(self._in_flight[1]), launch_next=False)
             self.settle()
+
+
+class ThreadLauncher:
+    """A thread driver's launch (the offline `LLM`'s): without overlap the execution runs at
+    once in the calling thread (a done future, no thread hop); with it, in a thread of its own,
+    so the caller settles the previous step meanwhile (the stub's sleep, torch's kernels and
+    Ray's waits release the GIL)."""
+
+    def __init__(self, core: EngineCore, *, overlap: bool) -> None:
+        self.core = core
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step") if overlap else None
+        )
+
+    def __call__(self, step: SchedulerStep) -> Future[StepOutput | Exception | None]:
+        if self._executor is not None:
+            return self._executor.submit(self.core.execute, step)
+        done: Future[StepOutput | Exception | None] = Future()
+        done.set_result(self.core.execute(step))
+        return done
+
+    def close(self) -> None:
+        """Waits for a launched execution, then ends the thread (idempotent)."""
+        if self._executor is not None:
+            self._executor.shutdown()
