@@ -10,6 +10,10 @@ outputs, metrics); `engine_cpu_us_per_step` is the engine thread's CPU time per 
 With `--stub-ms`, the stand-in's forward pass takes that long without using the CPU (a sleep,
 as a GPU's step leaves the host free), and `step_over_stub` is the step's wall time over the
 stub's: what the engine's own work adds at a GPU's step rate (1.0 = none; the goal is <= 1.05).
+`--async-scheduling on` (or `both`, each `--seqs` without then with it) sets
+`scheduler.async_scheduling`: the text, stop checks and metrics of a step run while the next one
+executes, so only the rest stays between two forward passes (`engine_cpu_us_per_step` still
+counts all of it).
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ import argparse
 import json
 import statistics
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.scheduler_step import SchedulerStep
+from cluster.engine.step_pipeline import StepPipeline, ThreadLauncher
 from workers import ModelInfo, load_tokenizer
 from workers.plan import SampledToken, StepOutput, StepPlan
 
@@ -61,14 +68,24 @@ class EchoWorkers:
 
 
 def measure(
-    num_seqs: int = 64, prompt_len: int = 200, steps: int = 300, stub_s: float = 0.0
+    num_seqs: int = 64,
+    prompt_len: int = 200,
+    steps: int = 300,
+    stub_s: float = 0.0,
+    async_scheduling: bool = False,
 ) -> dict[str, Any]:
-    """Per-step timings once all `num_seqs` sequences are decoding (prefill steps excluded)."""
+    """Per-step timings once all `num_seqs` sequences are decoding (prefill steps excluded),
+    the steps driven by the engine's `StepPipeline` as `LLM` drives them (`ThreadLauncher`: the
+    execution in a thread of its own with async scheduling, in this one without)."""
     block_size, max_model_len = 16, 2048
     config = EngineConfig().with_overrides(
         {
             "cache": {"block_size": block_size, "watermark": 0.0},
-            "scheduler": {"max_num_seqs": num_seqs, "max_num_batched_tokens": 8192},
+            "scheduler": {
+                "max_num_seqs": num_seqs,
+                "max_num_batched_tokens": 8192,
+                "async_scheduling": async_scheduling,
+            },
             "parallel": {"backend": "local"},
         }
     )
@@ -96,26 +113,39 @@ def measure(
     for index in range(num_seqs):
         prompt = [FIRST_TOKEN + (index * 31 + t) % 20000 for t in range(prompt_len)]
         engine.add_request(engine.request_builder.build({"prompt_token_ids": prompt}, params))
+    launcher = ThreadLauncher(engine, overlap=async_scheduling)
+    pipeline: StepPipeline[Future[StepOutput | Exception | None]] = StepPipeline(
+        engine, launcher, overlap=async_scheduling
+    )
+
+    def one_step() -> SchedulerStep:
+        in_flight = pipeline.start()
+        assert in_flight is not None
+        step = pipeline.advance(in_flight.result())
+        pipeline.settle()
+        return step
+
     while len(scheduler.running) < num_seqs or scheduler.waiting:
-        engine.step()
+        one_step()
     for _ in range(5):  # every prompt is computed: steady decode from here
-        engine.step()
+        one_step()
     scheduler_us: list[float] = []
     engine_us: list[float] = []
     cpu_us: list[float] = []
     for _ in range(steps):
         spent["schedule"] = spent["on_step_done"] = 0.0
         start, cpu_start = time.perf_counter(), time.thread_time()
-        step = engine.begin_step()
-        output = workers.execute(step.plan)
-        engine.finish_step(step, output)
+        step = one_step()
         engine_us.append((time.perf_counter() - start) * 1e6)
         cpu_us.append((time.thread_time() - cpu_start) * 1e6)
         scheduler_us.append((spent["schedule"] + spent["on_step_done"]) * 1e6)
         assert len(step.plan.sequences) == num_seqs, (len(step.plan.sequences), num_seqs)
+    pipeline.drain(Future.result)
+    launcher.close()
     engine.shutdown()
     p50 = statistics.median(scheduler_us)
     return {
+        "async_scheduling": async_scheduling,
         "running_sequences": num_seqs,
         "steps": steps,
         "scheduler_us_per_step_p50": round(p50, 1),
@@ -138,13 +168,22 @@ def main() -> None:
     parser.add_argument("--stub-ms", type=float, default=0.0, help="a forward pass of this long")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3, help="best p50 of this many runs")
+    parser.add_argument(
+        "--async-scheduling",
+        choices=["off", "on", "both"],
+        default="off",
+        help="scheduler.async_scheduling; both: each --seqs off then on, side by side",
+    )
     args = parser.parse_args()
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     results = []
     for seqs in args.seqs:
-        runs = [
-            measure(seqs, steps=args.steps, stub_s=args.stub_ms / 1e3) for _ in range(args.repeats)
-        ]
-        results.append(min(runs, key=lambda r: r["engine_us_per_step_p50"]))
+        for overlap in modes:
+            runs = [
+                measure(seqs, steps=args.steps, stub_s=args.stub_ms / 1e3, async_scheduling=overlap)
+                for _ in range(args.repeats)
+            ]
+            results.append(min(runs, key=lambda r: r["engine_us_per_step_p50"]))
     output = results[0] if len(results) == 1 else {"runs": results}
     print(json.dumps(output, indent=None if args.json else 2))
 

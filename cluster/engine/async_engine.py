@@ -3,9 +3,11 @@
 It is the in-process `EngineClient` (see `cluster.engine.client`): a Serve replica owns one and
 its front ends call it; a routed client over deployment handles implements the same protocol.
 
-Invariants: the block manager and scheduler are touched only between steps (an abort that arrives
-while the workers execute a step is applied right after it); every stream ends with an output
-whose `finished` is True, or with the exception that stopped the request.
+Invariants: a step's plan is built between steps, never while one executes; an abort that
+arrives while a step is being awaited or settled is applied right after its settle (with
+`scheduler.async_scheduling` the next step is already on the workers then, see
+`cluster.engine.step_pipeline`); every stream ends with an output whose `finished` is True, or
+with the exception that stopped the request.
 
 Failure isolation is `EngineCore.finish_step`'s: a refused plan or a token that cannot be applied
 ends only the requests it is blamed on (their streams raise RequestFailed); any other failure of
@@ -38,6 +40,8 @@ from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.output_stream import OutputMailbox, RequestDelta
 from cluster.engine.request import Request
+from cluster.engine.scheduler_step import SchedulerStep
+from cluster.engine.step_pipeline import StepPipeline
 from cluster.kv_transfer.hooks import KVTransferHooks
 from cluster.kv_transfer.payload import KVPayload
 from workers import ModelInfo, WorkerGroup
@@ -74,6 +78,9 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._shut_down = False
         self._last_step_finished_s: float | None = None
+        self._pipeline: StepPipeline[asyncio.Task[StepOutput | Exception | None]] = StepPipeline(
+            self.core, self._launch, overlap=config.scheduler.async_scheduling
+        )
         self.kv_transfer: KVTransferHooks | None = None
         """Pulls a request's missing leading blocks from a peer before it is queued, and
         serves this replica's blocks to peers (`attach_kv_transfer`)."""
@@ -241,6 +248,7 @@ class AsyncEngine:
         self._shut_down = True
         await cancel_and_wait(self._loop_task)
         self._loop_task = None
+        await cancel_and_wait(self._pipeline.in_flight)  # a step launched ahead
         await asyncio.to_thread(self.core.shutdown)
 
     # --- the step loop --------------------------------------------------------------------
@@ -258,7 +266,7 @@ class AsyncEngine:
         assert self._wakeup is not None
         try:
             while True:
-                if not self.core.has_work():
+                if self._pipeline.in_flight is None and not self.core.has_work():
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -273,24 +281,39 @@ class AsyncEngine:
                 mailbox.fail(EngineDead(f"the engine stopped: {error!r}"))
 
     async def _one_step(self) -> None:
-        """`EngineCore`'s step, awaiting the workers' execution (aborts wait for its end)."""
-        step = self.core.begin_step()
-        result: StepOutput | Exception | None = None
-        if not step.is_empty:
-            self._stepping = True
-            try:
-                result = await self.core.workers.execute_async(step.plan)
-            except Exception as error:  # judged by finish_step: a refusal or broken workers
-                result = error
-            finally:
-                self._stepping = False
-        requests = self.core.finish_step(step, result)
+        """One step of the `StepPipeline`: await the step in flight (launching it when none
+        is), apply its first half, yield once so that an overlapped next step reaches the
+        workers, then settle and publish. Aborts that arrive meanwhile wait for the end."""
+        in_flight = self._pipeline.start()
+        if in_flight is None:
+            return
+        self._stepping = True
+        try:
+            step = self._pipeline.advance(await in_flight)
+            if self._pipeline.in_flight is not None:
+                await asyncio.sleep(0)  # the next step's task starts its execution
+            requests = self._pipeline.settle()
+        finally:
+            self._stepping = False
         self._last_step_finished_s = time.monotonic()
         for request in requests:
             self._publish(request)
         self._apply_pending_aborts()
         if not step.runs_anything and not requests and self.core.has_unfinished():
             await asyncio.sleep(IDLE_STEP_PAUSE_S)  # nothing could run: do not spin
+
+    def _launch(self, step: SchedulerStep) -> asyncio.Task[StepOutput | Exception | None]:
+        return asyncio.get_running_loop().create_task(self._execute(step))
+
+    async def _execute(self, step: SchedulerStep) -> StepOutput | Exception | None:
+        """The step's execution on the workers: their output, None for an empty plan, or the
+        exception they raised (judged by `EngineCore.advance_step`)."""
+        if step.is_empty:
+            return None
+        try:
+            return await self.core.workers.execute_async(step.plan)
+        except Exception as error:  # a refusal or broken workers
+            return error
 
     def _apply_pending_aborts(self) -> None:
         aborts, self._pending_aborts = self._pending_aborts, []

@@ -130,6 +130,11 @@ class SchedulerSettings(_Section):
         "drain rate predicts it would wait longer than this to start; unset: never by time",
     )
     check_integrity: bool = Field(False, description="run the block manager's check every step")
+    async_scheduling: bool = Field(
+        False,
+        description="launch the next step before the last one's text, stop strings and outputs "
+        "are done (they overlap the forward pass; a stop string costs one dropped token)",
+    )
 
     @model_validator(mode="after")
     def _budget_covers_decodes(self) -> SchedulerSettings:

@@ -2,9 +2,11 @@
 
 `EngineCore` owns the worker group, the block manager (sized from what the workers agreed on),
 the scheduler and the tokenizer. A step is `begin_step()` (schedule, giving the plan), the
-workers' execution, then `finish_step()` (KV marked computed, tokens applied, or a refused plan
-isolated to its requests); the offline `LLM` runs the three in a row (`step()`), the async
-engine awaits the execution in between. Nothing else drives a step.
+workers' execution, then `advance_step()` (what the next schedule needs: KV marked computed,
+tokens appended, the finishes that need no text, or a refused plan isolated to its requests) and
+`settle_step()` (text, stop strings, metrics, the requests to report). `StepPipeline` runs them
+for the offline `LLM` and the async engine alike, with async scheduling launching the next step
+between the two halves; `step()` runs everything in a row. Nothing else drives a step.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from cluster.engine.kv_layouts import build_kv_manager
 from cluster.engine.lora_manager import LoRAManager
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics, MetricsRecorder, collect_metrics
-from cluster.engine.output_processor import StopLimits, apply_sampled_token
+from cluster.engine.output_processor import StopLimits, append_sampled_token, apply_token_text
 from cluster.engine.outputs import RequestMetrics, RequestOutput
 from cluster.engine.preemption import PreemptionCostModel
 from cluster.engine.queue_wait import QueueWait
@@ -38,6 +40,7 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.scheduler_step import SchedulerStep
 from cluster.engine.speculation import NgramSpeculator
 from cluster.engine.step_failures import blamed_sequences, step_failure_is_attributable
+from cluster.engine.step_progress import AppliedToken, StepProgress, apply_texts, holders_of
 from cluster.engine.structured_outputs import ConstraintError
 from cluster.engine.tokenization import PromptRenderer
 from workers import ModelInfo, WorkerGroup, load_tokenizer
@@ -254,8 +257,8 @@ class EngineCore:
 
     # --- steps -------------------------------------------------------------------------------
     # One path for every driver: `begin_step()`, the workers execute `step.plan` (unless
-    # `step.is_empty`), then `finish_step(step, output or the exception the execution raised)`.
-    # `step()` runs the three in this thread; the async engine awaits the execution instead.
+    # `step.is_empty`), then `advance_step(step, output or the exception the execution raised)`
+    # and `settle_step(progress)` (`finish_step` is both). `StepPipeline` drives it.
 
     def begin_step(self) -> SchedulerStep:
         """Schedules the next step; its plan carries every pending release and decommit."""
@@ -281,64 +284,100 @@ class EngineCore:
     def finish_step(
         self, step: SchedulerStep, result: StepOutput | BaseException | None
     ) -> list[Request]:
-        """Ends the step with what executing its plan gave; returns the requests it touched
-        (to make outputs or deltas of), the ones it ended included.
-
-        `result` is the workers' output, None for an empty plan, or the exception the
-        execution raised. A refused plan (`step_failure_is_attributable`) ends the requests it
-        is blamed on with `request.failed` set and sends the step's other requests back to be
-        recomputed; any other exception is raised again (the workers are broken). A token
-        whose text or stop handling raises ends its request alone."""
-        reported = [self._reject_during_admission(request) for request in step.rejected]
-        if isinstance(result, BaseException):
-            return reported + self._refuse_step(step, result)
-        reported += self._apply_output(step, result)
-        return reported + self._resolve_stall(step)
+        """Ends the step with what executing its plan gave (`advance_step`, then
+        `settle_step`); returns the requests it touched (to make outputs or deltas of), the
+        ones it ended included."""
+        return self.settle_step(self.advance_step(step, result))
 
     def step(self) -> list[RequestOutput]:
         """One whole step in this thread: the outputs of the requests it touched."""
         step = self.begin_step()
         return [request.make_output() for request in self.finish_step(step, self.execute(step))]
 
-    def _apply_output(self, step: SchedulerStep, output: StepOutput | None) -> list[Request]:
-        now = time.time()
-        reported: list[Request] = []
-        touched: dict[str, Request] = {}
-        broken: dict[str, tuple[Request, str]] = {}
-        if output is not None and output.corrupt_swap_ins:
-            reported += self._fail_corrupt_swap_ins(step, output.corrupt_swap_ins)
-        if output is not None:
-            self.recorder.num_steps += 1
-            for work in step.works:
-                if work.request.metrics.first_scheduled_time is None:
-                    work.request.metrics.first_scheduled_time = now
-            new_tokens: dict[str, int] = {}
-            for request, branch, sampled in self.scheduler.on_step_done(step, output):
-                if request.request_id in broken or branch.finished:
-                    continue  # a speculative step's tokens after the branch's last are dropped
-                self.recorder.num_generated_tokens += 1
-                self.adapters.on_token(request)
-                touched[request.request_id] = request
-                new_tokens[request.request_id] = new_tokens.get(request.request_id, 0) + 1
-                try:
-                    done = apply_sampled_token(request, branch, sampled, self.limits)
-                    if done or hand_off(request, branch):
-                        self.scheduler.finish_branch(request, branch)
-                except Exception as error:  # this request's token only: fail it alone
-                    broken[request.request_id] = (request, f"{type(error).__name__}: {error}")
-        for request, reason in broken.values():
-            touched.pop(request.request_id, None)
+    def advance_step(
+        self, step: SchedulerStep, result: StepOutput | BaseException | None
+    ) -> StepProgress:
+        """The half of ending a step that the next `begin_step` depends on: KV marked
+        computed, each sampled token appended, the finishes that need no text (EOS, stop
+        token ids, the grammar, `max_tokens`, the model's length) applied and their blocks
+        freed. The text and the reports are `settle_step`'s.
+
+        `result` is the workers' output, None for an empty plan, or the exception the
+        execution raised. A refused plan (`step_failure_is_attributable`) ends the requests it
+        is blamed on with `request.failed` set and sends the step's other requests back to be
+        recomputed; any other exception is raised again (the workers are broken). A token the
+        grammar refuses ends its request alone. A token of a branch that ended meanwhile (a
+        stop string found by the previous step's `settle_step`, an abort) is dropped."""
+        progress = StepProgress(step, time.time())
+        progress.reported = [self._reject_during_admission(r) for r in step.rejected]
+        if isinstance(result, BaseException):
+            progress.reported += self._refuse_step(step, result)
+            return progress
+        if result is not None:
+            self._append_output(progress, result)
+        progress.reported += self._resolve_stall(step)
+        return progress
+
+    def settle_step(self, progress: StepProgress) -> list[Request]:
+        """The rest of ending a step: each token's text, stop strings (a branch a stop string
+        ends drops its later tokens and frees its blocks), log-probabilities and latency
+        metrics; returns the requests to report. A token whose text raises ends its request
+        alone."""
+        texts = apply_texts(progress.tokens)
+        reported = list(progress.reported)
+        for request, branch in texts.cut:
+            self.scheduler.finish_branch(request, branch)
+            if request.finished and request.request_id in self.requests:
+                self._complete(request, progress.now)
+        for request, reason in texts.broken.values():
             reported += self._fail_requests(
                 [request], f"the engine could not apply a token of this request: {reason}"
             )
-        if self.config.scheduler.check_integrity:
-            self.block_manager.check_integrity()
-        for request in touched.values():
-            self.recorder.observe_tokens(request.metrics, now, new_tokens[request.request_id])
-            if request.finished:
-                self._complete(request, now)
+        for request, count in texts.new_tokens.values():
+            self.recorder.num_generated_tokens += count
+            self.adapters.on_tokens(request, count)
+            self.recorder.observe_tokens(request.metrics, progress.now, count)
             reported.append(request)
         return reported
+
+    def _append_output(self, progress: StepProgress, output: StepOutput) -> None:
+        step, now = progress.step, progress.now
+        if output.corrupt_swap_ins:
+            progress.reported += self._fail_corrupt_swap_ins(step, output.corrupt_swap_ins)
+        self.recorder.num_steps += 1
+        for work in step.works:
+            if work.request.metrics.first_scheduled_time is None:
+                work.request.metrics.first_scheduled_time = now
+        ended: dict[str, Request] = {}
+        broken: dict[str, tuple[Request, str]] = {}
+        for request, branch, sampled in self.scheduler.on_step_done(step, output):
+            if request.request_id in broken or branch.finished:
+                continue  # a speculative step's tokens after the branch's last are dropped
+            try:
+                end = append_sampled_token(request, branch, sampled, self.limits)
+            except Exception as error:  # this request's token only: fail it alone
+                broken[request.request_id] = (request, f"{type(error).__name__}: {error}")
+                continue
+            applied = AppliedToken(request, branch, sampled, end, len(branch.output_token_ids))
+            progress.tokens.append(applied)
+            if request.prefill_only:  # its text decides between a stop and the hand-off
+                apply_token_text(request, branch, sampled, end)
+                applied.text_done = True
+            if branch.finished or hand_off(request, branch):
+                self.scheduler.finish_branch(request, branch)
+                if request.finished:
+                    ended[request.request_id] = request
+        for request, reason in broken.values():
+            ended.pop(request.request_id, None)
+            progress.reported += self._fail_requests(
+                [request], f"the engine could not apply a token of this request: {reason}"
+            )
+        if broken:
+            progress.tokens = [t for t in progress.tokens if t.request.request_id not in broken]
+        if self.config.scheduler.check_integrity:
+            self.block_manager.check_integrity()
+        for request in ended.values():
+            self._complete(request, now)
 
     def _refuse_step(self, step: SchedulerStep, error: BaseException) -> list[Request]:
         """The workers refused the step's plan and applied none of it: end the requests it was
@@ -403,20 +442,10 @@ class EngineCore:
         """Blocks copied back from the CPU failed their checksum: they become unfindable in
         both tiers and every request holding one fails now, its step's tokens dropped, so the
         wrong KV is never served (nor sealed under a hash later lookups could hit)."""
-        bm = self.block_manager
         bad = {device for _, device in pairs}
-        bm.discard(sorted(bad), [cpu for cpu, _ in pairs])
+        self.block_manager.discard(sorted(bad), [cpu for cpu, _ in pairs])
         self.recorder.swap_checksum_failures += len(pairs)
-        victims = [
-            request
-            for request in self.scheduler.running
-            if any(
-                bm.has_sequence(b.seq_id)
-                and not bm.is_swapped(b.seq_id)
-                and not bad.isdisjoint(bm.block_table(b.seq_id))
-                for b in request.active_branches
-            )
-        ]
+        victims = holders_of(self.block_manager, self.scheduler.running, bad)
         step.works = [work for work in step.works if work.request not in victims]
         return self._fail_requests(
             victims,

@@ -89,10 +89,11 @@ class EngineAdapters:
         counts = self.counts.requests
         counts[request.adapter_name] = counts.get(request.adapter_name, 0) + 1
 
-    def on_token(self, request: Request) -> None:
+    def on_tokens(self, request: Request, count: int) -> None:
+        """The request generated `count` more tokens (counted per adapter)."""
         if request.adapter_name is not None:
             tokens = self.counts.tokens
-            tokens[request.adapter_name] = tokens.get(request.adapter_name, 0) + 1
+            tokens[request.adapter_name] = tokens.get(request.adapter_name, 0) + count
 
     def release(self, request: Request) -> None:
         """The request ended (once: its digest is cleared)."""

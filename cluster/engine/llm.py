@@ -7,6 +7,7 @@ RequestRejected."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from cluster.engine.config import EngineConfig, SpeculativeSettings
@@ -17,6 +18,8 @@ from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.step_pipeline import StepPipeline, ThreadLauncher
+from workers.plan import StepOutput
 
 
 def config_from_kwargs(
@@ -49,6 +52,11 @@ class LLM:
         """`model` defaults to the config's (SmolLM2-135M-Instruct without a config)."""
         self.config = config_from_kwargs(model, config, **kwargs)
         self.engine = EngineCore(self.config)
+        overlap = self.config.scheduler.async_scheduling
+        self._launcher = ThreadLauncher(self.engine, overlap=overlap)
+        self._pipeline: StepPipeline[Future[StepOutput | Exception | None]] = StepPipeline(
+            self.engine, self._launcher, overlap=overlap
+        )
 
     def generate(
         self,
@@ -98,6 +106,7 @@ class LLM:
         return self.engine.metrics()
 
     def shutdown(self) -> None:
+        self._launcher.close()
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:
@@ -138,16 +147,20 @@ class LLM:
                 engine.abort(queued)
             raise
         finals: dict[str, RequestOutput] = {}
-        while engine.has_work():
-            step = engine.begin_step()
-            for request in engine.finish_step(step, engine.execute(step)):
-                if request.error is not None:
-                    for other in ids:
-                        engine.abort(other)
-                    error = RequestFailed if request.failed else RequestRejected
-                    raise error(f"request {request.request_id}: {request.error}")
-                if request.finished:  # its first output: its deltas cover everything
-                    finals[request.request_id] = request.make_output()
+        pipeline = self._pipeline
+        try:
+            while (in_flight := pipeline.start()) is not None:
+                pipeline.advance(in_flight.result())
+                for request in pipeline.settle():
+                    if request.error is not None:
+                        for other in ids:
+                            engine.abort(other)
+                        error = RequestFailed if request.failed else RequestRejected
+                        raise error(f"request {request.request_id}: {request.error}")
+                    if request.finished:  # its first output: its deltas cover everything
+                        finals[request.request_id] = request.make_output()
+        finally:  # a step launched ahead of an error ends here, its tokens dropped
+            pipeline.drain(Future.result)
         return [finals[i] for i in ids]
 
 

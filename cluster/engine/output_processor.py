@@ -1,16 +1,24 @@
-"""Applies one sampled token to a branch: tokens, logprobs, text, and the stop conditions.
+"""Applies one sampled token to a branch in two parts: what the next schedule needs, and its text.
 
-A constrained branch's grammar accepts the token first (a token it refuses is an error: the mask
-rank 0 applied allows none); then, in order, the first check that holds ends the branch: EOS
-(unless `ignore_eos`), a stop token id, a stop string in the text, the grammar terminated
-(finish_reason "stop"), `max_tokens`, the model's context length. The finishing token
-stays in `token_ids`; EOS and stop tokens are special and left out of the text by the decoder,
-a stop string is cut from the text unless `include_stop_str_in_output`.
+`append_sampled_token` is the part the next step's plan depends on: a constrained branch's
+grammar accepts the token first (a token it refuses is an error: the mask rank 0 applied allows
+none), the token joins `token_ids`, and the checks that need no text end the branch: EOS (unless
+`ignore_eos`) or a stop token id, the grammar terminated, `max_tokens`, the model's context
+length. `apply_token_text` is the rest (log-probability, detokenization, stop strings); with
+async scheduling it runs while the next step executes, so a stop string can only end a branch
+one step late (`EngineCore.settle_step` drops the token computed meanwhile).
+
+Together, in that order, they decide exactly what one pass decides with these precedences: EOS /
+stop token id, then a stop string in the text, then the grammar terminated (finish_reason
+"stop"), then `max_tokens` and the model's length ("length", or "stop" when the text flushed at
+the end holds a stop string). The finishing token stays in `token_ids`; EOS and stop tokens are
+special and left out of the text by the decoder, a stop string is cut from the text unless
+`include_stop_str_in_output`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import enum
 from dataclasses import dataclass
 
 from cluster.engine.outputs import Logprob
@@ -24,10 +32,27 @@ class StopLimits:
     max_model_len: int
 
 
+class TokenEnd(enum.Enum):
+    """Why `append_sampled_token` ended a branch (before its text was looked at)."""
+
+    STOP_TOKEN = "stop_token"
+    GRAMMAR = "grammar"
+    LENGTH = "length"
+
+
 def apply_sampled_token(
     request: Request, branch: Branch, sampled: SampledToken, limits: StopLimits
 ) -> bool:
-    """Appends the token and returns True when the branch is now finished."""
+    """Both parts at once; returns True when the branch is now finished."""
+    end = append_sampled_token(request, branch, sampled, limits)
+    apply_token_text(request, branch, sampled, end)
+    return branch.finished
+
+
+def append_sampled_token(
+    request: Request, branch: Branch, sampled: SampledToken, limits: StopLimits
+) -> TokenEnd | None:
+    """Appends the token; what ended the branch without looking at its text (None: running)."""
     token = sampled.token_id
     grammar = branch.grammar
     if grammar is not None:
@@ -36,39 +61,47 @@ def apply_sampled_token(
             raise ValueError(f"token {token} was sampled but the request's grammar forbids it")
     branch.token_ids.append(token)
     branch.output_token_ids.append(token)
-    _record_logprob(request, branch, sampled)
     params = request.params
-    if token in _stop_ids(params.stop_token_ids, limits.eos_token_ids, params.ignore_eos):
+    is_stop_id = token in params.stop_token_ids
+    if is_stop_id or (not params.ignore_eos and token in limits.eos_token_ids):
+        branch.finish_reason = "stop"
+        branch.stop_reason = token if is_stop_id else None
+        return TokenEnd.STOP_TOKEN
+    if grammar is not None and grammar.is_terminated:
+        branch.finish_reason = "stop"
+        return TokenEnd.GRAMMAR
+    if len(branch.output_token_ids) >= request.max_tokens or (
+        len(branch.token_ids) >= limits.max_model_len
+    ):
+        branch.finish_reason = "length"
+        return TokenEnd.LENGTH
+    return None
+
+
+def apply_token_text(
+    request: Request, branch: Branch, sampled: SampledToken, end: TokenEnd | None
+) -> bool:
+    """The token's log-probability and text, `end` being what `append_sampled_token` said;
+    True when a stop string ended a branch that was still running (the caller finishes it)."""
+    _record_logprob(request, branch, sampled)
+    token = sampled.token_id
+    if end is TokenEnd.STOP_TOKEN:
         branch.text.add_tokens([token])
         branch.text.finish()
-        branch.finish_reason = "stop"
-        branch.stop_reason = token if token in params.stop_token_ids else None
-        return True
+        return False
     match = branch.text.add_tokens([token])
     if match is not None:
         branch.finish_reason = "stop"
         branch.stop_reason = match.stop
-        return True
-    if grammar is not None and grammar.is_terminated:
+        return end is None
+    if end is TokenEnd.GRAMMAR:
         branch.text.finish()
-        branch.finish_reason = "stop"
-        return True
-    if len(branch.output_token_ids) >= request.max_tokens or (
-        len(branch.token_ids) >= limits.max_model_len
-    ):
+    elif end is TokenEnd.LENGTH:
         match = branch.text.finish()
-        branch.finish_reason = "stop" if match is not None else "length"
-        branch.stop_reason = match.stop if match is not None else None
-        return True
+        if match is not None:
+            branch.finish_reason = "stop"
+            branch.stop_reason = match.stop
     return False
-
-
-def _stop_ids(
-    stop_token_ids: Collection[int], eos_token_ids: frozenset[int], ignore_eos: bool
-) -> frozenset[int]:
-    if ignore_eos:
-        return frozenset(stop_token_ids)
-    return eos_token_ids.union(stop_token_ids)
 
 
 def _record_logprob(request: Request, branch: Branch, sampled: SampledToken) -> None:

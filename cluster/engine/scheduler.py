@@ -140,11 +140,15 @@ class Scheduler:
         self, step: SchedulerStep, output: StepOutput
     ) -> list[tuple[Request, Branch, SampledToken]]:
         """Marks the step's KV computed, forks parallel requests after their prompt, and returns
-        every sampled token with its branch (the engine appends them as text and stops)."""
+        every sampled token with its branch (the engine appends them as text and stops). A
+        work whose branch ended while the step ran (async scheduling: a stop string found late,
+        an abort) has its blocks freed already and gives nothing."""
         self.bm.complete_transfers()  # the step's copies ran: in-flight blocks are unpinned
         self.cost_model.observe_step(output.forward_seconds, step.num_tokens)
         sampled: list[tuple[Request, Branch, SampledToken]] = []
         for work in step.works:
+            if work.branch.finished or work.request.status is RequestStatus.FINISHED:
+                continue
             tokens = output.samples.get(work.branch.seq_id)
             expected = work.num_samples + len(work.drafts)
             if work.num_samples and (tokens is None or len(tokens) != expected):
@@ -163,11 +167,11 @@ class Scheduler:
             if work.drafts:  # one branch, several tokens in order
                 sampled.extend((work.request, work.branch, t) for t in tokens)
                 continue
-            if not work.request.forked:
-                self._fork(work.request)
-                branches = work.request.branches
-            else:
-                branches = [work.branch]
+            if work.request.forked:  # a decode: one branch, one token
+                sampled.append((work.request, work.branch, tokens[0]))
+                continue
+            self._fork(work.request)
+            branches = work.request.branches
             sampled.extend((work.request, b, t) for b, t in zip(branches, tokens, strict=True))
         return sampled
 

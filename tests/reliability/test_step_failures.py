@@ -108,12 +108,15 @@ def expected_tokens(model_dir: pathlib.Path) -> list[list[int]]:
     return asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async_scheduling"])
 @pytest.mark.parametrize("mode", ["blame", "refuse"])
-def test_a_refused_plan_fails_only_its_requests(tiny_model_dir: pathlib.Path, mode: str) -> None:
+def test_a_refused_plan_fails_only_its_requests(
+    tiny_model_dir: pathlib.Path, mode: str, overlap: bool
+) -> None:
     expected = expected_tokens(tiny_model_dir)
 
     async def scenario() -> None:
-        config = tiny_config(tiny_model_dir)
+        config = tiny_config(tiny_model_dir, scheduler={"async_scheduling": overlap})
         workers = FaultyWorkers(WorkerGroup(config.to_worker_config()), mode)
         engine = AsyncEngine(config, workers)  # type: ignore[arg-type]
         first, bad, *rest = await run_scenario(engine)
@@ -141,9 +144,12 @@ def test_a_refused_plan_fails_only_its_requests(tiny_model_dir: pathlib.Path, mo
     asyncio.run(scenario())
 
 
-def test_a_worker_failure_marks_the_engine_dead(tiny_model_dir: pathlib.Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async_scheduling"])
+def test_a_worker_failure_marks_the_engine_dead(
+    tiny_model_dir: pathlib.Path, overlap: bool
+) -> None:
     async def scenario() -> None:
-        config = tiny_config(tiny_model_dir)
+        config = tiny_config(tiny_model_dir, scheduler={"async_scheduling": overlap})
         engine = AsyncEngine(config, FaultyWorkers(WorkerGroup(config.to_worker_config()), "die"))  # type: ignore[arg-type]
         results = await run_scenario(engine)
         assert all(isinstance(r, EngineDead) for r in results), results
@@ -180,9 +186,12 @@ def test_the_offline_path_isolates_a_refused_plan_alike(tiny_model_dir: pathlib.
     core.shutdown()
 
 
-def test_llm_raises_request_failed_and_serves_the_next_call(tiny_model_dir: pathlib.Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async_scheduling"])
+def test_llm_raises_request_failed_and_serves_the_next_call(
+    tiny_model_dir: pathlib.Path, overlap: bool
+) -> None:
     expected = expected_tokens(tiny_model_dir)
-    config = tiny_config(tiny_model_dir)
+    config = tiny_config(tiny_model_dir, scheduler={"async_scheduling": overlap})
     workers = FaultyWorkers(WorkerGroup(config.to_worker_config()), "refuse")
     with LLM(config=config) as llm:
         llm.engine.workers = workers  # type: ignore[assignment]
