@@ -1,5 +1,5 @@
-"""Shared test configuration: GPU-marked tests are skipped where CUDA is absent; the tiny model
-and a local Ray cluster are shared fixtures.
+"""Shared test configuration: GPU-marked tests are skipped where CUDA is absent; torch runs on
+one thread outside the kernel tests; the tiny model and a local Ray cluster are shared fixtures.
 
 Tests marked `ray` start Ray, Ray Serve or a `pagedserve serve` process; those marked `smollm2`
 load SmolLM2-135M's weights. A test using one of `RAY_FIXTURES` or `SMOLLM2_FIXTURES` is marked
@@ -62,6 +62,23 @@ def _fast_runs_no_ray(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.config.getoption("fast") and ray is not None and ray.is_initialized():
         ray.shutdown()
         pytest.fail("this test starts Ray: mark it `pytest.mark.ray` (kept out of --fast)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Run torch ops on one intra-op thread: on a small shared machine, intra-op threads that
+    spin while other processes hold the cores make every step many times slower (HF's tiny-model
+    greedy decoding 18x). The kernel tests keep the process's count: their multi-thread paths
+    are under test, and they set the counts they compare themselves."""
+    import torch
+
+    if request.module.__name__.startswith("tests.kernels."):
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

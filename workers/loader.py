@@ -8,6 +8,7 @@ columns (for GGUF, from the dequantized cache it builds on first use; with
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from dataclasses import dataclass
 
@@ -64,11 +65,24 @@ def read_metadata(path: pathlib.Path) -> ModelMetadata:
     and what is supported, an architecture we do not run, a GGUF tensor type we cannot read and
     a quantized HF checkpoint. Reads the GGUF header once (parsing it is the slow part)."""
     if is_gguf(path):
-        reader = open_gguf(path)
-        check_tensor_types(reader)
-        return ModelMetadata(spec_from_gguf(reader), quantization_name(reader))
+        try:
+            stat = path.stat()
+        except OSError:
+            open_gguf(path)  # raises the ValueError naming the file
+            raise
+        return _gguf_metadata(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     _check_hf_quantization(path)
     return ModelMetadata(spec_from_hf_directory(path), "none")
+
+
+@functools.lru_cache(maxsize=32)
+def _gguf_metadata(resolved: str, inode: int, size: int, mtime_ns: int) -> ModelMetadata:
+    """The GGUF file's metadata, remembered per (path, inode, size, mtime): parsing the header
+    walks every vocabulary entry (seconds for a 49k-token vocabulary), and config checks, the
+    driver and each replica ask again for the same file. A refusal raises, remembering nothing."""
+    reader = open_gguf(pathlib.Path(resolved))
+    check_tensor_types(reader)
+    return ModelMetadata(spec_from_gguf(reader), quantization_name(reader))
 
 
 def read_spec(path: pathlib.Path) -> ModelSpec:

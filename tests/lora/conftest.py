@@ -4,7 +4,6 @@ saved with PEFT's `save_pretrained` and loaded back into a fresh `PeftModel` as 
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,15 +22,6 @@ SMOLLM2_NEW_TOKENS = 16
 """HF+PEFT's greedy references are this long; a test wanting fewer takes their leading part
 (greedy decoding's first n tokens and logits do not depend on how many follow)."""
 SmolLM2References = dict[str, tuple[pathlib.Path, list[Reference]]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: the machine's cores are shared (see tests/workers/conftest.py)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

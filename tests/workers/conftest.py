@@ -40,16 +40,6 @@ class ChatReferences:
     references: list[tuple[list[int], torch.Tensor]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Run these tests' torch ops on one thread: on a small shared machine, intra-op threads
-    that spin while other processes hold the cores make every step several times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="session")
 def weights_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return tmp_path_factory.mktemp("weights_cache")

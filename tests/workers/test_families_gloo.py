@@ -2,12 +2,13 @@
 joined by gloo directly, without Ray: the logits of every prompt position against HF's.
 
 The same sharding the Ray workers run (`load_model_shard` on `TensorParallel(rank, 2)`), one
-prefill over a paged pool (`gloo_shards`). The two processes are spawned once for the module
+prefill over a paged pool (`gloo_shards`). The two processes start once for the module
 and run every case in turn. Tolerance: 1e-4 absolute.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import pathlib
 import socket
 
@@ -37,7 +38,14 @@ def gloo_outputs(
     references = {name: write_family_model(name, root / name) for name in FAMILY_MODELS}
     outputs = {case: root / f"{case[0]}-ep{int(case[1])}.pt" for case in FAMILY_CASES}
     cases = [(str(root / name), ep, str(outputs[name, ep])) for name, ep in FAMILY_CASES]
-    mp.spawn(run_rank, args=(cases, str(root / "cache"), _free_port()), nprocs=2)
+    # Both ranks fork from one forkserver that imported the rank's module once.
+    multiprocessing.get_context("forkserver").set_forkserver_preload([run_rank.__module__])
+    mp.start_processes(
+        run_rank,
+        args=(cases, str(root / "cache"), _free_port()),
+        nprocs=2,
+        start_method="forkserver",
+    )
     return {case: (outputs[case], references[case[0]]) for case in FAMILY_CASES}
 
 

@@ -5,6 +5,7 @@ digest is refused."""
 
 from __future__ import annotations
 
+import multiprocessing
 import pathlib
 
 import torch
@@ -58,6 +59,11 @@ def test_each_rank_moves_its_own_shard_and_damage_is_refused(tmp_path: pathlib.P
     manager = mp.Manager()
     results = manager.dict()
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_run, args=(init, results), nprocs=2 * TP, join=True)
+    # Ranks fork from one forkserver that imported this module once, instead of four spawned
+    # interpreters each importing torch and the workers package.
+    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
+    mp.start_processes(
+        _run, args=(init, results), nprocs=2 * TP, join=True, start_method="forkserver"
+    )
     assert results[TP] == (4, [True, True, True, True])
     assert results[TP + 1] == (2, [True, True, False, False])  # stops at the damaged row
