@@ -27,8 +27,8 @@ from workers.lora import AdapterSummary, LoRAStep, RankLoRA
 from workers.model import AttentionMetadata, CausalLM
 from workers.parallel import TensorParallel, head_layout
 from workers.plan import BlockPair, PlanRejected, StepOutput, StepPlan
+from workers.pool_layouts import KVPoolLayout, pool_layout_for
 from workers.sampling import check_settings, sample_rows
-from workers.virtual_pool import VirtualKVPool, virtual_geometry
 
 PROFILE_TOKENS = 2048
 """Tokens in the CUDA profiling forward pass (a large prefill chunk)."""
@@ -86,7 +86,8 @@ class WorkerRank:
         self.model: CausalLM | None = None
         self.device_pool: torch.Tensor | None = None
         self.cpu_pool: torch.Tensor | None = None
-        self.virtual_pool: VirtualKVPool | None = None
+        self.pool_layout: KVPoolLayout = pool_layout_for(config, self.kv_shape, max_model_len)
+        """How `config.kv_layout` allocates, addresses and decommits the device pool."""
         self.cpu_checksums: dict[int, bytes] = {}
         """`verify_swaps`: digest of each CPU block's bytes as its last copy left them."""
         self.lora: RankLoRA | None = None
@@ -185,53 +186,17 @@ class WorkerRank:
         return cpu_swap_blocks(self.config, self.kv_shape)
 
     def allocate(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate the device pool and (when `num_cpu_blocks > 0`) the CPU swap pool.
-
-        Under the `virtual` KV layout the device pool is a virtual reservation of one slot per
-        sequence (see `workers.virtual_pool`); `num_device_blocks` is then the physical budget,
-        which the engine's layout manager enforces.
-        """
-        if self.config.kv_layout == "virtual":
-            self.virtual_pool = self._allocate_virtual()
-            self.device_pool = self.virtual_pool.tensor
-        else:
-            self.device_pool = self._allocate(num_device_blocks, self.device)
+        """Allocate the device pool (as `pool_layout` lays it out: under the `virtual` layout a
+        virtual reservation whose physical budget of `num_device_blocks` the engine's manager
+        enforces) and, when `num_cpu_blocks > 0`, the CPU swap pool."""
+        self.device_pool = self.pool_layout.allocate(num_device_blocks, self.device, self._allocate)
         if num_cpu_blocks > 0:
             pin = self.device.type == "cuda"
             self.cpu_pool = self._allocate(num_cpu_blocks, torch.device("cpu"), pin)
 
-    def _allocate_virtual(self) -> VirtualKVPool:
-        if self.device.type != "cpu":
-            raise ValueError(
-                "kv_layout 'virtual' is implemented on CPU only (an anonymous mmap); the CUDA "
-                "virtual memory management path is not implemented"
-            )
-        shape = self.kv_shape
-        element = torch.empty((), dtype=shape.dtype).element_size()
-        geometry = virtual_geometry(
-            self.config.kv_virtual_slots,
-            self.max_model_len,
-            shape.block_size,
-            shape.block_size * shape.num_kv_heads * shape.head_dim * element,
-        )
-        return VirtualKVPool(
-            shape.num_layers,
-            geometry.num_blocks,
-            shape.block_size,
-            shape.num_kv_heads,
-            shape.head_dim,
-            shape.dtype,
-        )
-
-    def _decommit(self, plan: StepPlan) -> None:
-        if not plan.decommit:
-            return
-        if self.virtual_pool is None:
-            raise ValueError(
-                f"step {plan.step_id}: decommit ranges sent but kv_layout is "
-                f"{self.config.kv_layout!r}, not 'virtual'"
-            )
-        self.virtual_pool.decommit(plan.decommit)
+    def resident_bytes(self) -> int | None:
+        """Bytes of the device pool physically backed, when its layout can measure them."""
+        return self.pool_layout.resident_bytes()
 
     def _check_ids(self, plan: StepPlan) -> None:
         """Sampling settings valid, token ids inside the vocabulary and block ids inside the
@@ -364,11 +329,11 @@ class WorkerRank:
                 self.registry,
                 self.config.block_size,
                 self.device,
-                contiguous=self.config.kv_layout != "paged",
+                contiguous=self.pool_layout.contiguous,
             )
             self._check_ids(plan)
             self._apply_lora(plan)
-            self._decommit(plan)
+            self.pool_layout.decommit(plan)
         except ValueError:
             self.registry.restore(snapshot)
             raise
@@ -401,4 +366,4 @@ class WorkerRank:
         self.lora = None
         self.device_pool = None
         self.cpu_pool = None
-        self.virtual_pool = None
+        self.pool_layout.release()
