@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.layout_recorder import LayoutRecorder
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
-from cluster.engine.kv_layouts import LayoutRecorder
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import SamplingParams
 

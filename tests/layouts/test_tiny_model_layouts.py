@@ -7,10 +7,10 @@ import pathlib
 
 import pytest
 
+from benchmarks.layout_recorder import LayoutRecorder
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.errors import ConfigError
-from cluster.engine.kv_layouts import LayoutRecorder
 from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
 from tests.engine.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
