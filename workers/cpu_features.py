@@ -1,10 +1,12 @@
 """The x86 CPU features the precision defaults and native kernels depend on, read once.
 
-`CpuFeatures.detect()` reads the running CPU (Linux `/proc/cpuinfo` flags; torch's own checks
-elsewhere). `auto_dtype` is the one rule behind `dtype: auto`: bfloat16 where its products are
-native (CUDA, AVX512-BF16 or AMX-BF16 on the CPU), float32 everywhere else, where oneDNN only
-emulates bfloat16 (slower than float32, and not the rounding the bfloat16 tests were tuned on).
-Tests pass a `CpuFeatures` of another CPU kind to force its path.
+`CpuFeatures.detect()` reads the running CPU (Linux `/proc/cpuinfo` vendor and flags; torch's
+own checks elsewhere). `auto_dtype` is the one rule behind `dtype: auto`: bfloat16 where its
+products are native and faster than float32 (CUDA; AMX-BF16; AVX512-BF16 on AMD's cores),
+float32 everywhere else: where oneDNN only emulates bfloat16, and on Intel cores with
+AVX512-BF16 but no AMX (Cooper Lake, or a virtual machine that hides AMX), where its bfloat16
+products ran slower than float32 (benchmarks/README.md, "dtype: auto per CPU kind"). Tests pass a
+`CpuFeatures` of another CPU kind to force its path.
 """
 
 from __future__ import annotations
@@ -25,11 +27,17 @@ class CpuFeatures:
     avx_vnni: bool = False
     avx512_bf16: bool = False
     amx_bf16: bool = False
+    vendor: str = ""  # /proc/cpuinfo's vendor_id: "AuthenticAMD", "GenuineIntel", ...
 
     @property
     def native_bfloat16(self) -> bool:
         """Whether bfloat16 dot products run in hardware (not emulated through float32)."""
         return self.avx512_bf16 or self.amx_bf16
+
+    @property
+    def bfloat16_is_faster(self) -> bool:
+        """Whether bfloat16 products beat float32 here: AMX tiles, or AMD's AVX512-BF16."""
+        return self.amx_bf16 or (self.avx512_bf16 and self.vendor == "AuthenticAMD")
 
     @property
     def kind(self) -> str:
@@ -43,8 +51,9 @@ class CpuFeatures:
         return "avx2" if self.avx2 else "x86-64"
 
     @staticmethod
-    def from_flags(flags: set[str]) -> CpuFeatures:
+    def from_flags(flags: set[str], vendor: str = "") -> CpuFeatures:
         return CpuFeatures(
+            vendor=vendor,
             avx2="avx2" in flags,
             avx512={"avx512f", "avx512bw"} <= flags,
             avx512_vnni="avx512_vnni" in flags,
@@ -58,9 +67,12 @@ class CpuFeatures:
         """The running CPU's features."""
         cpuinfo = pathlib.Path("/proc/cpuinfo")
         if cpuinfo.exists():
+            vendor = ""
             for line in cpuinfo.read_text().splitlines():
+                if line.startswith("vendor_id"):
+                    vendor = line.partition(":")[2].strip()
                 if line.startswith("flags"):
-                    return CpuFeatures.from_flags(set(line.partition(":")[2].split()))
+                    return CpuFeatures.from_flags(set(line.partition(":")[2].split()), vendor)
         capability = torch.backends.cpu.get_cpu_capability()
         return CpuFeatures(
             avx2=capability in ("AVX2", "AVX512"),
@@ -76,4 +88,4 @@ def auto_dtype(device: str, features: CpuFeatures | None = None) -> str:
     if device == "cuda":
         return "bfloat16"
     cpu = features if features is not None else CpuFeatures.detect()
-    return "bfloat16" if cpu.native_bfloat16 else "float32"
+    return "bfloat16" if cpu.bfloat16_is_faster else "float32"

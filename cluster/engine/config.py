@@ -31,8 +31,8 @@ class ModelSettings(_Section):
     model: str = Field("default", description="a .gguf file, an HF directory, or 'default'")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
-        description="auto: bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16, "
-        "AMX), float32 elsewhere; float32 is the exact mode",
+        description="auto: bfloat16 on CUDA and on CPUs where it is native and faster (AMX, "
+        "AMD's AVX512-BF16), float32 elsewhere; float32 is the exact mode",
     )
     max_model_len: int | None = Field(None, description="default: the model's context")
     seed: int = Field(0, ge=0, description="seed of requests that do not give one (with a counter)")
