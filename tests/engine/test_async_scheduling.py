@@ -26,19 +26,9 @@ from tests.engine.streams import engine_outputs
 from tests.engine.test_speculative_decoding import REPEATING
 from tests.engine.test_structured_outputs import PRESSURE, _constrained, _valid_json
 from tests.engine.test_structured_outputs import PROMPTS as STRUCTURED_PROMPTS
-from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
+from tests.engine.tiny_engine import GREEDY, PREEMPTING, PROMPTS, assert_all_free, tiny_config
 
-MEMORY = {
-    "roomy": {},
-    "recompute": {
-        "cache": {"num_device_blocks": 16, "block_size": 4},
-        "scheduler": {"preemption_mode": "recompute"},
-    },
-    "swap": {
-        "cache": {"num_device_blocks": 16, "block_size": 4},
-        "scheduler": {"preemption_mode": "swap"},
-    },
-}
+MEMORY = {"roomy": {}, **PREEMPTING}
 
 
 def summary(outputs: list[RequestOutput]) -> list[list[tuple[Any, ...]]]:

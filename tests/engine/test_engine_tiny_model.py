@@ -15,17 +15,17 @@ import transformers
 from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, greedy_ids, tiny_config
+from tests.engine.tiny_engine import (
+    GREEDY,
+    PREEMPTING,
+    PROMPTS,
+    assert_all_free,
+    greedy_ids,
+    tiny_config,
+)
 
 CASES: dict[str, dict[str, dict[str, Any]]] = {
-    "recompute": {
-        "cache": {"num_device_blocks": 16, "block_size": 4},
-        "scheduler": {"preemption_mode": "recompute"},
-    },
-    "swap": {
-        "cache": {"num_device_blocks": 16, "block_size": 4},
-        "scheduler": {"preemption_mode": "swap"},
-    },
+    **PREEMPTING,
     "chunked": {"scheduler": {"max_num_batched_tokens": 8, "max_num_seqs": 4}},
     "prefix_cache": {},
 }

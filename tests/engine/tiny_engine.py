@@ -20,6 +20,17 @@ PROMPTS = [
     "Once upon a time, in a land far away,",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+PREEMPTING: dict[str, dict[str, dict[str, Any]]] = {
+    "recompute": {
+        "cache": {"num_device_blocks": 16, "block_size": 4},
+        "scheduler": {"preemption_mode": "recompute"},
+    },
+    "swap": {
+        "cache": {"num_device_blocks": 16, "block_size": 4},
+        "scheduler": {"preemption_mode": "swap"},
+    },
+}
+"""Config sections of a pool of 16 blocks of 4 that preempts by recompute or by swap."""
 
 
 def tiny_config(model_dir: pathlib.Path, **sections: dict[str, Any]) -> EngineConfig:
