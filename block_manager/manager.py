@@ -287,14 +287,7 @@ class KVCacheManager(CacheViews, NoReservationHooks):
                 needed=total,
                 available=pool.num_blocks,
             )
-        available = pool.num_free - self._watermark
-        if needed > available:
-            raise NoFreeBlocks(
-                f"cannot allocate sequence {seq_id!r} (watermark {self._watermark} kept free)",
-                needed=needed,
-                available=max(available, 0),
-                tier="device",
-            )
+        pool.require_free(needed, self._watermark, f"cannot allocate sequence {seq_id!r}")
         pool.acquire_run(hit_blocks)
         cpu_hits = prompt.cpu_hits
         if cpu_hits is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from block_manager.errors import Tier
+from block_manager.errors import NoFreeBlocks, Tier
 from block_manager.events import BlockEvent
 
 _NOT_QUEUED = -1
@@ -123,6 +123,19 @@ class BlockPool:
         del self.cached[key]
         self.keys[block] = self.hashes[block] = None
         self.num_free_cached -= 1
+
+    def require_free(self, count: int, keep_free: int, reason: str) -> None:
+        """Raise NoFreeBlocks (`reason`, nothing taken) unless `count` blocks are free beyond the
+        `keep_free` the caller holds back (the manager's watermark): the one admission check
+        that every taker of fresh blocks with a watermark shares."""
+        available = self.num_free - keep_free
+        if count > available:
+            raise NoFreeBlocks(
+                f"{reason} (watermark {keep_free} kept free)",
+                needed=count,
+                available=max(available, 0),
+                tier=self.tier,
+            )
 
     def pop_many(self, count: int) -> list[int]:
         """Take `count` blocks from the front of the free queue (one cut of the list), ref 1 each.

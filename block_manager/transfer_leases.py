@@ -31,7 +31,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from block_manager.errors import InvalidOperation, NoFreeBlocks, Tier
+from block_manager.errors import InvalidOperation, Tier
 from block_manager.pool import BlockPool
 from block_manager.tiers import CpuTier
 
@@ -120,14 +120,7 @@ class TransferLeases:
         """`count` fresh device blocks for pulled KV to land in; NoFreeBlocks (nothing taken)
         when fewer than `count` are free beyond the watermark."""
         device = self._device
-        available = device.num_free - self._watermark
-        if count > available:
-            raise NoFreeBlocks(
-                f"cannot reserve {count} device blocks for a KV pull",
-                needed=count,
-                available=max(available, 0),
-                tier="device",
-            )
+        device.require_free(count, self._watermark, f"cannot reserve {count} blocks for a KV pull")
         lease = TransferLease(next(self._ids), "import")
         # No demotion of the cached blocks this evicts: a demotion's copy runs with the next
         # step, and the pulled bytes may land before it (it would save them under the old key).
