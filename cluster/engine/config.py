@@ -10,11 +10,12 @@ import argparse
 import json
 import pathlib
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cluster.engine.config_flags import add_section_flags, section_values
 from cluster.engine.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -447,13 +448,6 @@ _SECTIONS: dict[str, type[_Section]] = {
 }
 
 
-def _parse_flag_value(value: Any) -> Any:
-    """Flag strings are handed to pydantic, which coerces them; 'none' means None."""
-    if isinstance(value, str) and value.lower() in ("none", "null"):
-        return None
-    return value
-
-
 def _describe(error: ValidationError) -> str:
     problems = []
     for item in error.errors():
@@ -461,64 +455,3 @@ def _describe(error: ValidationError) -> str:
         message = item["msg"].removeprefix("Value error, ")
         problems.append(f"{location}: {message}" if location else message)
     return "invalid engine configuration: " + "; ".join(problems)
-
-
-def add_section_flags(
-    group: argparse._ArgumentGroup,
-    section_name: str,
-    section_type: type[BaseModel],
-    default_source: str | None = None,
-) -> None:
-    """One `--field-name` flag per field of a section, stored as `section.field` (None when not
-    given; a string for pydantic to coerce, 'none' meaning None: `section_values`); booleans take
-    `--no-field-name` too (vLLM's `--enable-X` / `--no-enable-X`). The help shows the field's
-    default, after `default_source` (e.g. "the config file") when the flag's default comes from
-    there."""
-    for name, info in section_type.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        default = (
-            f"{info.default!r}"
-            if default_source is None
-            else (f"{default_source}, else {info.default!r}")
-        )
-        help_text = f"{info.description or ''} (default: {default})".strip()
-        if info.annotation is bool:
-            group.add_argument(
-                flag,
-                dest=f"{section_name}.{name}",
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=help_text,
-            )
-        else:
-            group.add_argument(
-                flag,
-                dest=f"{section_name}.{name}",
-                default=None,
-                metavar=_metavar(name, info.annotation),
-                help=help_text,
-            )
-
-
-def _metavar(name: str, annotation: Any) -> str:
-    """`{a,b,c}` for a field of literal choices (as argparse shows `choices`), `NAME|a` for a
-    value or a literal (`int | Literal["auto"]`), else NAME."""
-    if get_origin(annotation) is Literal:
-        return "{" + ",".join(str(value) for value in get_args(annotation)) + "}"
-    members = [arg for arg in get_args(annotation) if arg is not type(None)]
-    literals = [str(v) for arg in members if get_origin(arg) is Literal for v in get_args(arg)]
-    if not literals:
-        return name.upper()
-    if all(get_origin(arg) is Literal for arg in members):
-        return "{" + ",".join(literals) + "}"
-    return "|".join([name.upper(), *literals])
-
-
-def section_values(args: argparse.Namespace, section: str) -> dict[str, Any]:
-    """The flags of `section` that were given (see `add_section_flags`), as raw values."""
-    prefix = f"{section}."
-    return {
-        key.removeprefix(prefix): _parse_flag_value(value)
-        for key, value in vars(args).items()
-        if key.startswith(prefix) and value is not None
-    }

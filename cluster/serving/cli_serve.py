@@ -20,12 +20,8 @@ from typing import Any
 
 import yaml
 
-from cluster.engine.config import (
-    LoRASettings,
-    SpeculativeSettings,
-    add_section_flags,
-    section_values,
-)
+from cluster.engine.config import LoRASettings, SpeculativeSettings
+from cluster.engine.config_flags import add_section_flags, section_values
 from cluster.engine.errors import ConfigError
 from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S
 from cluster.serving.engine_flags import add_model_arguments, apply_engine_flags

@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cluster.engine.config import EngineConfig, section_values
+from cluster.engine.config import EngineConfig
+from cluster.engine.config_flags import section_values
 from cluster.engine.errors import ConfigError
 from cluster.serving.pd_config import ENGINE_DEPLOYMENTS
 from workers.model_source import resolve_model_path
