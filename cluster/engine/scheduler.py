@@ -250,44 +250,16 @@ class Scheduler:
             num_samples = (1 if request.forked else request.n) if is_last else 0
             drafts: list[int] = []
             if allowance is not None and chunk == 1 and num_samples == 1 and request.forked:
-                drafts = self._append_drafts(request, branch, budget, allowance.next())
+                assert self.speculator is not None
+                drafts = self.speculator.draft_branch(
+                    self.bm, request, branch, budget, allowance.next(), self.max_model_len
+                )
             step.works.append(
                 ScheduledWork(request, branch, computed, chunk + len(drafts), num_samples, drafts)
             )
             step.plan.sequences.append(
                 self._sequence_work(request, branch, computed, chunk, num_samples, drafts)
             )
-
-    def _append_drafts(
-        self, request: Request, branch: Branch, budget: StepBudget, allowed: int
-    ) -> list[int]:
-        """Proposes up to `allowed` drafts for a decoding branch and appends them to its table,
-        as far as the budget, `max_tokens`, the model's length and the free blocks above the
-        watermark allow (a draft never makes anyone wait or be preempted)."""
-        assert self.speculator is not None
-        room = min(
-            allowed,
-            budget.tokens,
-            request.max_tokens - len(branch.output_token_ids) - 1,
-            (self.max_model_len or 1 << 62) - len(branch.token_ids),
-        )
-        if room <= 0:
-            return []
-        if branch.ngrams is None:
-            branch.ngrams = self.speculator.new_index()
-        grammar = branch.grammar
-        if grammar is not None:
-            grammar.sync(branch.output_token_ids)
-        drafts = self.speculator.append_drafts(
-            self.bm,
-            branch.seq_id,
-            branch.token_ids,
-            branch.ngrams,
-            room,
-            None if grammar is None else grammar.valid_drafts,
-        )
-        budget.take_drafts(len(drafts))
-        return drafts
 
     def _sequence_work(
         self,

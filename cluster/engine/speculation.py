@@ -22,9 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from block_manager import KVManager, NoFreeBlocks
 from cluster.engine.config import SpeculativeSettings
+
+if TYPE_CHECKING:
+    from cluster.engine.request import Branch, Request
+    from cluster.engine.step_budget import StepBudget
 
 
 class NgramIndex:
@@ -125,6 +130,43 @@ class NgramSpeculator:
         if per_sequence >= k:
             return DraftAllowance(k)
         return DraftAllowance(per_sequence, extra)
+
+    def draft_branch(
+        self,
+        bm: KVManager,
+        request: Request,
+        branch: Branch,
+        budget: StepBudget,
+        allowed: int,
+        max_model_len: int | None,
+    ) -> list[int]:
+        """Proposes up to `allowed` drafts for a decoding branch and appends them to its table,
+        as far as the step's budget, `max_tokens`, the model's length and the free blocks above
+        the watermark allow (a draft never makes anyone wait or be preempted); the budget is
+        charged for them. A constrained branch only drafts what its grammar accepts."""
+        room = min(
+            allowed,
+            budget.tokens,
+            request.max_tokens - len(branch.output_token_ids) - 1,
+            (max_model_len or 1 << 62) - len(branch.token_ids),
+        )
+        if room <= 0:
+            return []
+        if branch.ngrams is None:
+            branch.ngrams = self.new_index()
+        grammar = branch.grammar
+        if grammar is not None:
+            grammar.sync(branch.output_token_ids)
+        drafts = self.append_drafts(
+            bm,
+            branch.seq_id,
+            branch.token_ids,
+            branch.ngrams,
+            room,
+            None if grammar is None else grammar.valid_drafts,
+        )
+        budget.take_drafts(len(drafts))
+        return drafts
 
     def append_drafts(
         self,
