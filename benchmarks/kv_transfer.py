@@ -41,7 +41,8 @@ import httpx
 import yaml
 
 from benchmarks.load import Job, one_request
-from benchmarks.serving import CONFIG, free_port, stdout_to_stderr
+from benchmarks.ports import free_port
+from benchmarks.serving import CONFIG, stdout_to_stderr
 
 TAIL_TOKENS = 32
 

@@ -31,7 +31,8 @@ import sys
 from typing import Any
 
 from benchmarks.load import Job, Result, run_workload
-from benchmarks.serving import free_port, ratio, stdout_to_stderr, summary
+from benchmarks.ports import free_port
+from benchmarks.serving import ratio, stdout_to_stderr, summary
 
 SHORT_PROMPT_TOKENS = 48
 SHORT_OUTPUT_TOKENS = 48

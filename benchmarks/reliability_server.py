@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,16 +26,11 @@ import httpx
 import psutil
 import yaml
 
+from benchmarks.ports import free_port
 from cluster.serving.cli_serve import shipped_serve_config
 
 ENGINE = "GenerationServer"
 INGRESS = "OpenAIIngress"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tiny_engine(model_dir: str) -> dict[str, Any]:

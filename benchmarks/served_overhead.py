@@ -34,7 +34,8 @@ import yaml
 from benchmarks import llama_server
 from benchmarks.chat_corpus import chat_prompts
 from benchmarks.load import Job, run_workload
-from benchmarks.serving import free_port, ratio
+from benchmarks.ports import free_port
+from benchmarks.serving import ratio
 from cluster.engine.config import EngineConfig
 from cluster.serving.cli_serve import shipped_serve_config
 

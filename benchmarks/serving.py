@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 from collections.abc import Callable, Iterator
@@ -41,6 +40,7 @@ from typing import Any
 import yaml
 
 from benchmarks.load import Job, Result, run_workload
+from benchmarks.ports import free_port
 from benchmarks.prefix_routing import routing_comparison
 
 CONFIG = Path(__file__).resolve().parent.parent / "cluster" / "serving" / "serve_config.yaml"
@@ -106,12 +106,6 @@ def report(
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

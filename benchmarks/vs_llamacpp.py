@@ -45,7 +45,8 @@ from typing import Any
 from benchmarks import llama_server
 from benchmarks.chat_corpus import chat_prompts
 from benchmarks.load import Job, Result, run_workload
-from benchmarks.serving import free_port, ratio, report
+from benchmarks.ports import free_port
+from benchmarks.serving import ratio, report
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 TOKEN_RANGE = (1000, 40000)

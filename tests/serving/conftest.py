@@ -4,7 +4,6 @@ and an independent oracle: HF transformers with the same weights, decoding greed
 from __future__ import annotations
 
 import pathlib
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +14,8 @@ import pytest
 import torch
 import transformers
 from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.ports import free_port
 
 API_KEYS = {"key-alice": "alice", "key-alice-2": "alice", "key-bob": "bob"}
 MODEL = "tiny"
@@ -36,12 +37,6 @@ def engine_section(model_dir: pathlib.Path) -> dict[str, Any]:
         "cache": {"block_size": 4, "num_device_blocks": 256, "num_cpu_blocks": 16},
         "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_waiting_requests": 3},
     }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import multiprocessing
 import pathlib
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 import transformers
 
+from benchmarks.ports import free_port
 from tests.workers.gloo_shards import PROMPT, run_rank
 from tests.workers.tiny_families import FAMILY_CASES, FAMILY_MODELS, write_family_model
 
 Case = tuple[str, bool]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +36,7 @@ def gloo_outputs(
     multiprocessing.get_context("forkserver").set_forkserver_preload([run_rank.__module__])
     mp.start_processes(
         run_rank,
-        args=(cases, str(root / "cache"), _free_port()),
+        args=(cases, str(root / "cache"), free_port()),
         nprocs=2,
         start_method="forkserver",
     )
