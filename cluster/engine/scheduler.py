@@ -131,9 +131,8 @@ class Scheduler:
         self._releases = []
         transfers = self.bm.take_transfers()  # the CPU cache tier's copies of this step
         step.plan.demote, step.plan.promote = transfers.demote, transfers.promote
-        step.stalled = not (step.runs_anything or step.preempted or self.running) and bool(
-            self.waiting or self.swapped
-        )
+        idle = not (step.runs_anything or step.preempted or self.running or step.plan.released)
+        step.stalled = idle and bool(self.waiting or self.swapped)
         return step
 
     def on_step_done(
@@ -380,6 +379,8 @@ class Scheduler:
             branches = request.active_branches
             if self._running_seqs() + _seq_demand(request) > self.settings.max_num_seqs:
                 return
+            if self._releases and not self._releases_carried(branches):
+                return  # sent back this step (a refused plan): admitted once the release ran
             if not self.settings.enable_chunked_prefill and any(
                 self._uncached_estimate(request, b)
                 > budget.room(self._uncached_estimate(request, b))
@@ -418,6 +419,12 @@ class Scheduler:
                 self.bm.free(branch.seq_id)
             raise
         return cached_first
+
+    def _releases_carried(self, branches: list[Branch]) -> bool:
+        """None of `branches` waits for its release to reach the workers (a plan must not
+        release and schedule one sequence)."""
+        pending = set(self._releases)
+        return not any(branch.seq_id in pending for branch in branches)
 
     def _uncached_estimate(self, request: Request, branch: Branch) -> int:
         needed = self.bm.blocks_needed_to_allocate(branch.token_ids, request.cache_key)
