@@ -31,6 +31,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler_step import SchedulerStep
 from cluster.engine.step_pipeline import StepPipeline, ThreadLauncher
 from workers import ModelInfo, load_tokenizer
+from workers.placeholders import PlaceholderFiller
 from workers.plan import SampledToken, StepOutput, StepPlan
 
 FIRST_TOKEN = 1000
@@ -43,6 +44,7 @@ class EchoWorkers:
         self, *, num_device_blocks: int, block_size: int, max_model_len: int, stub_s: float = 0.0
     ) -> None:
         self.stub_s = stub_s
+        self.placeholders = PlaceholderFiller()
         self.num_device_blocks = num_device_blocks
         self.num_cpu_blocks = 0
         self.model_info = ModelInfo(
@@ -53,6 +55,7 @@ class EchoWorkers:
         )  # fmt: skip
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        plan = self.placeholders.fill(plan)  # async scheduling's, between two forward passes
         if self.stub_s:
             time.sleep(self.stub_s)
         output = StepOutput(step_id=plan.step_id)
@@ -61,6 +64,7 @@ class EchoWorkers:
                 position = work.start_pos + len(work.token_ids)
                 token = SampledToken(FIRST_TOKEN + (position * 7 + work.seq_id) % 20000)
                 output.samples[work.seq_id] = [token] * work.num_samples
+        self.placeholders.record(output)
         return output
 
     def shutdown(self) -> None:
