@@ -262,7 +262,16 @@ class EngineCore:
 
     def begin_step(self) -> SchedulerStep:
         """Schedules the next step; its plan carries every pending release and decommit."""
-        step = self.scheduler.schedule()
+        return self._prepared(self.scheduler.schedule())
+
+    def begin_step_ahead(self, base: SchedulerStep) -> SchedulerStep | None:
+        """Async scheduling: schedules the step after `base` while `base` runs, its decodes'
+        tokens placeholders for what `base` samples (`Scheduler.schedule_ahead`); None when it
+        must wait for `base`'s output. Its execution must follow `base`'s on the workers."""
+        step = self.scheduler.schedule_ahead(base)
+        return None if step is None else self._prepared(step)
+
+    def _prepared(self, step: SchedulerStep) -> SchedulerStep:
         bm = self.block_manager
         self.adapters.place(step)
         step.plan.decommit = bm.take_decommits()
