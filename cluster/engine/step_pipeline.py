@@ -29,6 +29,7 @@ or the exception the execution raised). Launches reach the workers in launch ord
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -115,17 +116,29 @@ class StepPipeline(Generic[Handle]):
             self.settle()
 
 
+SWITCH_INTERVAL_S = 0.0005
+"""The interpreter's thread switch interval while a `ThreadLauncher` runs steps in a thread:
+when a step's execution ends, its thread needs the GIL for a moment (its output, the next
+plan's placeholders) while the engine thread plans and settles; at the default 5 ms it can wait
+that long, which would stretch the gap between two forward passes."""
+
+
 class ThreadLauncher:
     """A thread driver's launch (the offline `LLM`'s): without overlap the execution runs at
     once in the calling thread (a done future, no thread hop); with it, in a thread of its own,
-    so the caller settles the previous step meanwhile (the stub's sleep, torch's kernels and
-    Ray's waits release the GIL)."""
+    so the caller settles and plans meanwhile (the stub's sleep, torch's kernels and Ray's waits
+    release the GIL). With overlap the process's switch interval is at most
+    `SWITCH_INTERVAL_S` until `close` (which puts the previous one back)."""
 
     def __init__(self, core: EngineCore, *, overlap: bool) -> None:
         self.core = core
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step") if overlap else None
         )
+        self._previous_interval: float | None = None
+        if overlap:
+            self._previous_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._previous_interval, SWITCH_INTERVAL_S))
 
     def __call__(self, step: SchedulerStep) -> Future[StepOutput | Exception | None]:
         if self._executor is not None:
@@ -138,3 +151,6 @@ class ThreadLauncher:
         """Waits for a launched execution, then ends the thread (idempotent)."""
         if self._executor is not None:
             self._executor.shutdown()
+        if self._previous_interval is not None:
+            sys.setswitchinterval(self._previous_interval)
+            self._previous_interval = None
