@@ -26,11 +26,11 @@ from collections.abc import Iterable
 from block_manager import KVManager, NeverFits, NoFreeBlocks
 from cluster.engine.config import SchedulerSettings
 from cluster.engine.lookahead import Placeholders, lookahead_decodes
-from cluster.engine.preemption import PreemptionCostModel
+from cluster.engine.preemption import PreemptionCostModel, choose_swap
 from cluster.engine.request import Branch, Request, RequestStatus
 from cluster.engine.scheduler_step import PreemptionCounts, ScheduledWork, SchedulerStep
 from cluster.engine.speculation import DraftAllowance, NgramSpeculator, SpeculationCounters
-from cluster.engine.step_budget import StepBudget
+from cluster.engine.step_budget import StepBudget, prefill_cap
 from workers.plan import PLACEHOLDER_TOKEN_ID, SampledToken, SequenceWork, StepOutput, StepPlan
 
 
@@ -123,7 +123,8 @@ class Scheduler:
             raise RuntimeError("a step is planned while a step planned ahead waits for tokens")
         self._step_id += 1
         step = SchedulerStep(plan=StepPlan(step_id=self._step_id), works=[])
-        budget = StepBudget(self.settings.max_num_batched_tokens, self._prefill_cap())
+        cap = prefill_cap(self.settings.max_prefill_tokens, self.running, self.bm)
+        budget = StepBudget(self.settings.max_num_batched_tokens, cap)
         if self.bm.cpu_cache:
             self.bm.set_promotion(self.cost_model.prefer_promote(self.bm.block_size))
         step.preempted = self._schedule_running(step, budget)
@@ -336,7 +337,8 @@ class Scheduler:
         """Takes a running request off the device by swap or recompute (it leaves `running`)."""
         seq_ids = [b.seq_id for b in request.active_branches if self.bm.has_sequence(b.seq_id)]
         self.running.remove(request)
-        if self._choose_swap(request, seq_ids):
+        mode = self.settings.preemption_mode
+        if choose_swap(mode, self.bm, self.cost_model, request, seq_ids):
             pairs = self.bm.swap_out(seq_ids)
             request.swapped_blocks = len(pairs)  # shared blocks stay on the device
             step.plan.swap_out.extend(pairs)
@@ -361,25 +363,6 @@ class Scheduler:
             self._drop_sequence(branch)
         request.status = RequestStatus.WAITING
         _insert_by_arrival(self.waiting, request)
-
-    def _choose_swap(self, request: Request, seq_ids: list[int]) -> bool:
-        """Swap only fully computed sequences (a half-done prompt has little KV worth keeping)
-        and only when the CPU tier has room; in `auto` the cost model decides."""
-        mode = self.settings.preemption_mode
-        if mode == "recompute" or not seq_ids or self.bm.num_cpu_blocks == 0:
-            return False
-        prefilling = any(
-            self.bm.num_tokens(s) - self.bm.num_computed_tokens(s) > 1 for s in seq_ids
-        )
-        if prefilling or not self.bm.can_swap_out(seq_ids):
-            return False
-        if mode == "swap":
-            return True
-        tokens = len(request.prompt_token_ids) + sum(
-            len(b.output_token_ids) for b in request.active_branches
-        )
-        blocks = len({blk for s in seq_ids for blk in self.bm.block_table(s)})
-        return self.cost_model.prefer_swap(tokens_to_recompute=tokens, num_blocks=blocks)
 
     # --- swapped and waiting ------------------------------------------------------------------
 
@@ -473,22 +456,6 @@ class Scheduler:
         return len(branch.token_ids) - cached_tokens
 
     # --- helpers ------------------------------------------------------------------------------
-
-    def _prefill_cap(self) -> int | None:
-        """`max_prefill_tokens` while a running sequence is decoding (its prompt computed), so
-        prompt chunks cannot stretch the steps that decodes wait on; None (no cap) otherwise."""
-        cap = self.settings.max_prefill_tokens
-        if cap is None:
-            return None
-        for request in self.running:
-            prompt_len = len(request.prompt_token_ids)
-            for branch in request.active_branches:
-                if (
-                    self.bm.has_sequence(branch.seq_id)
-                    and self.bm.num_computed_tokens(branch.seq_id) >= prompt_len
-                ):
-                    return cap
-        return None
 
     def _draft_allowance(self) -> DraftAllowance | None:
         if self.speculator is None:
