@@ -5,8 +5,10 @@ the scheduler and the tokenizer. A step is `begin_step()` (schedule, giving the 
 workers' execution, then `advance_step()` (what the next schedule needs: KV marked computed,
 tokens appended, the finishes that need no text, or a refused plan isolated to its requests) and
 `settle_step()` (text, stop strings, metrics, the requests to report). `StepPipeline` runs them
-for the offline `LLM` and the async engine alike, with async scheduling launching the next step
-between the two halves; `step()` runs everything in a row. Nothing else drives a step.
+for the offline `LLM` and the async engine alike, with async scheduling planning the next step
+while the current one runs (`begin_step_ahead`: placeholders for the tokens in flight) or, when
+it cannot, launching it between the two halves; `step()` runs everything in a row. Nothing else
+drives a step.
 """
 
 from __future__ import annotations
@@ -316,7 +318,8 @@ class EngineCore:
         is blamed on with `request.failed` set and sends the step's other requests back to be
         recomputed; any other exception is raised again (the workers are broken). A token the
         grammar refuses ends its request alone. A token of a branch that ended meanwhile (a
-        stop string found by the previous step's `settle_step`, an abort) is dropped."""
+        stop string found by the previous step's `settle_step`, an abort, the previous step's
+        token for a step planned ahead) is dropped."""
         progress = StepProgress(step, time.time())
         progress.reported = [self._reject_during_admission(r) for r in step.rejected]
         if isinstance(result, BaseException):
