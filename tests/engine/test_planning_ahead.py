@@ -205,12 +205,19 @@ TIGHT = {"num_device_blocks": 14, "block_size": 4}
 MEMORY: dict[str, dict[str, dict[str, Any]]] = {
     "roomy": {},
     **{
+        layout: {
+            "cache": {"kv_layout": layout, "enable_prefix_caching": False, "num_cpu_blocks": 0}
+        }
+        for layout in ("contiguous", "virtual")
+    },
+    **{
         mode: {"cache": TIGHT, "scheduler": {"preemption_mode": mode, "max_num_seqs": 3}}
         for mode in ("recompute", "swap")
     },
 }
-"""A roomy pool, and pools of 14 blocks of 4 for three sequences at a time (the others wait, so
-steps are planned ahead with requests waiting) that preempt by recompute or by swap."""
+"""A roomy pool (paged, or a range layout), and pools of 14 blocks of 4 for three sequences at a
+time (the others wait, so steps are planned ahead with requests waiting) that preempt by
+recompute or by swap."""
 
 
 @pytest.mark.parametrize("memory", sorted(MEMORY))
@@ -229,10 +236,11 @@ def test_the_tiny_model_decodes_the_same_planned_ahead(
             results[overlap] = summary(llm.generate(PROMPTS, params))
             metrics = llm.metrics()
             assert_all_free(llm)
-        assert (memory != "roomy") == (metrics.preemptions_recompute + metrics.preemptions_swap > 0)
+        preempting = memory in ("recompute", "swap")
+        assert preempting == (metrics.preemptions_recompute + metrics.preemptions_swap > 0)
         assert bool(ahead(log.plans)) == overlap
         assert_filled(log.plans)
-    if memory == "roomy":
+    if not preempting:
         assert results[True] == results[False]
     else:  # preempting changes nothing either, but KV recomputed in other chunks than before
         for other in (results[False], results_roomy(tiny_model_dir, params)):
