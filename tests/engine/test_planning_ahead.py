@@ -293,3 +293,43 @@ def test_the_tiny_model_streams_the_same_planned_ahead(tiny_model_dir: pathlib.P
     assert summary(late) == summary(sync)
     assert ahead(log.plans)
     assert_filled(log.plans)
+
+
+def test_tensor_parallel_two_gets_its_placeholders_filled_before_the_ranks(
+    tiny_model_dir: pathlib.Path, roomy_outputs: list[RequestOutput], ray_cluster: object
+) -> None:
+    """Ray: the group fills a plan's placeholders before it goes to both ranks (rank 1 never
+    samples, so it could not fill them), offline and from the async engine: the greedy
+    outputs equal TP = 1's without async scheduling."""
+    expected = [o.outputs[0].token_ids for o in roomy_outputs]
+    config = tiny_config(
+        tiny_model_dir,
+        parallel={"backend": "ray", "tensor_parallel_size": 2},
+        scheduler={"async_scheduling": True},
+    )
+    with LLM(config=config) as llm:
+        log = PlanLog(llm.engine.workers)
+        llm.engine.workers = log  # type: ignore[assignment]
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert_all_free(llm)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert ahead(log.plans)
+    assert_filled(log.plans)
+
+    async def scenario() -> tuple[list[RequestOutput], PlanLog]:
+        engine = AsyncEngine(config)
+        async_log = PlanLog(engine.core.workers)
+        engine.core.workers = async_log  # type: ignore[assignment]
+        build = engine.request_builder.build
+
+        async def run(prompt: str) -> RequestOutput:
+            return [o async for o in engine_outputs(engine, build(prompt, GREEDY))][-1]
+
+        streamed = await asyncio.gather(*(run(p) for p in PROMPTS))
+        await engine.shutdown()
+        return list(streamed), async_log
+
+    streamed, async_log = asyncio.run(scenario())
+    assert [o.outputs[0].token_ids for o in streamed] == expected
+    assert ahead(async_log.plans)
+    assert_filled(async_log.plans)
