@@ -371,6 +371,21 @@ class KVCacheManager(CacheViews, NoReservationHooks):
         table.synced = min(table.synced, keep)
         self._device.release_run(dropped[::-1])
 
+    def replace_token(self, seq_id: SeqId, position: int, token_id: int) -> None:
+        """Sets the id of the uncomputed token at `position` (async scheduling appends a
+        placeholder for a token still being sampled). Blocks are untouched: only computed
+        tokens are ever hashed, so no seal saw the old id."""
+        table = self._resident(seq_id, "replace a token of")
+        if type(position) is not int or not table.num_computed <= position < len(table.tokens):
+            raise InvalidOperation(
+                f"cannot replace token {position!r} of sequence {seq_id!r}: only its uncomputed "
+                f"tokens [{table.num_computed}, {len(table.tokens)}) can be replaced"
+            )
+        try:
+            table.tokens[position] = token_id
+        except (OverflowError, TypeError):
+            raise self._bad_token(token_id) from None
+
     def _tier_commit(self, cpu_hits: CpuHits, device_hits: int) -> None:
         """Pin the CPU hits (before device pops can demote into the CPU tier) and count hits."""
         assert self._tier is not None

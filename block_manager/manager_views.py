@@ -213,15 +213,16 @@ class CacheViews:
         if self._tier is not None:
             self._tier.promote = enabled
 
-    def take_transfers(self) -> TierTransfers:
-        """The tier copies planned since the last call: demotions, which the workers run before
-        anything else in the step, and promotions, run with the swap-ins."""
-        return self._tier.take() if self._tier is not None else TierTransfers()
+    def take_transfers(self, step_id: int = 0) -> TierTransfers:
+        """The tier copies planned since the last call, for step `step_id`: demotions, which the
+        workers run before anything else in the step, and promotions, run with the swap-ins."""
+        return self._tier.take(step_id) if self._tier is not None else TierTransfers()
 
-    def complete_transfers(self) -> None:
-        """The workers ran the step's copies: unpin the blocks they read or wrote."""
+    def complete_transfers(self, step_id: int | None = None) -> None:
+        """The workers ran step `step_id` and those before it (None: every step taken): unpin
+        the blocks their copies read or wrote; a later step's pins stay."""
         if self._tier is not None:
-            self._tier.complete()
+            self._tier.complete(step_id)
 
     def tier_counters(self) -> TierCounters:
         """Hits by tier, demotions, promotions, refusals (zeros while the tier is off)."""

@@ -240,6 +240,19 @@ class RangeKVManager(NoDecommits, NoCacheTier, ABC):
             )
         del seq.tokens[num_tokens:]
 
+    def replace_token(self, seq_id: SeqId, position: int, token_id: int) -> None:
+        """Sets the id of the uncomputed token at `position` (a placeholder appended for a
+        token still being sampled); the run and its slots are untouched."""
+        seq = self._seq(seq_id)
+        if type(position) is not int or not seq.num_computed <= position < len(seq.tokens):
+            raise InvalidOperation(
+                f"cannot replace token {position!r} of sequence {seq_id!r}: only its uncomputed "
+                f"tokens [{seq.num_computed}, {len(seq.tokens)}) can be replaced"
+            )
+        if type(token_id) is not int or not 0 <= token_id < 2**32:
+            raise InvalidOperation(f"token id must be an integer in [0, 2**32), got {token_id!r}")
+        seq.tokens[position] = token_id
+
     def mark_computed(self, seq_id: SeqId, num_computed_tokens: int) -> None:
         seq = self._seq(seq_id)
         if not seq.num_computed <= num_computed_tokens <= len(seq.tokens):

@@ -15,6 +15,8 @@ pool (so a CPU hit follows exactly the device's identity rules: same key, same c
   sources) and the device blocks promotions write are pinned (an extra reference) from planning
   until `complete()`, which the scheduler calls once the workers ran the step; so no block is
   reused while a copy to or from it is pending, whatever order the step's other pops come in.
+  Each step's pins are its own (`take(step_id)`), so with a step planned ahead of the one
+  running, completing the running one leaves the later one's pins in place.
 - **Generations**: `copied_at[c]` is the CPU pool's generation of `c` when the copy into it was
   planned; a hit on a block whose generation moved since is refused (a miss, the entry dropped,
   counted) and never served.
@@ -52,6 +54,17 @@ class TierTransfers:
     promote: list[tuple[int, int]] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class StepPins:
+    """What one step's copies pin until it completes: CPU blocks with their extra references,
+    device blocks, and the device blocks its copies still have to fill."""
+
+    step_id: int
+    cpu: list[tuple[int, int]]
+    device: list[int]
+    incoming: set[int]
+
+
 @dataclass
 class CpuHits:
     """What a two-tier lookup found past the device hits: the CPU blocks to promote in chain
@@ -70,6 +83,7 @@ class CpuTier:
         "counters",
         "cpu",
         "device",
+        "in_flight",
         "incoming",
         "pinned_cpu",
         "pinned_device",
@@ -86,6 +100,8 @@ class CpuTier:
         self.pinned_cpu: list[tuple[int, int]] = []  # (cpu block, references) until complete()
         self.pinned_device: list[int] = []
         self.incoming: set[int] = set()  # device blocks a pending copy still has to fill
+        self.in_flight: list[StepPins] = []
+        """The pins of steps taken and not completed yet, oldest first."""
         self.promote = True
         """Whether CPU hits are promoted (the cost model's call); False: they are misses."""
         device.on_evict = self._demote
@@ -93,7 +109,7 @@ class CpuTier:
     # --- demotion
     def _demote(self, block: int, key: bytes, digest: bytes) -> None:
         """`device` is about to reuse cached `block`: keep its KV findable in the CPU tier."""
-        if block in self.incoming:
+        if block in self.incoming or any(block in pins.incoming for pins in self.in_flight):
             return  # its KV has not landed yet; whoever copies it in holds a CPU copy already
         cpu = self.cpu
         holder = cpu.cached.get(key)
@@ -177,30 +193,42 @@ class CpuTier:
         self.pinned_cpu.append((cpu_block, refs))
 
     # --- step boundary
-    def take(self) -> TierTransfers:
-        """The copies planned since the last call (the workers run demotions first)."""
+    def take(self, step_id: int = 0) -> TierTransfers:
+        """The copies planned since the last call (the workers run demotions first), for step
+        `step_id`, which keeps their pins until it completes."""
         transfers, self.transfers = self.transfers, TierTransfers()
+        if self.pinned_cpu or self.pinned_device or self.incoming:
+            self.in_flight.append(
+                StepPins(step_id, self.pinned_cpu, self.pinned_device, self.incoming)
+            )
+            self.pinned_cpu, self.pinned_device, self.incoming = [], [], set()
         return transfers
 
-    def complete(self) -> None:
-        """The workers ran the step: every copy landed, the pins go."""
+    def complete(self, step_id: int | None = None) -> None:
+        """The workers ran step `step_id` and every step before it (None: every step taken,
+        and what was pinned since): their copies landed, their pins go."""
         cpu, device = self.cpu, self.device
-        for block, refs in self.pinned_cpu:
-            cpu.release(block, refs)
-        for block in self.pinned_device:
-            device.release(block)
-        self.pinned_cpu.clear()
-        self.pinned_device.clear()
-        self.incoming.clear()
+        done = [p for p in self.in_flight if step_id is None or p.step_id <= step_id]
+        if step_id is None:
+            done.append(StepPins(0, self.pinned_cpu, self.pinned_device, self.incoming))
+            self.pinned_cpu, self.pinned_device, self.incoming = [], [], set()
+        self.in_flight = [p for p in self.in_flight if p not in done]
+        for pins in done:
+            for block, refs in pins.cpu:
+                cpu.release(block, refs)
+            for block in pins.device:
+                device.release(block)
 
     def pinned_refs(self) -> tuple[dict[int, int], dict[int, int]]:
         """Extra references the pins hold: (device block -> refs, cpu block -> refs)."""
         device: dict[int, int] = {}
-        for block in self.pinned_device:
-            device[block] = device.get(block, 0) + 1
         cpu: dict[int, int] = {}
-        for block, refs in self.pinned_cpu:
-            cpu[block] = cpu.get(block, 0) + refs
+        everything = [*self.in_flight, StepPins(0, self.pinned_cpu, self.pinned_device, set())]
+        for pins in everything:
+            for block in pins.device:
+                device[block] = device.get(block, 0) + 1
+            for block, refs in pins.cpu:
+                cpu[block] = cpu.get(block, 0) + refs
         return device, cpu
 
     def discard(self, device_blocks: list[int], cpu_blocks: list[int]) -> None:

@@ -9,7 +9,9 @@ several calling threads fight for the cores). Adapter files are read on a second
 one torch thread (no OpenMP team), so a load overlaps the steps instead of stalling them.
 
 Every step sends the same plan to every rank (one `ray.put` when there are several, so it is
-serialized once); rank 0's `StepOutput` comes back. The group keeps the last and mean per-step
+serialized once); rank 0's `StepOutput` comes back. Async scheduling's placeholder tokens
+are filled here, from the previous plan's output, before a plan goes to the ranks
+(`workers.placeholders`). The group keeps the last and mean per-step
 call overhead: round-trip wall time minus the time rank 0 spent executing the step.
 """
 
@@ -31,6 +33,7 @@ from workers.loader import ModelDescription, describe_model, read_metadata
 from workers.lora import AdapterSummary
 from workers.model_source import resolve_model_path
 from workers.parallel import check_tensor_parallel
+from workers.placeholders import PlaceholderFiller
 from workers.placement import RankPlacement, place_ranks
 from workers.plan import StepOutput, StepPlan
 from workers.rank import WorkerRank
@@ -109,6 +112,9 @@ class WorkerGroup:
         max_model_len = _max_model_len(config, spec)
         description = describe_model(path, cache_root, metadata)
         self.overhead = CallOverhead()
+        self._placeholders = PlaceholderFiller()
+        self._ray_order = asyncio.Lock()
+        """Ray: one plan at a time from `execute_async`, each filled after the previous ran."""
         self._local: WorkerRank | None = None
         # Local backend only (a RankThread starts its thread on first use). The rank thread
         # starts with the builder's torch thread count (OpenMP keeps one per thread); the rank
@@ -227,33 +233,52 @@ class WorkerGroup:
         """`execute`, plus rank 0's float32 logits of the sampled rows (for tests and tools)."""
         began = time.perf_counter()
         if self._local is not None:
-            output, logits = self._rank_thread.call(
-                self._local.execute_with_logits, plan, keep_logits
-            )
+            output, logits = self._rank_thread.call(self._run_local, plan, keep_logits)
         else:
             import ray
 
+            plan = self._placeholders.fill(plan)
+            self._placeholders.record(None)  # until this plan's output is back
             plan_ref = ray.put(plan) if len(self._actors) > 1 else plan
             refs = [a.execute_with_logits.remote(plan_ref, keep_logits) for a in self._actors]
             output, logits = ray.get(refs)[0]
+            self._placeholders.record(output)
         assert output is not None
         self.overhead.record(time.perf_counter() - began, output.forward_seconds)
         return output, logits
 
     async def execute_async(self, plan: StepPlan) -> StepOutput:
-        """`execute`, awaitable: the event loop keeps running while the ranks work."""
+        """`execute`, awaitable: the event loop keeps running while the ranks work. Plans run
+        in the order of the calls, each after the previous one ended (its placeholders are
+        filled from that one's output)."""
         began = time.perf_counter()
         if self._local is not None:
-            output = await self._rank_thread.call_async(self._local.execute, plan)
+            output, _ = await self._rank_thread.call_async(self._run_local, plan, False)
         else:
             import ray
 
-            plan_ref = ray.put(plan) if len(self._actors) > 1 else plan
-            results = await asyncio.gather(*[a.execute.remote(plan_ref) for a in self._actors])
-            output = results[0]
+            async with self._ray_order:
+                plan = self._placeholders.fill(plan)
+                self._placeholders.record(None)  # until this plan's output is back
+                plan_ref = ray.put(plan) if len(self._actors) > 1 else plan
+                tasks = [a.execute.remote(plan_ref) for a in self._actors]
+                output = (await asyncio.gather(*tasks))[0]
+                self._placeholders.record(output)
         assert output is not None
         self.overhead.record(time.perf_counter() - began, output.forward_seconds)
         return output
+
+    def _run_local(
+        self, plan: StepPlan, keep_logits: bool
+    ) -> tuple[StepOutput | None, torch.Tensor | None]:
+        """One plan on the in-process rank, on its thread (so plans run one after the other in
+        the order they were handed over), its placeholders filled from the previous output."""
+        assert self._local is not None
+        plan = self._placeholders.fill(plan)
+        self._placeholders.record(None)  # a plan that raises leaves nothing to fill from
+        output, logits = self._local.execute_with_logits(plan, keep_logits)
+        self._placeholders.record(output)
+        return output, logits
 
     async def read_blocks_async(self, sources: list[tuple[str, int]]) -> list[BlockShard]:
         """Every rank's `BlockShard` of the (tier, block) `sources`, in rank order; each rank

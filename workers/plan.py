@@ -28,6 +28,10 @@ from typing import Any
 BlockPair = tuple[int, int]
 """A (source block id, destination block id) pair."""
 
+PLACEHOLDER_TOKEN_ID = -1
+"""The token id of a placeholder work until its executor fills it (outside every vocabulary, so
+a plan run unfilled is refused rather than computed with a wrong token)."""
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -78,6 +82,9 @@ class SequenceWork:
     """Structured outputs: a `[positions, ceil(vocab / 32)]` int32 tensor, one row per position
     that draws (`1 + num_draft_tokens`), bit `t % 32` of word `t // 32` set when token `t` is
     allowed; rank 0 masks that row's logits before drawing. None: unconstrained."""
+    placeholder: bool = False
+    """Async scheduling: `token_ids` is one `PLACEHOLDER_TOKEN_ID`, to be replaced by the token
+    this sequence sampled in the plan `StepPlan.placeholders_of` (see `workers.placeholders`)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,9 @@ class StepPlan:
     """Digests of adapters the ranks drop from CPU memory (the engine's LRU evicted them)."""
     lora_loads: list[LoRASlotLoad] = field(default_factory=list)
     """Slot fills, applied after `lora_drops` and before the forward pass."""
+    placeholders_of: int | None = None
+    """The step id of the plan this one's placeholder works take their token from (the plan
+    executed just before it); None: the plan has no placeholder."""
 
 
 class PlanRejected(ValueError):

@@ -248,7 +248,8 @@ class AsyncEngine:
         self._shut_down = True
         await cancel_and_wait(self._loop_task)
         self._loop_task = None
-        await cancel_and_wait(self._pipeline.in_flight)  # a step launched ahead
+        for handle in self._pipeline.handles:  # steps launched ahead
+            await cancel_and_wait(handle)
         await asyncio.to_thread(self.core.shutdown)
 
     # --- the step loop --------------------------------------------------------------------

@@ -133,8 +133,10 @@ class SchedulerSettings(_Section):
     check_integrity: bool = Field(False, description="run the block manager's check every step")
     async_scheduling: bool = Field(
         False,
-        description="launch the next step before the last one's text, stop strings and outputs "
-        "are done (they overlap the forward pass; a stop string costs one dropped token)",
+        description="plan the next step while the current one runs: plain decodes get "
+        "placeholders for the tokens in flight, which the workers fill; other steps overlap only "
+        "the last one's text, stop strings and outputs (a branch that ends then costs one "
+        "dropped token)",
     )
 
     @model_validator(mode="after")

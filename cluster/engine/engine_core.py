@@ -5,8 +5,10 @@ the scheduler and the tokenizer. A step is `begin_step()` (schedule, giving the 
 workers' execution, then `advance_step()` (what the next schedule needs: KV marked computed,
 tokens appended, the finishes that need no text, or a refused plan isolated to its requests) and
 `settle_step()` (text, stop strings, metrics, the requests to report). `StepPipeline` runs them
-for the offline `LLM` and the async engine alike, with async scheduling launching the next step
-between the two halves; `step()` runs everything in a row. Nothing else drives a step.
+for the offline `LLM` and the async engine alike, with async scheduling planning the next step
+while the current one runs (`begin_step_ahead`: placeholders for the tokens in flight) or, when
+it cannot, launching it between the two halves; `step()` runs everything in a row. Nothing else
+drives a step.
 """
 
 from __future__ import annotations
@@ -262,7 +264,16 @@ class EngineCore:
 
     def begin_step(self) -> SchedulerStep:
         """Schedules the next step; its plan carries every pending release and decommit."""
-        step = self.scheduler.schedule()
+        return self._prepared(self.scheduler.schedule())
+
+    def begin_step_ahead(self, base: SchedulerStep) -> SchedulerStep | None:
+        """Async scheduling: schedules the step after `base` while `base` runs, its decodes'
+        tokens placeholders for what `base` samples (`Scheduler.schedule_ahead`); None when it
+        must wait for `base`'s output. Its execution must follow `base`'s on the workers."""
+        step = self.scheduler.schedule_ahead(base)
+        return None if step is None else self._prepared(step)
+
+    def _prepared(self, step: SchedulerStep) -> SchedulerStep:
         bm = self.block_manager
         self.adapters.place(step)
         step.plan.decommit = bm.take_decommits()
@@ -307,7 +318,8 @@ class EngineCore:
         is blamed on with `request.failed` set and sends the step's other requests back to be
         recomputed; any other exception is raised again (the workers are broken). A token the
         grammar refuses ends its request alone. A token of a branch that ended meanwhile (a
-        stop string found by the previous step's `settle_step`, an abort) is dropped."""
+        stop string found by the previous step's `settle_step`, an abort, the previous step's
+        token for a step planned ahead) is dropped."""
         progress = StepProgress(step, time.time())
         progress.reported = [self._reject_during_admission(r) for r in step.rejected]
         if isinstance(result, BaseException):

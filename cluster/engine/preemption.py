@@ -1,4 +1,5 @@
-"""The cost model that picks recompute or swap for a preempted request in `auto` mode.
+"""Recompute or swap for a preempted request: `choose_swap`, and the cost model it asks in
+`auto` mode.
 
 Recompute costs the forward passes of every token the request will prefill again; swap costs
 moving its KV blocks to the CPU tier and back. Both are estimated in seconds: the per-token
@@ -9,6 +10,11 @@ forward seconds per scheduled token), the copy bandwidth is a setting.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from block_manager import KVManager
+    from cluster.engine.request import Request
 
 
 @dataclass
@@ -46,3 +52,27 @@ class PreemptionCostModel:
     def prefer_promote(self, block_size: int) -> bool:
         """Whether a CPU-tier hit is promoted rather than recomputed, at the learned cost."""
         return self.seconds_per_token > self.promotion_crossover_seconds_per_token(block_size)
+
+
+def choose_swap(
+    mode: str,
+    bm: KVManager,
+    cost_model: PreemptionCostModel,
+    request: Request,
+    seq_ids: list[int],
+) -> bool:
+    """Whether to swap `request` out (else it is recomputed), `mode` being the scheduler's
+    `preemption_mode`. Swap only fully computed sequences (a half-done prompt has little KV
+    worth keeping) and only when the CPU tier has room; in `auto` the cost model decides."""
+    if mode == "recompute" or not seq_ids or bm.num_cpu_blocks == 0:
+        return False
+    prefilling = any(bm.num_tokens(s) - bm.num_computed_tokens(s) > 1 for s in seq_ids)
+    if prefilling or not bm.can_swap_out(seq_ids):
+        return False
+    if mode == "swap":
+        return True
+    tokens = len(request.prompt_token_ids) + sum(
+        len(b.output_token_ids) for b in request.active_branches
+    )
+    blocks = len({blk for s in seq_ids for blk in bm.block_table(s)})
+    return cost_model.prefer_swap(tokens_to_recompute=tokens, num_blocks=blocks)

@@ -25,12 +25,13 @@ from collections.abc import Iterable
 
 from block_manager import KVManager, NeverFits, NoFreeBlocks
 from cluster.engine.config import SchedulerSettings
-from cluster.engine.preemption import PreemptionCostModel
+from cluster.engine.lookahead import Placeholders, lookahead_decodes
+from cluster.engine.preemption import PreemptionCostModel, choose_swap
 from cluster.engine.request import Branch, Request, RequestStatus
 from cluster.engine.scheduler_step import PreemptionCounts, ScheduledWork, SchedulerStep
 from cluster.engine.speculation import DraftAllowance, NgramSpeculator, SpeculationCounters
-from cluster.engine.step_budget import StepBudget
-from workers.plan import SampledToken, SequenceWork, StepOutput, StepPlan
+from cluster.engine.step_budget import StepBudget, prefill_cap
+from workers.plan import PLACEHOLDER_TOKEN_ID, SampledToken, SequenceWork, StepOutput, StepPlan
 
 
 class Scheduler:
@@ -60,6 +61,7 @@ class Scheduler:
         self.preemptions = PreemptionCounts()
         self._releases: list[int] = []
         self._step_id = 0
+        self._ahead = Placeholders(block_manager)
 
     # --- queue management ----------------------------------------------------------------
 
@@ -117,9 +119,12 @@ class Scheduler:
     # --- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerStep:
+        if self._ahead:
+            raise RuntimeError("a step is planned while a step planned ahead waits for tokens")
         self._step_id += 1
         step = SchedulerStep(plan=StepPlan(step_id=self._step_id), works=[])
-        budget = StepBudget(self.settings.max_num_batched_tokens, self._prefill_cap())
+        cap = prefill_cap(self.settings.max_prefill_tokens, self.running, self.bm)
+        budget = StepBudget(self.settings.max_num_batched_tokens, cap)
         if self.bm.cpu_cache:
             self.bm.set_promotion(self.cost_model.prefer_promote(self.bm.block_size))
         step.preempted = self._schedule_running(step, budget)
@@ -127,14 +132,39 @@ class Scheduler:
             swapped_left = self._schedule_swapped(step, budget)
             if not swapped_left:
                 self._schedule_waiting(step, budget)
+        self._close_plan(step)
+        idle = not (step.runs_anything or step.preempted or self.running or step.plan.released)
+        step.stalled = idle and bool(self.waiting or self.swapped)
+        return step
+
+    def schedule_ahead(self, base: SchedulerStep) -> SchedulerStep | None:
+        """Step `base`'s successor, planned while `base` runs (async scheduling): each of
+        `base`'s decodes gets a placeholder for the token `base` samples, its slot appended now
+        (`cluster.engine.lookahead` says when; None when not)."""
+        decodes = lookahead_decodes(self, base)
+        if decodes is None:
+            return None
+        self._step_id += 1
+        plan = StepPlan(step_id=self._step_id, placeholders_of=base.plan.step_id)
+        step = SchedulerStep(plan=plan, works=[])
+        for request, branch in decodes:
+            position = len(branch.token_ids)
+            copy = self._ahead.append(branch.seq_id, position)
+            if copy is not None:
+                plan.copy_pairs.append((copy.src, copy.dst))
+            step.works.append(ScheduledWork(request, branch, position, 1, 1))
+            plan.sequences.append(
+                self._sequence_work(request, branch, position, 1, 1, [], ahead=True)
+            )
+        self._close_plan(step)
+        return step
+
+    def _close_plan(self, step: SchedulerStep) -> None:
+        """The plan carries every pending release and the CPU cache tier's copies."""
         step.plan.released = self._releases
         self._releases = []
-        transfers = self.bm.take_transfers()  # the CPU cache tier's copies of this step
+        transfers = self.bm.take_transfers(step.plan.step_id)
         step.plan.demote, step.plan.promote = transfers.demote, transfers.promote
-        step.stalled = not (step.runs_anything or step.preempted or self.running) and bool(
-            self.waiting or self.swapped
-        )
-        return step
 
     def on_step_done(
         self, step: SchedulerStep, output: StepOutput
@@ -142,12 +172,14 @@ class Scheduler:
         """Marks the step's KV computed, forks parallel requests after their prompt, and returns
         every sampled token with its branch (the engine appends them as text and stops). A
         work whose branch ended while the step ran (async scheduling: a stop string found late,
-        an abort) has its blocks freed already and gives nothing."""
-        self.bm.complete_transfers()  # the step's copies ran: in-flight blocks are unpinned
+        an abort, EOS sampled by the step before a step planned ahead), or whose request left
+        the device meanwhile (a refused step before it), has its blocks freed already and gives
+        nothing. A sampled token a step planned ahead holds a placeholder for is written in."""
+        self.bm.complete_transfers(step.plan.step_id)  # its copies ran: their blocks unpinned
         self.cost_model.observe_step(output.forward_seconds, step.num_tokens)
         sampled: list[tuple[Request, Branch, SampledToken]] = []
         for work in step.works:
-            if work.branch.finished or work.request.status is RequestStatus.FINISHED:
+            if work.branch.finished or work.request.status is not RequestStatus.RUNNING:
                 continue
             tokens = output.samples.get(work.branch.seq_id)
             expected = work.num_samples + len(work.drafts)
@@ -164,6 +196,8 @@ class Scheduler:
             if work.num_samples == 0:
                 continue
             assert tokens is not None
+            if self._ahead:
+                self._ahead.fill(work.branch.seq_id, work.start + work.num_tokens, tokens[-1])
             if work.drafts:  # one branch, several tokens in order
                 sampled.extend((work.request, work.branch, t) for t in tokens)
                 continue
@@ -269,24 +303,30 @@ class Scheduler:
         chunk: int,
         num_samples: int,
         drafts: list[int],
+        *,
+        ahead: bool = False,
     ) -> SequenceWork:
+        """`ahead`: the one token is a placeholder for the token the step in flight samples
+        (its output index one past the branch's)."""
         table_start, table_blocks = self.bm.take_table_delta(branch.seq_id)
         bitmask = None
         if branch.grammar is not None and num_samples > 0:
             branch.grammar.sync(branch.output_token_ids)
             bitmask = branch.grammar.bitmasks(drafts)
+        tokens = branch.token_ids[start : start + chunk] + drafts
         work = SequenceWork(
             seq_id=branch.seq_id,
-            token_ids=branch.token_ids[start : start + chunk] + drafts,
+            token_ids=[PLACEHOLDER_TOKEN_ID] if ahead else tokens,
             start_pos=start,
             table_start=table_start,
             table_blocks=table_blocks,
             num_samples=num_samples,
             num_draft_tokens=len(drafts),
             branch_index=branch.index,
-            output_index=len(branch.output_token_ids),
+            output_index=len(branch.output_token_ids) + ahead,
             sampling=None if branch.worker_knows else request.settings,
             token_bitmask=bitmask,
+            placeholder=ahead,
         )
         branch.worker_knows = True
         return work
@@ -297,7 +337,8 @@ class Scheduler:
         """Takes a running request off the device by swap or recompute (it leaves `running`)."""
         seq_ids = [b.seq_id for b in request.active_branches if self.bm.has_sequence(b.seq_id)]
         self.running.remove(request)
-        if self._choose_swap(request, seq_ids):
+        mode = self.settings.preemption_mode
+        if choose_swap(mode, self.bm, self.cost_model, request, seq_ids):
             pairs = self.bm.swap_out(seq_ids)
             request.swapped_blocks = len(pairs)  # shared blocks stay on the device
             step.plan.swap_out.extend(pairs)
@@ -322,25 +363,6 @@ class Scheduler:
             self._drop_sequence(branch)
         request.status = RequestStatus.WAITING
         _insert_by_arrival(self.waiting, request)
-
-    def _choose_swap(self, request: Request, seq_ids: list[int]) -> bool:
-        """Swap only fully computed sequences (a half-done prompt has little KV worth keeping)
-        and only when the CPU tier has room; in `auto` the cost model decides."""
-        mode = self.settings.preemption_mode
-        if mode == "recompute" or not seq_ids or self.bm.num_cpu_blocks == 0:
-            return False
-        prefilling = any(
-            self.bm.num_tokens(s) - self.bm.num_computed_tokens(s) > 1 for s in seq_ids
-        )
-        if prefilling or not self.bm.can_swap_out(seq_ids):
-            return False
-        if mode == "swap":
-            return True
-        tokens = len(request.prompt_token_ids) + sum(
-            len(b.output_token_ids) for b in request.active_branches
-        )
-        blocks = len({blk for s in seq_ids for blk in self.bm.block_table(s)})
-        return self.cost_model.prefer_swap(tokens_to_recompute=tokens, num_blocks=blocks)
 
     # --- swapped and waiting ------------------------------------------------------------------
 
@@ -380,6 +402,8 @@ class Scheduler:
             branches = request.active_branches
             if self._running_seqs() + _seq_demand(request) > self.settings.max_num_seqs:
                 return
+            if self._releases and not self._releases_carried(branches):
+                return  # sent back this step (a refused plan): admitted once the release ran
             if not self.settings.enable_chunked_prefill and any(
                 self._uncached_estimate(request, b)
                 > budget.room(self._uncached_estimate(request, b))
@@ -419,6 +443,12 @@ class Scheduler:
             raise
         return cached_first
 
+    def _releases_carried(self, branches: list[Branch]) -> bool:
+        """None of `branches` waits for its release to reach the workers (a plan must not
+        release and schedule one sequence)."""
+        pending = set(self._releases)
+        return not any(branch.seq_id in pending for branch in branches)
+
     def _uncached_estimate(self, request: Request, branch: Branch) -> int:
         needed = self.bm.blocks_needed_to_allocate(branch.token_ids, request.cache_key)
         total_blocks = -(-len(branch.token_ids) // self.bm.block_size)
@@ -426,22 +456,6 @@ class Scheduler:
         return len(branch.token_ids) - cached_tokens
 
     # --- helpers ------------------------------------------------------------------------------
-
-    def _prefill_cap(self) -> int | None:
-        """`max_prefill_tokens` while a running sequence is decoding (its prompt computed), so
-        prompt chunks cannot stretch the steps that decodes wait on; None (no cap) otherwise."""
-        cap = self.settings.max_prefill_tokens
-        if cap is None:
-            return None
-        for request in self.running:
-            prompt_len = len(request.prompt_token_ids)
-            for branch in request.active_branches:
-                if (
-                    self.bm.has_sequence(branch.seq_id)
-                    and self.bm.num_computed_tokens(branch.seq_id) >= prompt_len
-                ):
-                    return cap
-        return None
 
     def _draft_allowance(self) -> DraftAllowance | None:
         if self.speculator is None:
@@ -455,6 +469,10 @@ class Scheduler:
             return True
         running = {r.adapter_digest for r in self.running if r.adapter_digest is not None}
         return digest in running or len(running) < self.max_loras
+
+    def seats_taken(self) -> bool:
+        """The running requests hold every one of `max_num_seqs` (nothing can be admitted)."""
+        return self._running_seqs() >= self.settings.max_num_seqs
 
     def _running_seqs(self) -> int:
         return sum(_seq_demand(r) for r in self.running)
@@ -470,6 +488,7 @@ class Scheduler:
         request.forked = True
 
     def _drop_sequence(self, branch: Branch) -> None:
+        self._ahead.drop(branch.seq_id)
         if self.bm.has_sequence(branch.seq_id):
             self.bm.free(branch.seq_id)
         self._forget_on_workers([branch])

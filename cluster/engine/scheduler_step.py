@@ -38,8 +38,9 @@ class SchedulerStep:
     swapped: list[Request] = field(default_factory=list)
     """Requests whose blocks this plan swaps out or in (their KV moves only if the plan runs)."""
     stalled: bool = False
-    """Nothing runs, nothing was preempted and nothing is running, yet a request waits or is
-    swapped: the head of the queues cannot fit even in an empty pool (see `unstick_head`)."""
+    """Nothing runs, nothing was preempted, nothing is running and no release is pending (a
+    request sent back waits for its release to run), yet a request waits or is swapped: the
+    head of the queues cannot fit even in an empty pool (see `unstick_head`)."""
 
     def requests(self) -> list[Request]:
         """Every request whose state depends on this plan running: its work and its swaps."""

@@ -1,6 +1,14 @@
-"""The token budget of one scheduler step, shared by decodes, drafts and prompt chunks."""
+"""The token budget of one scheduler step, shared by decodes, drafts and prompt chunks, and the
+prefill cap that holds while decodes run."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from block_manager import KVManager
+    from cluster.engine.request import Request
 
 
 class StepBudget:
@@ -29,3 +37,19 @@ class StepBudget:
         if count > self.tokens:
             raise ValueError(f"{count} drafts exceed the {self.tokens} tokens left in the step")
         self.tokens -= count
+
+
+def prefill_cap(cap: int | None, running: Iterable[Request], bm: KVManager) -> int | None:
+    """`cap` (`max_prefill_tokens`) while a running sequence is decoding (its prompt computed),
+    so prompt chunks cannot stretch the steps that decodes wait on; None (no cap) otherwise."""
+    if cap is None:
+        return None
+    for request in running:
+        prompt_len = len(request.prompt_token_ids)
+        for branch in request.active_branches:
+            if (
+                bm.has_sequence(branch.seq_id)
+                and bm.num_computed_tokens(branch.seq_id) >= prompt_len
+            ):
+                return cap
+    return None

@@ -15,6 +15,7 @@ import struct
 from collections.abc import Sequence
 
 from workers import ModelInfo
+from workers.placeholders import PlaceholderFiller
 from workers.plan import SampledToken, SamplingSettings, StepOutput, StepPlan
 
 EOS = 2
@@ -94,8 +95,12 @@ class SlotWorkers:
         self.tables: dict[int, list[int]] = {}
         self.settings: dict[int, SamplingSettings] = {}
         self.plans: list[StepPlan] = []
+        """Every plan executed, placeholders filled."""
+        self.placeholders = PlaceholderFiller()
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        plan = self.placeholders.fill(plan)
+        self.placeholders.record(None)  # a plan that fails leaves nothing to fill from
         self.plans.append(plan)
         scheduled = {work.seq_id for work in plan.sequences}
         assert not scheduled & set(plan.released), "a released sequence is also scheduled"
@@ -134,6 +139,7 @@ class SlotWorkers:
             ]
             if work.num_samples == 0:
                 del output.samples[work.seq_id]
+        self.placeholders.record(output)
         return output
 
     async def execute_async(self, plan: StepPlan) -> StepOutput:
