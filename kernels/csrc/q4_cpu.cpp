@@ -1,6 +1,6 @@
 // y = x W^T for W stored as 4-bit codes with a float32 scale and minimum per block of 32 weights
-// of a row (GGUF's Q4_1 layout: w = scale * q + min, q in 0..15), on x86-64 with AVX2
-// and FMA or AVX-512.
+// of a row (GGUF's Q4_1 layout: w = scale * q + min, q in 0..15), on x86-64 with AVX2 and FMA
+// or AVX-512.
 //
 // Built by pip at install time (setup.py) as a plain shared library with a C ABI, loaded by
 // kernels/q4_cpu.py through ctypes after torch. Compiled for generic x86-64: the body

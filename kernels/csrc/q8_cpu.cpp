@@ -1,8 +1,7 @@
 // y = x W^T for W stored as 8-bit codes with a float32 scale per block of 32 weights of a row
-// (GGUF's Q8_0 layout: w = scale * q, q in -128..127), on x86-64 with AVX2 and FMA
-// or AVX-512. Meant for an LM
-// head whose checkpoint is Q8_0 (the default model's tied embedding): a decode step's few rows
-// against a wide vocabulary.
+// (GGUF's Q8_0 layout: w = scale * q, q in -128..127), on x86-64 with AVX2 and FMA or AVX-512.
+// Meant for an LM head whose checkpoint is Q8_0 (the default model's tied embedding): a decode
+// step's few rows against a wide vocabulary.
 //
 // Built by pip at install time (setup.py) as a plain shared library with a C ABI, loaded by
 // kernels/q8_cpu.py through ctypes after torch. Compiled for generic x86-64: the body
