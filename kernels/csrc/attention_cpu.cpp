@@ -6,7 +6,8 @@
 // kernels/attention_cpu.py through ctypes after torch. Compiled for generic x86-64: the body
 // (attention_body.inc, over vec16.inc's Vec16) is compiled once per instruction set in its own
 // `#pragma GCC target` region, and the caller names the set (`decode_attention_isa_supported`);
-// both give the same bits except for the order of the dot products' sums.
+// both give the same bits except for the order of their lane sums (the dot products, the
+// softmax total).
 //
 // Numerics: everything after the loads is float32. Keys and values (float32 or bfloat16, widened
 // exactly) are multiplied with the float32 query, the scores scaled, the softmax taken in float32
