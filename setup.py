@@ -23,9 +23,17 @@ def native(name: str, linked: tuple[str, ...] = ()) -> Extension:
         f"kernels._{name}",
         sources=[f"kernels/csrc/{source}.cpp" for source in (name, *linked)],
         depends=[
-            "kernels/csrc/cpu_common.h",
-            "kernels/csrc/cpu_kernels.h",
-            "kernels/csrc/quant_dot_tile.inc",
+            f"kernels/csrc/{header}"
+            for header in (
+                "cpu_common.h",
+                "cpu_kernels.h",
+                "vec16.inc",
+                "q4_tile.inc",
+                "q8_tile.inc",
+                "attention_body.inc",
+                "layer_ops_rows.inc",
+                "quant_dot_tile.inc",
+            )
         ],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],

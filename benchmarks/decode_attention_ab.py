@@ -1,15 +1,17 @@
-"""CPU bfloat16 decode attention side by side: the native kernel (`kernels.attention_cpu`),
+"""CPU decode attention side by side: the native kernel (`kernels.attention_cpu`),
 `_all_heads` (two bmm calls on gathered groups) and SDPA on gathered groups.
 
-`python -m benchmarks.decode_attention_ab --json [--rounds 15] [--threads 1]` builds, per batch
-size (1, 4, 16, 32 sequences), one decode step shaped like SmolLM2-135M (9 query heads, 3 KV
-heads, head dim 64, blocks of 16, bfloat16) with contexts drawn from 128..256 and blocks shuffled
-over the pool, with 30 layers' caches (so the K/V reads are not all cache hits), metadata
-prepared once per step as the model does. Each variant runs `kernels.torch_cpu.paged_attention`
-over the 30 layers; `folded` turns the native kernel off for its own calls
-(`attention_cpu.accepts` always false), `sdpa` also swaps `torch_cpu._folds` to always-False.
-Reported: median ms per layer of each, `<variant>_over_native` = median over rounds of (its
-time / the native kernel's), and the largest difference of each output from the native one.
+`python -m benchmarks.decode_attention_ab --json [--rounds 15] [--threads 1] [--seqs 1,4,16,32]
+[--dtype bfloat16|float32]` builds, per batch size, one decode step shaped like SmolLM2-135M
+(9 query heads, 3 KV heads, head dim 64, blocks of 16) with contexts drawn from 128..256 and
+blocks shuffled over the pool, with 30 layers' caches (so the K/V reads are not all cache hits),
+metadata prepared once per step as the model does. Each variant runs
+`kernels.torch_cpu.paged_attention` over the 30 layers; `folded` turns the native kernel off for
+its own calls (`attention_cpu.accepts` always false), `sdpa` also swaps `torch_cpu._folds` to
+always-False; `native_<isa>` calls the kernel itself with each other instruction set this CPU
+has (`attention_cpu.supported_isas()`; `native` is the fastest). Reported: median ms per layer of
+each, `<variant>_over_native` = median over rounds of (its time / the native kernel's), and the
+largest difference of each output from the native one.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ KV_HEADS, GROUP, HEAD_DIM = 3, 3, 64
 VARIANTS = ("native", "folded", "sdpa")
 
 
-def _step(num_seqs: int, seed: int) -> Callable[[str], torch.Tensor]:
+def _step(num_seqs: int, seed: int, dtype: torch.dtype) -> Callable[[str], torch.Tensor]:
     """A decode step over LAYERS caches; the returned call runs it as one of `VARIANTS`."""
     rng = random.Random(seed)
     contexts = [rng.randint(128, 256) for _ in range(num_seqs)]
@@ -47,13 +49,25 @@ def _step(num_seqs: int, seed: int) -> Callable[[str], torch.Tensor]:
         tables[seq, :count] = order[used : used + count].to(torch.int32)
         used += count
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(LAYERS)]
-    query = torch.randn(num_seqs, KV_HEADS * GROUP, HEAD_DIM).bfloat16()
+    caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(LAYERS)]
+    query = torch.randn(num_seqs, KV_HEADS * GROUP, HEAD_DIM).to(dtype)
     cu = torch.arange(num_seqs + 1, dtype=torch.int32)
     lens = torch.tensor(contexts, dtype=torch.int32)
     folds, accepts = torch_cpu._folds, attention_cpu.accepts
 
     def run(variant: str) -> torch.Tensor:
+        if variant.startswith("native_"):  # the kernel itself, with another instruction set
+            prepared = prepare_attention(
+                cu, lens, tables, num_blocks=num_blocks, block_size=BLOCK_SIZE
+            )
+            assert prepared.decode_rows is not None
+            out = torch.empty_like(query)
+            for k_cache, v_cache in caches:
+                attention_cpu.decode_attention(
+                    query, k_cache, v_cache, prepared.decode_rows, HEAD_DIM**-0.5, None, out,
+                    isa=variant.removeprefix("native_"),
+                )  # fmt: skip
+            return out
         if variant != "native":
             attention_cpu.accepts = lambda query, k_cache, v_cache, out: False
         if variant == "sdpa":
@@ -74,21 +88,22 @@ def _step(num_seqs: int, seed: int) -> Callable[[str], torch.Tensor]:
     return run
 
 
-def report(rounds: int) -> dict[str, object]:
+def report(rounds: int, batches: list[int], dtype: torch.dtype) -> dict[str, object]:
+    variants = VARIANTS + tuple(f"native_{isa}" for isa in attention_cpu.supported_isas()[1:])
     results: dict[str, object] = {}
-    for num_seqs in (1, 4, 16, 32):
-        run = _step(num_seqs, seed=num_seqs)
+    for num_seqs in batches:
+        run = _step(num_seqs, seed=num_seqs, dtype=dtype)
         native = run("native").float()
-        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(rounds):
-            for name in VARIANTS:
+            for name in variants:
                 began = time.perf_counter()
                 run(name)
                 times[name].append(time.perf_counter() - began)
         row: dict[str, float] = {}
-        for name in VARIANTS:
+        for name in variants:
             row[f"{name}_ms_per_layer"] = round(statistics.median(times[name]) * 1e3 / LAYERS, 3)
-        for name in VARIANTS[1:]:
+        for name in variants[1:]:
             ratios = [t / n for t, n in zip(times[name], times["native"], strict=True)]
             row[f"{name}_over_native"] = round(statistics.median(ratios), 3)
             row[f"{name}_max_abs_difference"] = float((run(name).float() - native).abs().max())
@@ -101,9 +116,18 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--seqs", default="1,4,16,32", help="batch sizes, comma-separated")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    out = {"torch_threads": torch.get_num_threads(), "results": report(args.rounds)}
+    batches = [int(seqs) for seqs in args.seqs.split(",")]
+    results = report(args.rounds, batches, getattr(torch, args.dtype))
+    out = {
+        "torch_threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "isas": list(attention_cpu.supported_isas()),
+        "results": results,
+    }
     print(json.dumps(out, indent=None if args.json else 2))
 
 

@@ -9,8 +9,10 @@ that for the decodes of a float32 or bfloat16 cache. Prefill chunks keep the tor
 Invariants: `decode_attention` equals `kernels.reference.paged_attention` on the rows it fills
 (float32 arithmetic throughout, the result rounded once to the query's dtype) up to float32
 summation order and the last bits of the exponential; it writes only those rows of `out`. The
-library is built by pip at install time; `available()` is false where it was not built or the
-CPU lacks AVX-512, and `accepts` is false for what the kernel does not take (other dtypes,
+library is built by pip at install time for AVX-512 and for AVX2 with FMA (`supported_isas()`,
+fastest first; `decode_attention(..., isa=)` forces one, so tests run each this CPU has);
+`available()` is false where it was not built or the CPU lacks AVX2 and FMA, and `accepts` is
+false for what the kernel does not take (other dtypes,
 head sizes that are not a multiple of 16, non-contiguous caches): callers then keep the torch
 path.
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.native import FLAG, POINTER, SIZE, load_library
+from kernels.native import FLAG, POINTER, SIZE, isa_number, library_isas, load_library
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
@@ -61,6 +63,7 @@ class DecodeRows:
 def _library() -> ctypes.CDLL | None:
     """The built kernel library, or None (`kernels.native.load_library`)."""
     attention = [
+        FLAG,  # instruction set
         POINTER, SIZE, SIZE,  # query, its row and head strides
         POINTER, POINTER, FLAG,  # k_cache, v_cache, bfloat16
         POINTER, POINTER, POINTER, SIZE,  # rows, context_lens, block_tables, table stride
@@ -74,8 +77,20 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the native kernel was built and this CPU runs it (AVX-512 F and BW)."""
+    """Whether the native kernel was built and this CPU runs it (AVX2 and FMA at least)."""
     return _library() is not None
+
+
+@functools.cache
+def supported_isas() -> tuple[str, ...]:
+    """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the kernel with, fastest
+    first."""
+    return library_isas(_library(), "decode_attention_isa_supported")
+
+
+def best_isa() -> str | None:
+    """The fastest instruction set this CPU runs the kernel with (None: none)."""
+    return next(iter(supported_isas()), None)
 
 
 def accepts(
@@ -111,12 +126,14 @@ def decode_attention(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    isa: str | None = None,
 ) -> None:
     """Fill `out`'s rows `decodes.rows` with each decode's attention over its paged context
-    (its last `sliding_window` keys when given). Operands as `accepts` requires."""
+    (its last `sliding_window` keys when given), with instruction set `isa` (one of
+    `supported_isas()`; None: the fastest). Operands as `accepts` requires."""
     library = _library()
     if library is None:
-        raise RuntimeError("the attention CPU kernel is not available (not built, or no AVX-512)")
+        raise RuntimeError("the attention CPU kernel is not available (not built, or no AVX2)")
     if not accepts(query, k_cache, v_cache, out):
         raise ValueError("decode_attention: operands the kernel does not take (see accepts)")
     num_seqs = decodes.rows.shape[0]
@@ -124,6 +141,7 @@ def decode_attention(
         return
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     status = library.decode_attention(
+        isa_number(isa, supported_isas()),
         query.data_ptr(),
         query.stride(0),
         query.stride(1),

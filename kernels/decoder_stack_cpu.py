@@ -11,8 +11,9 @@ hidden states as the per-operator path where every linear layer takes the 4-bit 
 same kernels in the same order, each rounding once to the activations' dtype); each row's
 result does not depend on the other rows. Weights are referenced, not copied: a `DecoderStack`
 keeps the tensors it was built from alive and must be rebuilt if any is replaced. The library
-is built by pip at install time; `available()` is false where it was not built or the CPU lacks
-AVX-512.
+is built by pip at install time for AVX-512 and for AVX2 with FMA (`supported_isas()`, fastest
+first; `DecoderStack(..., isa=)` forces one, so tests run each this CPU has); `available()` is
+false where it was not built or the CPU lacks AVX2 and FMA.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention_cpu import MAX_GROUP, MAX_HEAD_DIM, DecodeRows
-from kernels.native import FLAG, POINTER, SIZE, load_library
+from kernels.native import FLAG, POINTER, SIZE, isa_number, library_isas, load_library
 from kernels.q4_cpu import Q4Weight
 
 STACK_DTYPES = (torch.float32, torch.bfloat16)
@@ -35,6 +36,7 @@ STACK_DTYPES = (torch.float32, torch.bfloat16)
 def _library() -> ctypes.CDLL | None:
     """The built library, or None (`kernels.native.load_library`)."""
     stack = [
+        FLAG,  # instruction set
         POINTER, SIZE, FLAG,  # layer table, layers, bfloat16
         SIZE, SIZE, SIZE, SIZE, SIZE,  # hidden, query heads, kv heads, head_dim, intermediate
         ctypes.c_float, ctypes.c_float,  # eps, attention scale
@@ -52,8 +54,20 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the native library was built and this CPU runs it (AVX-512 F and BW)."""
+    """Whether the native library was built and this CPU runs it (AVX2 and FMA at least)."""
     return _library() is not None
+
+
+@functools.cache
+def supported_isas() -> tuple[str, ...]:
+    """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the library with, fastest
+    first."""
+    return library_isas(_library(), "decoder_stack_isa_supported")
+
+
+def best_isa() -> str | None:
+    """The fastest instruction set this CPU runs the library with (None: none)."""
+    return next(iter(supported_isas()), None)
 
 
 @dataclass(frozen=True)
@@ -108,12 +122,17 @@ class DecoderStack:
         shape: StackShape,
         final_norm: torch.Tensor,
         dtype: torch.dtype,
+        isa: str | None = None,
     ) -> None:
-        """ValueError if the library cannot run these weights as given."""
+        """ValueError if the library cannot run these weights as given, or `isa` (the
+        instruction set every step runs with: one of `supported_isas()`, None: the fastest) is
+        not one this CPU has."""
         library = _library()
         if library is None:
             raise RuntimeError("the decoder stack library is not available (not built, or no "
-                               "AVX-512)")  # fmt: skip
+                               "AVX2 and FMA)")  # fmt: skip
+        isa_number(isa, supported_isas())  # refuses an instruction set this CPU lacks
+        self.isa: str = isa or str(best_isa())
         if dtype not in STACK_DTYPES:
             raise ValueError(f"decoder stack: activations {dtype}, not one of {STACK_DTYPES}")
         shape.check()
@@ -188,6 +207,7 @@ class DecoderStack:
         out = torch.empty(rows, self.shape.hidden, dtype=torch.float32)
         shape = self.shape
         status = library.decoder_stack(
+            isa_number(self.isa, supported_isas()),
             self.table.data_ptr(),
             self.num_layers,
             int(self.dtype == torch.bfloat16),

@@ -7,8 +7,9 @@ bfloat16 to nearest even), so it is at least as exact as the same steps in plain
 bfloat16 round between operators; float32 results equal plain torch's up to float32 summation
 order (the norm's mean) and the last bits of the exponential (silu). Operands are contiguous
 CPU tensors of the documented dtypes; `fits` says whether a set of them is, and callers keep the
-torch path where not. The library is built by pip at install time; `available()` is false where
-it was not built or the CPU lacks AVX-512.
+torch path where not. The library is built by pip at install time for AVX-512 and for AVX2 with
+FMA (`supported_isas()`, fastest first; each function's `isa=` forces one, so tests run each this
+CPU has); `available()` is false where it was not built or the CPU lacks AVX2 and FMA.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 
 import torch
 
-from kernels.native import FLAG, POINTER, SIZE, load_library
+from kernels.native import FLAG, POINTER, SIZE, isa_number, library_isas, load_library
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -27,18 +28,30 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 def _library() -> ctypes.CDLL | None:
     """The built library, or None (`kernels.native.load_library`)."""
     signatures = {
-        "add_rms_norm": [POINTER, POINTER, FLAG, POINTER, FLAG, ctypes.c_float, SIZE, SIZE,
+        "add_rms_norm": [FLAG, POINTER, POINTER, FLAG, POINTER, FLAG, ctypes.c_float, SIZE, SIZE,
                          POINTER, FLAG],
-        "rotary_write_kv": [POINTER, SIZE, FLAG, SIZE, SIZE, SIZE, SIZE, POINTER, POINTER,
+        "rotary_write_kv": [FLAG, POINTER, SIZE, FLAG, SIZE, SIZE, SIZE, SIZE, POINTER, POINTER,
                             POINTER, POINTER, POINTER, POINTER],
-        "silu_mul": [POINTER, FLAG, SIZE, SIZE, POINTER],
+        "silu_mul": [FLAG, POINTER, FLAG, SIZE, SIZE, POINTER],
     }  # fmt: skip
     return load_library("kernels._layer_ops_cpu", "layer_ops_supported", signatures)
 
 
 def available() -> bool:
-    """Whether the native library was built and this CPU runs it (AVX-512 F and BW)."""
+    """Whether the native library was built and this CPU runs it (AVX2 and FMA at least)."""
     return _library() is not None
+
+
+@functools.cache
+def supported_isas() -> tuple[str, ...]:
+    """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the library with, fastest
+    first."""
+    return library_isas(_library(), "layer_ops_isa_supported")
+
+
+def best_isa() -> str | None:
+    """The fastest instruction set this CPU runs the library with (None: none)."""
+    return next(iter(supported_isas()), None)
 
 
 def fits(*tensors: torch.Tensor) -> bool:
@@ -64,12 +77,13 @@ def add_rms_norm(
     weight: torch.Tensor,
     eps: float,
     out_dtype: torch.dtype,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """`residual += delta` in place (when given), then the RMS norm of each row of `residual`
     times `weight`, as a new `[rows, hidden]` tensor in `out_dtype`.
 
     `residual` float32 `[rows, hidden]`; `delta` the same shape (float32 or bfloat16); `weight`
-    `[hidden]`; all contiguous (`fits`)."""
+    `[hidden]`; all contiguous (`fits`). `isa`: one of `supported_isas()` (None: the fastest)."""
     library = _library()
     assert library is not None, "callers check fits() first"
     rows, hidden = residual.shape
@@ -79,6 +93,7 @@ def add_rms_norm(
         raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} != {tuple(residual.shape)}")
     out = torch.empty(rows, hidden, dtype=out_dtype)
     status = library.add_rms_norm(
+        isa_number(isa, supported_isas()),
         residual.data_ptr(),
         None if delta is None else delta.data_ptr(),
         0 if delta is None else _bf16(delta),
@@ -102,6 +117,7 @@ def rotary_write_kv(
     slots: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """Rotary embeddings (rotate-half) of a fused QKV projection's query and key heads; writes
     the rotated keys and the values to slot `slots[t]` of the caches (skipping -1) and returns
@@ -109,7 +125,8 @@ def rotary_write_kv(
 
     `qkv` `[tokens, (num_q + 2 num_kv) head_dim]` with `heads = (num_q, num_kv, head_dim)`; `cos`
     and `sin` float32 `[tokens, head_dim]`; `slots` int64 `[tokens]`, validated (in range,
-    distinct); caches `[blocks, block_size, num_kv, head_dim]` in `qkv`'s dtype."""
+    distinct); caches `[blocks, block_size, num_kv, head_dim]` in `qkv`'s dtype. `isa`: one of
+    `supported_isas()` (None: the fastest)."""
     library = _library()
     assert library is not None, "callers check fits() first"
     num_q, num_kv, head_dim = heads
@@ -124,6 +141,7 @@ def rotary_write_kv(
         raise ValueError("rotary_write_kv: slots must be int64 [tokens]")
     q = torch.empty(tokens, num_q, head_dim, dtype=qkv.dtype)
     status = library.rotary_write_kv(
+        isa_number(isa, supported_isas()),
         qkv.data_ptr(),
         qkv.stride(0),
         _bf16(qkv),
@@ -142,14 +160,16 @@ def rotary_write_kv(
     return q
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` of `gate_up` `[rows, 2 width]` (`[gate | up]`), as `[rows, width]`."""
+def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """`silu(gate) * up` of `gate_up` `[rows, 2 width]` (`[gate | up]`), as `[rows, width]`;
+    `isa`: one of `supported_isas()` (None: the fastest)."""
     library = _library()
     assert library is not None, "callers check fits() first"
     rows, double = gate_up.shape
     if double % 2:
         raise ValueError(f"silu_mul: odd width {double}")
     out = torch.empty(rows, double // 2, dtype=gate_up.dtype)
-    _check(library.silu_mul(gate_up.data_ptr(), _bf16(gate_up), rows, double // 2, out.data_ptr()),
-           "silu_mul")  # fmt: skip
+    number = isa_number(isa, supported_isas())
+    _check(library.silu_mul(number, gate_up.data_ptr(), _bf16(gate_up), rows, double // 2,
+                            out.data_ptr()), "silu_mul")  # fmt: skip
     return out

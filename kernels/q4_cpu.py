@@ -11,9 +11,11 @@ products (benchmarks/linear_kernels.py).
 
 Invariants: `recover` returns a `Q4Weight` only if its `dequantize()` equals the given matrix
 bit for bit, else None; `q4_matmul` equals `x.float() @ weight.dequantize().T` up to float32
-summation order, in `x`'s dtype (float32, or bfloat16 rounded to nearest even). The kernel is
-built by pip at install time; `available()` is false where it was not built or the CPU lacks
-AVX-512, and callers then keep their dense product.
+summation order, in `x`'s dtype (float32, or bfloat16 rounded to nearest even), with every
+instruction set. The kernel is built by pip at install time for AVX-512 and for AVX2 with FMA
+(`supported_isas()`, fastest first; `q4_matmul(..., isa=)` forces one, so tests run each this
+CPU has); `available()` is false where it was not built or the CPU lacks AVX2 and FMA, and
+callers then keep their dense product.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.exact_blocks import BLOCK, solve_exact_blocks
-from kernels.native import FLAG, POINTER, SIZE, load_library
+from kernels.native import FLAG, POINTER, SIZE, isa_number, library_isas, load_library
 
 CODE_MAX = 15
 
@@ -108,21 +110,35 @@ def _solve_blocks(
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built kernel library, or None (`kernels.native.load_library`)."""
-    matmul = [POINTER, FLAG, POINTER, SIZE, SIZE, POINTER, POINTER, POINTER, SIZE, POINTER, FLAG]
+    matmul = [FLAG, POINTER, FLAG, POINTER, SIZE, SIZE, POINTER, POINTER, POINTER, SIZE, POINTER]
+    matmul += [FLAG]
     return load_library("kernels._q4_cpu", "q4_supported", {"q4_matmul": matmul})
 
 
 def available() -> bool:
-    """Whether the native kernel was built and this CPU runs it (AVX-512 F and BW)."""
+    """Whether the native kernel was built and this CPU runs it (AVX2 and FMA at least)."""
     return _library() is not None
 
 
-def q4_matmul(x: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
+@functools.cache
+def supported_isas() -> tuple[str, ...]:
+    """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the kernel with,
+    fastest first."""
+    return library_isas(_library(), "q4_isa_supported")
+
+
+def best_isa() -> str | None:
+    """The fastest instruction set this CPU runs the kernel with (None: none)."""
+    return next(iter(supported_isas()), None)
+
+
+def q4_matmul(x: torch.Tensor, weight: Q4Weight, isa: str | None = None) -> torch.Tensor:
     """`x [..., K] @ W^T` for a `Q4Weight` W `[N, K]` over its exact float32 weights, in `x`'s
-    dtype: float32, or bfloat16 (widened exactly, the float32 result rounded once)."""
+    dtype: float32, or bfloat16 (widened exactly, the float32 result rounded once); `isa`: one
+    of `supported_isas()` (None: the fastest)."""
     library = _library()
     if library is None:
-        raise RuntimeError("the q4 CPU kernel is not available (not built, or no AVX-512)")
+        raise RuntimeError("the q4 CPU kernel is not available (not built, or no AVX2 and FMA)")
     rows_out, cols = weight.shape
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         raise ValueError(f"q4_matmul takes float32 or bfloat16 CPU inputs, got {x.dtype}")
@@ -134,6 +150,7 @@ def q4_matmul(x: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
     bf16 = x.dtype == torch.bfloat16
     widened = torch.empty(rows * cols if bf16 else 0, dtype=torch.float32)
     status = library.q4_matmul(
+        isa_number(isa, supported_isas()),
         flat.data_ptr(),
         int(bf16),
         widened.data_ptr(),

@@ -10,8 +10,9 @@ matrix when it is there exactly, and `Q8Weight.dequantize` is the plain-torch or
 Invariants: `recover` returns a `Q8Weight` only if its `dequantize()` equals the given matrix bit
 for bit, else None; `q8_matmul` equals `x @ weight.dequantize().T` in float32 up to the order of
 float32 summation (each weight is exact: float16 scale times an 8-bit code). The kernel is built
-by pip at install time; `available()` is false where it was not built or the CPU lacks AVX-512,
-and callers then keep their dense product.
+by pip at install time for AVX-512 and for AVX2 with FMA (`supported_isas()`, fastest first;
+`q8_matmul(..., isa=)` forces one, so tests run each this CPU has); `available()` is false where
+it was not built or the CPU lacks AVX2 and FMA, and callers then keep their dense product.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.exact_blocks import BLOCK, solve_exact_blocks
-from kernels.native import POINTER, SIZE, load_library
+from kernels.native import FLAG, POINTER, SIZE, isa_number, library_isas, load_library
 
 CODE_MAX = 127
 """Q8_0 codes are `round(w / scale)` with `scale = max|w| / 127`, so they span -127..127."""
@@ -91,20 +92,33 @@ def _solve_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built kernel library, or None (`kernels.native.load_library`)."""
-    matmul = [POINTER, SIZE, SIZE, POINTER, POINTER, SIZE, POINTER]
+    matmul = [FLAG, POINTER, SIZE, SIZE, POINTER, POINTER, SIZE, POINTER]
     return load_library("kernels._q8_cpu", "q8_supported", {"q8_matmul": matmul})
 
 
 def available() -> bool:
-    """Whether the native kernel was built and this CPU runs it (AVX-512 F and BW)."""
+    """Whether the native kernel was built and this CPU runs it (AVX2 and FMA at least)."""
     return _library() is not None
 
 
-def q8_matmul(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
-    """`x [rows, K] @ W^T` (float32) for a `Q8Weight` W `[N, K]` over its exact weights."""
+@functools.cache
+def supported_isas() -> tuple[str, ...]:
+    """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the kernel with, fastest
+    first."""
+    return library_isas(_library(), "q8_isa_supported")
+
+
+def best_isa() -> str | None:
+    """The fastest instruction set this CPU runs the kernel with (None: none)."""
+    return next(iter(supported_isas()), None)
+
+
+def q8_matmul(x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
+    """`x [rows, K] @ W^T` (float32) for a `Q8Weight` W `[N, K]` over its exact weights; `isa`:
+    one of `supported_isas()` (None: the fastest)."""
     library = _library()
     if library is None:
-        raise RuntimeError("the q8 CPU kernel is not available (not built, or no AVX-512)")
+        raise RuntimeError("the q8 CPU kernel is not available (not built, or no AVX2 and FMA)")
     rows_out, cols = weight.shape
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         raise ValueError(f"q8_matmul takes a 2-d float32 CPU input, got {x.dtype} {x.dim()}-d")
@@ -113,6 +127,7 @@ def q8_matmul(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], rows_out, dtype=torch.float32)
     status = library.q8_matmul(
+        isa_number(isa, supported_isas()),
         x.data_ptr(),
         x.shape[0],
         cols,

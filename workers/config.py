@@ -71,9 +71,10 @@ class WorkerConfig:
 
     quantized_decode: bool = True
     """CPU ranks: layers loaded from GGUF Q4_1 blocks keep them as 4-bit codes and multiply
-    decode-sized calls (`workers.dense_matmul.Q4_MAX_ROWS`: 8 rows in bfloat16, 16 in float32)
-    with them: the exact checkpoint weights, 0.75 bytes per weight read instead of 2 or 4. Off:
-    every product uses the `dtype` weights (`workers.dense_matmul`)."""
+    decode-sized calls (`workers.dense_matmul.Q4_MAX_ROWS`: with AVX-512 8 rows in bfloat16, 16
+    in float32; with AVX2 32 and 16) with them: the exact checkpoint weights, 0.75 bytes per
+    weight read instead of 2 or 4. Off: every product uses the `dtype` weights
+    (`workers.dense_matmul`)."""
     quantized_activations: bool = False
     """CPU ranks: every product on GGUF Q4_1 / Q8_0 weights quantizes its activations to int8
     per row-block of 32 and multiplies the codes with integer dot products

@@ -22,7 +22,7 @@ class CpuFeatures:
     """What this CPU executes natively (each flag as Linux names it in /proc/cpuinfo)."""
 
     avx2: bool = False
-    avx512: bool = False  # avx512f and avx512bw: what the native kernels' vector code needs
+    avx512: bool = False  # avx512f and avx512bw: the native kernels' 512-bit code (else AVX2)
     avx512_vnni: bool = False
     avx_vnni: bool = False
     avx512_bf16: bool = False

@@ -5,11 +5,12 @@ of Llama's layer on one rank, with the native layer ops, every linear layer's ex
 and no biases); `NativeDecode.build` makes the native stack of them where the kernels take its
 dtype (float32 or bfloat16) and geometry. `NativeDecode.forward` then takes each step that is
 all decodes (one token per sequence) of at most `max_rows` sequences (by default where the
-per-operator path multiplies on the 4-bit copy too: `Q4_MAX_ROWS`, 8 in bfloat16, 16 in
-float32), in the paged layout and without LoRA; it returns None for every other step, which
-keeps the per-operator path. (Beyond 8 bfloat16 rows the 4-bit kernel's float32 arithmetic is
-slower than oneDNN's bfloat16 product, so the stack stops paying there: benchmarks/README.md,
-"Figures behind choices in the code".)
+per-operator path multiplies on the 4-bit copy too: `Q4_MAX_ROWS`, with AVX-512 8 in
+bfloat16, 16 in float32; with AVX2 32 and 16), in the paged layout and without LoRA; it returns
+None for every other step, which keeps the per-operator path. (With AVX-512, beyond 8 bfloat16
+rows the 4-bit kernel's float32 arithmetic is slower than oneDNN's native bfloat16 product, so
+the stack stops paying there: benchmarks/README.md, "Figures behind choices in the code"; an
+AVX2 CPU has no native bfloat16 products, and the kernel still wins at 32 rows.)
 
 Invariant: where it runs, its results are bit-identical to the per-operator path's (the same
 kernels in the same order, `kernels.decoder_stack_cpu`), so the greedy parity tests cover it;

@@ -13,8 +13,8 @@ Decode batches read every weight for a few rows, so there the product is bound b
 weights. A layer whose float32 checkpoint values are exactly GGUF Q4_1 blocks (a model loaded from
 a Q4_1 file) is handed those values once (`adopt_exact_source`) and keeps them as 4-bit codes
 (`kernels.q4_cpu`: 0.75 bytes per weight with its scales, against 2 in bfloat16); calls of at
-most `Q4_MAX_ROWS[dtype]` rows multiply those (benchmarks/README.md, "a native 4-bit matmul
-for decode batches"). They compute over
+most `Q4_MAX_ROWS[dtype]` rows (per instruction set: `Q4_MAX_ROWS_BY_ISA`) multiply those
+(benchmarks/README.md, "a native 4-bit matmul for decode batches"). They compute over
 the checkpoint's exact float32 weights: in float32 the packed product up to summation order, in
 bfloat16 a more exact one than the packed bfloat16 weight gives (the weights are not rounded,
 the sums are float32, the result is rounded once), so a bfloat16 model's decode rows are closer
@@ -56,10 +56,20 @@ from kernels.gguf_panels import BlockForm
 PACK_BATCH_HINT = 16
 """The batch size oneDNN is told to expect when it picks the packed layout (decode batches)."""
 
-Q4_MAX_ROWS: Mapping[torch.dtype, int] = MappingProxyType({torch.bfloat16: 8, torch.float32: 16})
-"""Calls of at most this many rows (per input dtype) use the 4-bit copy: where it beats the
-packed weight on this project's reference CPU (benchmarks/README.md, "Figures behind choices in
-the code")."""
+Q4_MAX_ROWS_BY_ISA: Mapping[str, Mapping[torch.dtype, int]] = MappingProxyType(
+    {
+        "avx512": MappingProxyType({torch.bfloat16: 8, torch.float32: 16}),
+        "avx2": MappingProxyType({torch.bfloat16: 32, torch.float32: 16}),
+    }
+)
+"""Per instruction set of the 4-bit kernel (`kernels.q4_cpu.best_isa()`) and input dtype, the
+most rows a call may have to use the 4-bit copy: where it beats the packed weight
+(benchmarks/README.md, "Figures behind choices in the code" for AVX-512, "Native kernels on an
+AVX2-only CPU" for AVX2, where oneDNN only emulates bfloat16 and the kernel still wins at 32
+rows)."""
+
+Q4_MAX_ROWS: Mapping[torch.dtype, int] = Q4_MAX_ROWS_BY_ISA[q4_cpu.best_isa() or "avx512"]
+"""`Q4_MAX_ROWS_BY_ISA` for the instruction set the 4-bit kernel runs with on this CPU."""
 
 
 def can_pack(weight: torch.Tensor) -> bool:

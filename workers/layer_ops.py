@@ -108,10 +108,12 @@ class NativeCpuLayerOps:
     """The native CPU library for contiguous float32 / bfloat16 operands, torch for the rest.
 
     Rotary tables are float32 (rounded once inside the rotation, not to the model's dtype
-    first), and the residual is updated in place."""
+    first), and the residual is updated in place. `isa`: the library's instruction set for
+    every call (one of `layer_ops_cpu.supported_isas()`; None: the fastest)."""
 
-    def __init__(self) -> None:
+    def __init__(self, isa: str | None = None) -> None:
         self.torch = TorchLayerOps()
+        self.isa = isa
 
     def cos_sin(
         self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
@@ -126,7 +128,7 @@ class NativeCpuLayerOps:
         if residual.dtype != torch.float32 or not layer_ops_cpu.fits(*operands):
             return self.torch.add_norm(residual, delta, norm)
         normed = layer_ops_cpu.add_rms_norm(
-            residual, delta, norm.weight, norm.eps, norm.weight.dtype
+            residual, delta, norm.weight, norm.eps, norm.weight.dtype, self.isa
         )
         return residual, normed
 
@@ -146,12 +148,14 @@ class NativeCpuLayerOps:
         tokens, head_dim = qkv.shape[0], heads[2]
         check_prepared(step.prepared, tokens, k_cache, writes=True)
         cos, sin = (t.reshape(tokens, head_dim) for t in cos_sin)
-        return layer_ops_cpu.rotary_write_kv(qkv, heads, cos, sin, slots, k_cache, v_cache)
+        return layer_ops_cpu.rotary_write_kv(
+            qkv, heads, cos, sin, slots, k_cache, v_cache, self.isa
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not layer_ops_cpu.fits(gate_up):
             return self.torch.silu_mul(gate_up)
-        return layer_ops_cpu.silu_mul(gate_up)
+        return layer_ops_cpu.silu_mul(gate_up, self.isa)
 
 
 def layer_ops_for(device: torch.device) -> LayerOps:

@@ -6,7 +6,9 @@ checkpoint tensor its rank owns and loads exactly those through a `CheckpointRea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -166,11 +168,16 @@ class RowParallelLinear(torch.nn.Module):
             self.bias.copy_(reader.read(f"{name}.bias", (self.output_size,)))
 
 
-Q8_MAX_ROWS = 4
-"""The most rows an LM head multiplies on its 8-bit copy: there a decode step reads its weights
-from memory, and the kernel reads less than the screened bfloat16 head; more rows are bound by
-its float32 arithmetic, where oneDNN's bfloat16 product wins (benchmarks/README.md, "Figures
-behind choices in the code")."""
+Q8_MAX_ROWS_BY_ISA: Mapping[str, int] = MappingProxyType({"avx512": 4, "avx2": 8})
+"""Per instruction set of the 8-bit kernel, the most rows an LM head multiplies on its 8-bit
+copy: there a decode step reads its weights from memory, and the kernel reads less than the
+screened bfloat16 or packed float32 head; more rows are bound by its float32 arithmetic, where
+oneDNN's product wins (benchmarks/README.md, "Figures behind choices in the code" for AVX-512;
+"Native kernels on an AVX2-only CPU": there oneDNN only emulates bfloat16, and the kernel is
+1.3-1.8x the packed float32 head at 1-8 rows, level at 16)."""
+
+Q8_MAX_ROWS: int = Q8_MAX_ROWS_BY_ISA[q8_cpu.best_isa() or "avx512"]
+"""`Q8_MAX_ROWS_BY_ISA` for the instruction set the 8-bit kernel runs with on this CPU."""
 
 
 class VocabParallelEmbedding(torch.nn.Module):

@@ -1,5 +1,7 @@
-// Helpers shared by the native CPU libraries (q4_cpu.cpp, attention_cpu.cpp, layer_ops_cpu.cpp):
-// the CPU check, bfloat16 conversions as torch does them, and AVX-512 vector helpers.
+// Helpers shared by the native CPU libraries (q4_cpu.cpp, q8_cpu.cpp, attention_cpu.cpp,
+// layer_ops_cpu.cpp, decoder_stack_cpu.cpp): the instruction sets their vector code is compiled
+// for and the CPU check, and bfloat16 conversions as torch does them. The vector operations
+// themselves are in vec16.inc.
 #pragma once
 
 #include <immintrin.h>
@@ -8,10 +10,20 @@
 
 namespace cpu_common {
 
-// 1 when this CPU has what the libraries' vector code needs (AVX-512 F and BW), else 0.
-inline int avx512_supported() {
+// The instruction sets each library's kernels are compiled for (the numbers of the C ABI's `isa`
+// argument): AVX2 with FMA (two 256-bit halves a Vec16), AVX-512 F and BW (one 512-bit register).
+enum Isa : int { kAvx2 = 1, kAvx512 = 2 };
+
+// Whether this CPU runs the kernels compiled for instruction set `isa`.
+inline bool isa_supported(int isa) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  switch (isa) {
+    case kAvx2: return avx2;
+    case kAvx512:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    default: return false;
+  }
 }
 
 // A bfloat16 value widened to float32 (exact).
@@ -29,30 +41,6 @@ inline uint16_t float_to_bf16(float value) {
   if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>((bits + rounding_bias) >> 16);
-}
-
-// 16 bfloat16 values at `p` widened to float32 (exact).
-__attribute__((target("avx512f"))) inline __m512 load_bf16x16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// e^x per lane for x clamped to [-87, 88] (Cephes' polynomial after x = n ln2 + r,
-// |r| <= ln2 / 2): within a few ulp of expf over that range.
-__attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 }  // namespace cpu_common

@@ -90,13 +90,17 @@ struct Workspace {
 
 extern "C" {
 
-// 1 when this CPU runs decoder_stack (what its kernels need: AVX-512 F and BW), else 0.
-int decoder_stack_supported(void) { return cpu_common::avx512_supported(); }
+// 1 when this CPU runs decoder_stack with instruction set `isa` (cpu_common::Isa), else 0.
+int decoder_stack_isa_supported(int isa) { return cpu_common::isa_supported(isa) ? 1 : 0; }
+
+// 1 when this CPU runs decoder_stack with some instruction set (AVX2 and FMA at least), else 0.
+int decoder_stack_supported(void) { return decoder_stack_isa_supported(cpu_common::kAvx2); }
 
 // The width of a row of the layer table.
 int64_t decoder_stack_fields(void) { return kFieldCount; }
 
-// Runs `num_layers` pre-norm decoder layers over `rows` decodes, one token each.
+// Runs `num_layers` pre-norm decoder layers over `rows` decodes, one token each, every kernel
+// with instruction set `isa`.
 //
 // residual [rows, hidden] float32 is the stream after the embedding; it is updated in place and
 // `out` [rows, hidden] float32 receives final_norm(residual + last MLP output). layers is
@@ -110,15 +114,15 @@ int64_t decoder_stack_fields(void) { return kFieldCount; }
 // Decode r is token row seq_rows[r] (the identity here), attending over context_lens[r] keys
 // through block_tables row r (table_stride apart), this step's key included.
 // The caller validates shapes, ids and lengths. Returns 0, or the first failing kernel's
-// status (-1 for unsupported geometry, -2 where the CPU lacks AVX-512), -3 when out of memory.
-int decoder_stack(const int64_t* layers, int64_t num_layers, int bf16, int64_t hidden,
+// status (-1 for unsupported geometry, -2 where the CPU lacks `isa`), -3 when out of memory.
+int decoder_stack(int isa, const int64_t* layers, int64_t num_layers, int bf16, int64_t hidden,
                   int64_t num_q, int64_t num_kv, int64_t head_dim, int64_t intermediate,
                   float eps, float scale, float* residual, int64_t rows, const float* cos,
                   const float* sin, const int64_t* slots, char* kv_pool, int64_t layer_bytes,
                   int64_t value_offset, const int64_t* seq_rows, const int32_t* context_lens,
                   const int32_t* block_tables, int64_t table_stride, int64_t block_size,
                   const float* final_norm, float* out) {
-  if (!decoder_stack_supported()) return -2;
+  if (!cpu_common::isa_supported(isa)) return -2;
   if (rows <= 0 || num_kv <= 0 || num_q % num_kv != 0) return -1;
   const int64_t q_width = num_q * head_dim;
   const int64_t qkv_width = (num_q + 2 * num_kv) * head_dim;
@@ -130,43 +134,44 @@ int decoder_stack(const int64_t* layers, int64_t num_layers, int bf16, int64_t h
     const int64_t* layer = layers + l * kFieldCount;
     char* k_cache = kv_pool + l * layer_bytes;
     char* v_cache = k_cache + value_offset;
-    int status = add_rms_norm(residual, pending, bf16, address<void>(layer, kInputNorm), bf16,
-                              eps, rows, hidden, w.normed.data(), bf16);
+    int status = add_rms_norm(isa, residual, pending, bf16, address<void>(layer, kInputNorm),
+                              bf16, eps, rows, hidden, w.normed.data(), bf16);
     if (status == 0)
-      status = q4_matmul(w.normed.data(), bf16, widened, rows, hidden,
+      status = q4_matmul(isa, w.normed.data(), bf16, widened, rows, hidden,
                          address<uint8_t>(layer, kQkvCodes), address<float>(layer, kQkvScales),
                          address<float>(layer, kQkvMins), qkv_width, w.qkv.data(), bf16);
     if (status == 0)
-      status = rotary_write_kv(w.qkv.data(), qkv_width, bf16, rows, num_q, num_kv, head_dim,
-                               cos, sin, slots, k_cache, v_cache, w.queries.data());
+      status = rotary_write_kv(isa, w.qkv.data(), qkv_width, bf16, rows, num_q, num_kv,
+                               head_dim, cos, sin, slots, k_cache, v_cache, w.queries.data());
     if (status == 0)
-      status = decode_attention(w.queries.data(), q_width, head_dim, k_cache, v_cache, bf16,
-                                seq_rows, context_lens, block_tables, table_stride, rows, num_kv,
-                                num_q / num_kv, head_dim, block_size, scale, layer[kWindow],
-                                w.attended.data(), q_width, head_dim);
+      status = decode_attention(isa, w.queries.data(), q_width, head_dim, k_cache, v_cache,
+                                bf16, seq_rows, context_lens, block_tables, table_stride, rows,
+                                num_kv, num_q / num_kv, head_dim, block_size, scale,
+                                layer[kWindow], w.attended.data(), q_width, head_dim);
     if (status == 0)
-      status = q4_matmul(w.attended.data(), bf16, widened, rows, q_width,
+      status = q4_matmul(isa, w.attended.data(), bf16, widened, rows, q_width,
                          address<uint8_t>(layer, kOutCodes), address<float>(layer, kOutScales),
                          address<float>(layer, kOutMins), hidden, w.projected.data(), bf16);
     if (status == 0)
-      status = add_rms_norm(residual, w.projected.data(), bf16, address<void>(layer, kPostNorm),
-                            bf16, eps, rows, hidden, w.normed.data(), bf16);
+      status = add_rms_norm(isa, residual, w.projected.data(), bf16,
+                            address<void>(layer, kPostNorm), bf16, eps, rows, hidden,
+                            w.normed.data(), bf16);
     if (status == 0)
-      status = q4_matmul(w.normed.data(), bf16, widened, rows, hidden,
+      status = q4_matmul(isa, w.normed.data(), bf16, widened, rows, hidden,
                          address<uint8_t>(layer, kGateUpCodes),
                          address<float>(layer, kGateUpScales),
                          address<float>(layer, kGateUpMins), 2 * intermediate, w.gate_up.data(),
                          bf16);
     if (status == 0)
-      status = silu_mul(w.gate_up.data(), bf16, rows, intermediate, w.activated.data());
+      status = silu_mul(isa, w.gate_up.data(), bf16, rows, intermediate, w.activated.data());
     if (status == 0)
-      status = q4_matmul(w.activated.data(), bf16, widened, rows, intermediate,
+      status = q4_matmul(isa, w.activated.data(), bf16, widened, rows, intermediate,
                          address<uint8_t>(layer, kDownCodes), address<float>(layer, kDownScales),
                          address<float>(layer, kDownMins), hidden, w.delta.data(), bf16);
     if (status != 0) return status;
     pending = w.delta.data();
   }
-  return add_rms_norm(residual, pending, bf16, final_norm, 0, eps, rows, hidden, out, 0);
+  return add_rms_norm(isa, residual, pending, bf16, final_norm, 0, eps, rows, hidden, out, 0);
 }
 
 }  // extern "C"

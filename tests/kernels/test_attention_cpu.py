@@ -12,15 +12,21 @@ from kernels import attention_cpu, reference
 from kernels.attention_cpu import DecodeRows
 from kernels.metadata import prepare_attention
 from tests.kernels.cases import AttentionCase, make_case
-from tests.kernels.cpu_features import cpu_has_avx512
+from tests.kernels.cpu_features import (
+    cpu_has_avx2_fma,
+    cpu_vector_isas,
+    each_isa,
+    needs_vector_kernels,
+)
 
-needs_kernel = pytest.mark.skipif(not cpu_has_avx512(), reason="the kernel needs AVX-512")
+needs_kernel = needs_vector_kernels
 
 
 def test_kernel_is_built_wherever_the_cpu_runs_it() -> None:
-    """pip builds the library at install time; a missing build on an AVX-512 machine is a
+    """pip builds the library at install time; a missing build on an AVX2 machine is a
     failure here, not a silent fallback to the torch path."""
-    assert attention_cpu.available() == cpu_has_avx512()
+    assert attention_cpu.available() == cpu_has_avx2_fma()
+    assert attention_cpu.supported_isas() == cpu_vector_isas()
 
 
 def _decode_rows(case: AttentionCase) -> DecodeRows:
@@ -31,11 +37,11 @@ def _decode_rows(case: AttentionCase) -> DecodeRows:
     )
 
 
-def _native(case: AttentionCase, window: int | None = None) -> torch.Tensor:
-    """The kernel's result; rows it must not write hold NaN."""
+def _native(case: AttentionCase, window: int | None = None, isa: str | None = None) -> torch.Tensor:
+    """The kernel's result with instruction set `isa`; rows it must not write hold NaN."""
     out = torch.full_like(case.query, float("nan"))
     attention_cpu.decode_attention(
-        case.query, case.k_cache, case.v_cache, _decode_rows(case), case.scale, window, out
+        case.query, case.k_cache, case.v_cache, _decode_rows(case), case.scale, window, out, isa
     )
     return out
 
@@ -57,6 +63,7 @@ DECODES = [(1, 1), (15, 1), (16, 1), (17, 1), (100, 1), (333, 1)]
 
 
 @needs_kernel
+@each_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("block_size", "group", "head_dim", "kv_heads"),
@@ -70,7 +77,7 @@ DECODES = [(1, 1), (15, 1), (16, 1), (17, 1), (100, 1), (333, 1)]
     ],
 )
 def test_decodes_match_the_oracle(
-    dtype: torch.dtype, block_size: int, group: int, head_dim: int, kv_heads: int
+    isa: str, dtype: torch.dtype, block_size: int, group: int, head_dim: int, kv_heads: int
 ) -> None:
     case = make_case(
         DECODES,
@@ -81,33 +88,38 @@ def test_decodes_match_the_oracle(
         num_kv_heads=kv_heads,
         seed=block_size + group,
     )
-    got = _native(case)
+    got = _native(case, isa=isa)
     _assert_matches(got, _oracle(case), torch.arange(len(DECODES)))
     assert not got.isnan().any()
 
 
 @needs_kernel
+@each_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 7, 16, 40, 1000])
-def test_sliding_window_matches_the_oracle(dtype: torch.dtype, window: int) -> None:
+def test_sliding_window_matches_the_oracle(isa: str, dtype: torch.dtype, window: int) -> None:
     case = make_case(DECODES, block_size=16, head_dim=64, group=3, dtype=dtype, num_kv_heads=3)
-    _assert_matches(_native(case, window), _oracle(case, window), torch.arange(len(DECODES)))
+    _assert_matches(
+        _native(case, window, isa=isa), _oracle(case, window), torch.arange(len(DECODES))
+    )
 
 
 @needs_kernel
+@each_isa
 @pytest.mark.parametrize("seqs", [1, 2, 5, 16])
-def test_long_contexts_use_the_team_and_match(seqs: int) -> None:
+def test_long_contexts_use_the_team_and_match(isa: str, seqs: int) -> None:
     """Above the kernel's serial threshold: items split by KV head (few sequences) or by
     sequence (many), on two threads."""
     lengths = [(700 + 37 * seq, 1) for seq in range(seqs)]
     case = make_case(
         lengths, block_size=16, head_dim=64, group=3, dtype=torch.bfloat16, num_kv_heads=3
     )
-    _assert_matches(_native(case), _oracle(case), torch.arange(seqs))
+    _assert_matches(_native(case, isa=isa), _oracle(case), torch.arange(seqs))
 
 
 @needs_kernel
-def test_result_does_not_depend_on_threads_or_physical_blocks() -> None:
+@each_isa
+def test_result_does_not_depend_on_threads_or_physical_blocks(isa: str) -> None:
     """One item is computed by one thread in key order, so 1 and 2 threads give the same bits;
     the keys are read in block-table order, so moving the blocks changes nothing."""
     lengths = [(500 + 50 * seq, 1) for seq in range(6)]
@@ -117,9 +129,9 @@ def test_result_does_not_depend_on_threads_or_physical_blocks() -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _native(case)
+        one = _native(case, isa=isa)
         torch.set_num_threads(2)
-        two = _native(case)
+        two = _native(case, isa=isa)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -135,11 +147,12 @@ def test_result_does_not_depend_on_threads_or_physical_blocks() -> None:
         block_tables=torch.where(tables >= 0, inverse[tables.clamp(min=0)], tables).int(),
         scale=case.scale,
     )
-    assert torch.equal(_native(relocated), one)
+    assert torch.equal(_native(relocated, isa=isa), one)
 
 
 @needs_kernel
-def test_writes_only_decode_rows_of_strided_operands() -> None:
+@each_isa
+def test_writes_only_decode_rows_of_strided_operands(isa: str) -> None:
     """Query and output as slices of wider tensors (a fused QKV projection): only the decodes'
     rows of `out` change, the prefill rows and the columns beside it keep their values."""
     lengths = [(40, 9), (33, 1), (16, 0), (70, 1)]
@@ -150,7 +163,14 @@ def test_writes_only_decode_rows_of_strided_operands() -> None:
     wide_out = torch.full((tokens, heads + 2, dim), 7.0)
     out = wide_out[:, 1 : heads + 1]
     attention_cpu.decode_attention(
-        fused[:, :heads], case.k_cache, case.v_cache, _decode_rows(case), case.scale, None, out
+        fused[:, :heads],
+        case.k_cache,
+        case.v_cache,
+        _decode_rows(case),
+        case.scale,
+        None,
+        out,
+        isa=isa,
     )
     decode_rows = torch.tensor([9, 10])
     _assert_matches(out, _oracle(case), decode_rows)

@@ -17,9 +17,14 @@ from kernels.attention_cpu import DecodeRows
 from kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
 from kernels.metadata import prepare_attention
 from kernels.q4_cpu import Q4Weight
-from tests.kernels.cpu_features import cpu_has_avx512
+from tests.kernels.cpu_features import (
+    cpu_has_avx2_fma,
+    cpu_vector_isas,
+    each_isa,
+    needs_vector_kernels,
+)
 
-needs_kernel = pytest.mark.skipif(not cpu_has_avx512(), reason="the library needs AVX-512")
+needs_kernel = needs_vector_kernels
 
 SHAPE = StackShape(
     hidden=64, num_q=4, num_kv=2, head_dim=32, intermediate=96, eps=1e-5, scale=32**-0.5
@@ -28,7 +33,8 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 32
 
 
 def test_library_is_built_wherever_the_cpu_runs_it() -> None:
-    assert decoder_stack_cpu.available() == cpu_has_avx512()
+    assert decoder_stack_cpu.available() == cpu_has_avx2_fma()
+    assert decoder_stack_cpu.supported_isas() == cpu_vector_isas()
 
 
 def _q4(rows: int, cols: int, generator: torch.Generator) -> Q4Weight:
@@ -96,6 +102,7 @@ def make_case(
     context_lens: tuple[int, ...] = (5, 9, 1, 14),
     windows: tuple[int | None, ...] = (None, 3, None),
     seed: int = 0,
+    isa: str | None = None,
 ) -> StackCase:
     generator = torch.Generator().manual_seed(seed)
     q_width = SHAPE.num_q * SHAPE.head_dim
@@ -112,7 +119,7 @@ def make_case(
         )
         for window in windows
     ]
-    stack = DecoderStack(layers, SHAPE, _norm(generator, torch.float32), dtype)
+    stack = DecoderStack(layers, SHAPE, _norm(generator, torch.float32), dtype, isa)
     rows = len(context_lens)
     ids = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
     width = max(-(-length // BLOCK_SIZE) for length in context_lens)
@@ -149,26 +156,34 @@ def run_stack(case: StackCase) -> tuple[torch.Tensor, torch.Tensor]:
 
 def per_operator(case: StackCase) -> tuple[torch.Tensor, torch.Tensor]:
     """The same step through the native kernels one call at a time (the model's per-operator
-    path with every product on the 4-bit kernel)."""
-    stack, dtype = case.stack, case.stack.dtype
+    path with every product on the 4-bit kernel), with the stack's instruction set."""
+    stack, dtype, isa = case.stack, case.stack.dtype, case.stack.isa
     pool, residual = case.kv_pool.clone(), case.residual.clone()
     rows, heads = residual.shape[0], (SHAPE.num_q, SHAPE.num_kv, SHAPE.head_dim)
     pending = None
     for index, layer in enumerate(stack.layers):
         k_cache, v_cache = pool[index, 0], pool[index, 1]
-        normed = layer_ops_cpu.add_rms_norm(residual, pending, layer.input_norm, SHAPE.eps, dtype)
-        qkv = q4_cpu.q4_matmul(normed, layer.qkv)
+        normed = layer_ops_cpu.add_rms_norm(
+            residual, pending, layer.input_norm, SHAPE.eps, dtype, isa=isa
+        )
+        qkv = q4_cpu.q4_matmul(normed, layer.qkv, isa=isa)
         q = layer_ops_cpu.rotary_write_kv(qkv, heads, case.cos, case.sin, case.slots,
-                                          k_cache, v_cache)  # fmt: skip
+                                          k_cache, v_cache, isa=isa)  # fmt: skip
         attended = torch.empty_like(q)
         attention_cpu.decode_attention(
-            q, k_cache, v_cache, case.decodes, SHAPE.scale, layer.window, attended
+            q, k_cache, v_cache, case.decodes, SHAPE.scale, layer.window, attended, isa=isa
         )
-        projected = q4_cpu.q4_matmul(attended.reshape(rows, -1), layer.out)
-        normed = layer_ops_cpu.add_rms_norm(residual, projected, layer.post_norm, SHAPE.eps, dtype)
-        activated = layer_ops_cpu.silu_mul(q4_cpu.q4_matmul(normed, layer.gate_up))
-        pending = q4_cpu.q4_matmul(activated, layer.down)
-    out = layer_ops_cpu.add_rms_norm(residual, pending, stack.final_norm, SHAPE.eps, torch.float32)
+        projected = q4_cpu.q4_matmul(attended.reshape(rows, -1), layer.out, isa=isa)
+        normed = layer_ops_cpu.add_rms_norm(
+            residual, projected, layer.post_norm, SHAPE.eps, dtype, isa=isa
+        )
+        activated = layer_ops_cpu.silu_mul(
+            q4_cpu.q4_matmul(normed, layer.gate_up, isa=isa), isa=isa
+        )
+        pending = q4_cpu.q4_matmul(activated, layer.down, isa=isa)
+    out = layer_ops_cpu.add_rms_norm(
+        residual, pending, stack.final_norm, SHAPE.eps, torch.float32, isa=isa
+    )
     return out, pool
 
 
@@ -221,9 +236,10 @@ def oracle(case: StackCase) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @needs_kernel
+@each_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_the_kernels_called_one_by_one_bit_for_bit(dtype: torch.dtype) -> None:
-    case = make_case(dtype)
+def test_matches_the_kernels_called_one_by_one_bit_for_bit(isa: str, dtype: torch.dtype) -> None:
+    case = make_case(dtype, isa=isa)
     out, pool = run_stack(case)
     expected_out, expected_pool = per_operator(case)
     assert torch.equal(out, expected_out)
@@ -231,14 +247,15 @@ def test_matches_the_kernels_called_one_by_one_bit_for_bit(dtype: torch.dtype) -
 
 
 @needs_kernel
+@each_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_matches_the_float64_oracle(dtype: torch.dtype, seed: int) -> None:
+def test_matches_the_float64_oracle(isa: str, dtype: torch.dtype, seed: int) -> None:
     """Float32: equal up to summation order (errors ~1e-6 seen). Bfloat16: an intermediate
     value may round to the neighbouring bfloat16 (2^-8 relative) and carry it on (up to 6e-5
     seen over seeds 0-3); the bound leaves room for that, far below what a wrong head, layer,
     window or slot gives (O(1))."""
-    case = make_case(dtype, seed=seed)
+    case = make_case(dtype, seed=seed, isa=isa)
     out, pool = run_stack(case)
     expected_out, expected_pool = oracle(case)
     bound = 1e-5 if dtype == torch.float32 else 2e-2
@@ -253,19 +270,21 @@ def test_matches_the_float64_oracle(dtype: torch.dtype, seed: int) -> None:
 
 
 @needs_kernel
-def test_sliding_window_is_applied_per_layer() -> None:
+@each_isa
+def test_sliding_window_is_applied_per_layer(isa: str) -> None:
     """The same step with layer 1's window removed gives other results (the window of 3 cuts
     contexts of 5, 9 and 14 keys), and the oracle follows both."""
-    windowed = make_case(torch.float32, windows=(None, 3, None))
-    full = make_case(torch.float32, windows=(None, None, None))
+    windowed = make_case(torch.float32, windows=(None, 3, None), isa=isa)
+    full = make_case(torch.float32, windows=(None, None, None), isa=isa)
     assert not torch.equal(run_stack(windowed)[0], run_stack(full)[0])
     torch.testing.assert_close(run_stack(full)[0], oracle(full)[0], atol=1e-5, rtol=1e-5)
 
 
 @needs_kernel
+@each_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_does_not_depend_on_the_rest_of_the_batch(dtype: torch.dtype) -> None:
-    case = make_case(dtype, context_lens=(5, 9, 1, 14, 7, 3, 11, 2, 6, 10))
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(isa: str, dtype: torch.dtype) -> None:
+    case = make_case(dtype, context_lens=(5, 9, 1, 14, 7, 3, 11, 2, 6, 10), isa=isa)
     together, _ = run_stack(case)
     for rows in ([1], [3, 0], [9, 2, 5]):
         alone, _ = run_stack(case.select(rows))
@@ -273,8 +292,9 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(dtype: torch.dtype) -> N
 
 
 @needs_kernel
-def test_thread_count_does_not_change_the_bits() -> None:
-    case = make_case(torch.bfloat16, context_lens=(5, 9, 1, 14, 7, 3))
+@each_isa
+def test_thread_count_does_not_change_the_bits(isa: str) -> None:
+    case = make_case(torch.bfloat16, context_lens=(5, 9, 1, 14, 7, 3), isa=isa)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -299,6 +319,8 @@ def test_bad_operands_are_refused() -> None:
         DecoderStack([layer], dataclasses.replace(SHAPE, head_dim=24), final, torch.bfloat16)
     with pytest.raises(ValueError, match="activations"):
         DecoderStack([layer], SHAPE, final, torch.float16)
+    with pytest.raises(ValueError, match="instruction set"):
+        DecoderStack([layer], SHAPE, final, torch.bfloat16, isa="sse2")
     stack, residual = case.stack, case.residual.clone()
     assert not stack.accepts(residual, case.kv_pool.float())  # another dtype
     assert not stack.accepts(residual.to(torch.bfloat16), case.kv_pool)

@@ -8,13 +8,19 @@ import pytest
 import torch
 
 from kernels import layer_ops_cpu
-from tests.kernels.cpu_features import cpu_has_avx512
+from tests.kernels.cpu_features import (
+    cpu_has_avx2_fma,
+    cpu_vector_isas,
+    each_isa,
+    needs_vector_kernels,
+)
 
-needs_kernel = pytest.mark.skipif(not cpu_has_avx512(), reason="the library needs AVX-512")
+needs_kernel = needs_vector_kernels
 
 
 def test_library_is_built_wherever_the_cpu_runs_it() -> None:
-    assert layer_ops_cpu.available() == cpu_has_avx512()
+    assert layer_ops_cpu.available() == cpu_has_avx2_fma()
+    assert layer_ops_cpu.supported_isas() == cpu_vector_isas()
 
 
 def _assert_rounded_once(got: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -34,11 +40,12 @@ def _rms_norm_exact(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 @needs_kernel
+@each_isa
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (5, 100), (300, 576)])
 def test_add_rms_norm(
-    out_dtype: torch.dtype, delta_dtype: torch.dtype | None, rows: int, hidden: int
+    isa: str, out_dtype: torch.dtype, delta_dtype: torch.dtype | None, rows: int, hidden: int
 ) -> None:
     generator = torch.Generator().manual_seed(rows + hidden)
     residual = torch.randn(rows, hidden, generator=generator) * 3
@@ -48,7 +55,7 @@ def test_add_rms_norm(
     weight = (torch.rand(hidden, generator=generator) + 0.5).to(out_dtype)
     expected_residual = residual if delta is None else residual + delta.float()
     updated = residual.clone()
-    out = layer_ops_cpu.add_rms_norm(updated, delta, weight, 1e-5, out_dtype)
+    out = layer_ops_cpu.add_rms_norm(updated, delta, weight, 1e-5, out_dtype, isa=isa)
     assert torch.equal(updated, expected_residual)  # one float32 add, as torch's
     assert out.dtype == out_dtype and out.shape == (rows, hidden)
     exact = _rms_norm_exact(expected_residual, weight, 1e-5)
@@ -70,9 +77,12 @@ def _rotate_exact(
 
 
 @needs_kernel
+@each_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_q", "num_kv", "head_dim"), [(9, 3, 64), (4, 4, 128), (2, 1, 48)])
-def test_rotary_write_kv(dtype: torch.dtype, num_q: int, num_kv: int, head_dim: int) -> None:
+def test_rotary_write_kv(
+    isa: str, dtype: torch.dtype, num_q: int, num_kv: int, head_dim: int
+) -> None:
     generator = torch.Generator().manual_seed(head_dim)
     tokens, blocks, block_size = 6, 5, 4
     qkv = torch.randn(tokens, (num_q + 2 * num_kv) * head_dim, generator=generator).to(dtype)
@@ -85,7 +95,7 @@ def test_rotary_write_kv(dtype: torch.dtype, num_q: int, num_kv: int, head_dim: 
     v_cache = torch.randn(blocks, block_size, num_kv, head_dim, generator=generator).to(dtype)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     heads = (num_q, num_kv, head_dim)
-    q = layer_ops_cpu.rotary_write_kv(qkv, heads, cos, sin, slots, k_cache, v_cache)
+    q = layer_ops_cpu.rotary_write_kv(qkv, heads, cos, sin, slots, k_cache, v_cache, isa=isa)
     split = qkv.view(tokens, num_q + 2 * num_kv, head_dim)
     query, key, value = (
         split[:, :num_q],
@@ -105,13 +115,14 @@ def test_rotary_write_kv(dtype: torch.dtype, num_q: int, num_kv: int, head_dim: 
 
 
 @needs_kernel
+@each_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "width"), [(1, 1536), (3, 40), (64, 1536)])
-def test_silu_mul(dtype: torch.dtype, rows: int, width: int) -> None:
+def test_silu_mul(isa: str, dtype: torch.dtype, rows: int, width: int) -> None:
     generator = torch.Generator().manual_seed(width)
     gate_up = (torch.randn(rows, 2 * width, generator=generator) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)  # exp's clamped range
-    out = layer_ops_cpu.silu_mul(gate_up)
+    out = layer_ops_cpu.silu_mul(gate_up, isa=isa)
     gate, up = gate_up.double().chunk(2, dim=-1)
     exact = gate * torch.sigmoid(gate) * up
     if dtype == torch.float32:  # the vector exp and a division: a few float32 steps

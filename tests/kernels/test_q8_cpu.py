@@ -11,10 +11,15 @@ import torch
 
 from kernels import q8_cpu
 from kernels.q8_cpu import Q8Weight, q8_matmul
-from tests.kernels.cpu_features import cpu_has_avx512
+from tests.kernels.cpu_features import (
+    cpu_has_avx2_fma,
+    cpu_vector_isas,
+    each_isa,
+    needs_vector_kernels,
+)
 from tests.kernels.gguf_blocks import gguf_blocks, within_float32_summation
 
-needs_kernel = pytest.mark.skipif(not cpu_has_avx512(), reason="the kernel needs AVX-512")
+needs_kernel = needs_vector_kernels
 
 
 def gguf_q8_0(rows: int, cols: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
@@ -22,7 +27,8 @@ def gguf_q8_0(rows: int, cols: int, seed: int) -> tuple[np.ndarray, torch.Tensor
 
 
 def test_kernel_is_built_wherever_the_cpu_runs_it() -> None:
-    assert q8_cpu.available() == cpu_has_avx512()
+    assert q8_cpu.available() == cpu_has_avx2_fma()
+    assert q8_cpu.supported_isas() == cpu_vector_isas()
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1, 32), (7, 96), (96, 576), (130, 1536)])
@@ -69,33 +75,38 @@ def test_recover_refuses_a_matrix_exact_only_in_its_first_row() -> None:
 
 
 @needs_kernel
+@each_isa
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (6, 64), (7, 96), (130, 576)])
 def test_product_equals_float32_matmul_over_the_dequantized_weights(
-    rows: int, out_features: int, in_features: int
+    isa: str, rows: int, out_features: int, in_features: int
 ) -> None:
     _, dequantized = gguf_q8_0(out_features, in_features, seed=out_features + rows)
     weight = Q8Weight.recover(dequantized)
     assert weight is not None
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
-    got = q8_matmul(x, weight)
+    got = q8_matmul(x, weight, isa=isa)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     assert within_float32_summation(got, x, dequantized)
 
 
 @needs_kernel
-def test_kernel_reads_each_weight_exactly_as_dequantize_gives_it() -> None:
+@each_isa
+def test_kernel_reads_each_weight_exactly_as_dequantize_gives_it(isa: str) -> None:
     """One-hot rows pick single weights out of the product: every weight bit for bit."""
     _, dequantized = gguf_q8_0(50, 128, seed=4)
     weight = Q8Weight.recover(dequantized)
     assert weight is not None
     for columns in (range(0, 4), range(30, 34), range(124, 128), [5, 77, 90]):
         picks = torch.eye(128)[list(columns)]
-        assert torch.equal(q8_matmul(picks, weight), weight.dequantize()[:, list(columns)].T)
+        assert torch.equal(
+            q8_matmul(picks, weight, isa=isa), weight.dequantize()[:, list(columns)].T
+        )
 
 
 @needs_kernel
-def test_product_does_not_depend_on_the_thread_count_or_the_other_rows() -> None:
+@each_isa
+def test_product_does_not_depend_on_the_thread_count_or_the_other_rows(isa: str) -> None:
     _, dequantized = gguf_q8_0(97, 576, seed=5)
     weight = Q8Weight.recover(dequantized)
     assert weight is not None
@@ -103,13 +114,13 @@ def test_product_does_not_depend_on_the_thread_count_or_the_other_rows() -> None
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = q8_matmul(x, weight)
+        one = q8_matmul(x, weight, isa=isa)
         torch.set_num_threads(2)
-        two = q8_matmul(x, weight)
+        two = q8_matmul(x, weight, isa=isa)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
-    assert torch.equal(q8_matmul(x[4:5], weight), one[4:5])
+    assert torch.equal(q8_matmul(x[4:5], weight, isa=isa), one[4:5])
 
 
 @needs_kernel

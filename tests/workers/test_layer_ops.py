@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from kernels import PagedAttentionStep, layer_ops_cpu, prepare_attention
+from tests.kernels.cpu_features import cpu_has_avx2_fma, each_isa, needs_vector_kernels
 from workers.config import RopeSpec
 from workers.layer_ops import NativeCpuLayerOps, TorchLayerOps, layer_ops_for
 from workers.layers import RMSNorm
 from workers.rope import RotaryEmbedding
 
-needs_library = pytest.mark.skipif(not layer_ops_cpu.available(), reason="library not built")
+needs_library = needs_vector_kernels  # a CPU with AVX2 and FMA runs it: a missing build fails
 
 BF16_STEP = 2.0**-7  # torch in bfloat16 rounds between operators: up to about one step apart
 
@@ -26,23 +27,24 @@ def _close(native: torch.Tensor, plain: torch.Tensor) -> None:
 
 def test_a_cpu_model_gets_the_native_ops_where_built() -> None:
     chosen = layer_ops_for(torch.device("cpu"))
-    assert isinstance(chosen, NativeCpuLayerOps) == layer_ops_cpu.available()
+    assert isinstance(chosen, NativeCpuLayerOps) == layer_ops_cpu.available() == cpu_has_avx2_fma()
     assert isinstance(layer_ops_for(torch.device("meta")), TorchLayerOps)
 
 
 @needs_library
+@each_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_norm_matches_torch(dtype: torch.dtype) -> None:
+def test_add_norm_matches_torch(isa: str, dtype: torch.dtype) -> None:
     norm = RMSNorm(96, 1e-6, dtype)
     norm.weight.data = torch.rand(96, generator=torch.Generator().manual_seed(1)).to(dtype) + 0.5
     residual = torch.randn(7, 96)
     delta = torch.randn(7, 96).to(dtype)
     plain_residual, plain = TorchLayerOps().add_norm(residual.clone(), delta, norm)
-    native_residual, native = NativeCpuLayerOps().add_norm(residual.clone(), delta, norm)
+    native_residual, native = NativeCpuLayerOps(isa).add_norm(residual.clone(), delta, norm)
     assert torch.equal(native_residual, plain_residual)
     _close(native, plain)
     # nothing pending: the norm alone
-    _close(NativeCpuLayerOps().add_norm(residual, None, norm)[1], norm(residual))
+    _close(NativeCpuLayerOps(isa).add_norm(residual, None, norm)[1], norm(residual))
 
 
 def _step(tokens: int, slots: list[int], block_size: int, blocks: int) -> PagedAttentionStep:
@@ -59,15 +61,16 @@ def _step(tokens: int, slots: list[int], block_size: int, blocks: int) -> PagedA
 
 
 @needs_library
+@each_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_write_kv_matches_torch(dtype: torch.dtype) -> None:
+def test_rotary_write_kv_matches_torch(isa: str, dtype: torch.dtype) -> None:
     heads, tokens = (6, 2, 64), 4
     rotary = RotaryEmbedding(RopeSpec(kind="default", theta=10000.0), 64)
     positions = torch.tensor([3, 50, 700, 1])
     qkv = torch.randn(tokens, 10 * 64).to(dtype)
     step = _step(tokens, [9, -1, 0, 30], block_size=8, blocks=4)
     results = []
-    for ops in (TorchLayerOps(), NativeCpuLayerOps()):
+    for ops in (TorchLayerOps(), NativeCpuLayerOps(isa)):
         k_cache = torch.zeros(4, 8, 2, 64, dtype=dtype)
         v_cache = torch.zeros(4, 8, 2, 64, dtype=dtype)
         cos_sin = ops.cos_sin(rotary, positions, dtype)
@@ -95,8 +98,9 @@ def test_native_rotary_keeps_write_kv_checks() -> None:
 
 
 @needs_library
-def test_operands_the_library_does_not_take_go_to_torch() -> None:
-    ops = NativeCpuLayerOps()
+@each_isa
+def test_operands_the_library_does_not_take_go_to_torch(isa: str) -> None:
+    ops = NativeCpuLayerOps(isa)
     gate_up = torch.randn(3, 2 * 40, dtype=torch.float16)
     _close(ops.silu_mul(gate_up), TorchLayerOps().silu_mul(gate_up))
     strided = torch.randn(3, 4 * 40)[:, ::2]
