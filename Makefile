@@ -6,6 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_PIN ?= torch==2.13.0
+# pytest-xdist workers; every Ray/Serve test runs on one of them (tests/conftest.py, RAY_GROUP).
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test test-fast lint serve bench clean
@@ -25,11 +28,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	TRITON_INTERPRET=1 $(PY) -m pytest
+	TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_PARALLEL)
 
 # The inner loop: no Ray, no Serve, no SmolLM2 (tests/conftest.py, `--fast`).
 test-fast: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest --fast
+	TRITON_INTERPRET=1 $(PY) -m pytest --fast $(PYTEST_PARALLEL)
 
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve

@@ -5,6 +5,12 @@ Tests marked `ray` start Ray, Ray Serve or a `pagedserve serve` process; those m
 load SmolLM2-135M's weights. A test using one of `RAY_FIXTURES` or `SMOLLM2_FIXTURES` is marked
 so by that alone. `--fast` (`make test-fast`) deselects both kinds; under it a test that still
 leaves Ray initialized in this process fails, naming the marker it lacks.
+
+Under pytest-xdist (`-n 2 --dist loadgroup`, as `make test` runs) every `ray` test is in the one
+`xdist_group` `RAY_GROUP`, so they all run on one worker, one after another: two Ray or Serve
+instances on one machine kill each other's proxies. The other `smollm2` tests are in
+`SMOLLM2_GROUP`, so SmolLM2's weights and HF references (session fixtures) are built on one
+worker only.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import pytest
 
 RAY_FIXTURES = frozenset({"ray_cluster", "served"})
 SMOLLM2_FIXTURES = frozenset({"smollm2_hf"})
+RAY_GROUP = "ray"
+SMOLLM2_GROUP = "smollm2"
 
 
 def _cuda_available() -> bool:
@@ -36,6 +44,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the `xdist_group` marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
@@ -43,6 +52,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.ray)
         if fixtures & SMOLLM2_FIXTURES:
             item.add_marker(pytest.mark.smollm2)
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+        elif item.get_closest_marker("smollm2") is not None:
+            item.add_marker(pytest.mark.xdist_group(SMOLLM2_GROUP))
     if config.getoption("fast"):
         slow = [item for item in items if {"ray", "smollm2"} & set(item.keywords)]
         config.hook.pytest_deselected(items=slow)
@@ -55,12 +68,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(autouse=True)
-def _fast_runs_no_ray(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under `--dist loadgroup` xdist schedules by the `@group` suffix it adds to each grouped
+    test's node id; a pytest/xdist pair where that suffix is missing would put Ray tests on
+    both workers at once, so the run stops instead."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    for item in session.items:
+        for mark in item.iter_markers("xdist_group"):
+            if not item.nodeid.endswith(f"@{mark.args[0]}"):
+                message = (
+                    f"pytest-xdist did not group {item.nodeid} ({mark.args[0]!r}): this pytest "
+                    "and pytest-xdist pair breaks `--dist loadgroup` (see pyproject's pins)"
+                )
+                print(message, file=sys.stderr)  # the controller reports only an internal error
+                raise pytest.UsageError(message)
+
+
+def _ray_initialized() -> bool:
     ray = sys.modules.get("ray")
-    if request.config.getoption("fast") and ray is not None and ray.is_initialized():
-        ray.shutdown()
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_in_ray_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test not marked `ray` that starts Ray fails (and Ray is shut down): `--fast` must leave
+    it out, and under xdist it would run beside the `RAY_GROUP` worker's Ray. Under `--fast`
+    any test that leaves Ray initialized fails."""
+    initialized_before = _ray_initialized()
+    yield
+    if request.node.get_closest_marker("ray") is not None or not _ray_initialized():
+        return
+    if request.config.getoption("fast") or not initialized_before:
+        sys.modules["ray"].shutdown()
         pytest.fail("this test starts Ray: mark it `pytest.mark.ray` (kept out of --fast)")
 
 
