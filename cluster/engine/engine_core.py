@@ -1,14 +1,14 @@
 """The synchronous heart of the engine: requests in, one step at a time, outputs out.
 
 `EngineCore` owns the worker group, the block manager (sized from what the workers agreed on),
-the scheduler and the tokenizer. A step is `begin_step()` (schedule, giving the plan), the
-workers' execution, then `advance_step()` (what the next schedule needs: KV marked computed,
-tokens appended, the finishes that need no text, or a refused plan isolated to its requests) and
-`settle_step()` (text, stop strings, metrics, the requests to report). `StepPipeline` runs them
-for the offline `LLM` and the async engine alike, with async scheduling planning the next step
-while the current one runs (`begin_step_ahead`: placeholders for the tokens in flight) or, when
-it cannot, launching it between the two halves; `step()` runs everything in a row. Nothing else
-drives a step.
+the scheduler and the tokenizer; every request leaves through its `RequestEndings`. A step is
+`begin_step()` (schedule, giving the plan), the workers' execution, then `advance_step()` (what
+the next schedule needs: KV marked computed, tokens appended, the finishes that need no text, or
+a refused plan isolated to its requests) and `settle_step()` (text, stop strings, metrics, the
+requests to report). `StepPipeline` runs them for the offline `LLM` and the async engine alike,
+with async scheduling planning the next step while the current one runs (`begin_step_ahead`:
+placeholders for the tokens in flight) or, when it cannot, launching it between the two halves;
+`step()` runs everything in a row. Nothing else drives a step.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class EngineCore:
         queue_wait: QueueWait | None = None,
         record_block_events: bool = False,
     ) -> None:
-        """`workers`, `tokenizer` and `queue_wait` default to ones built from `config` (tests
-        inject them)."""
+        """`workers` and `tokenizer` default to ones built from `config`, `queue_wait` to a
+        fresh one (tests inject them)."""
         self.config = config
         self.workers = workers if workers is not None else WorkerGroup(config.to_worker_config())
         info: ModelInfo = self.workers.model_info

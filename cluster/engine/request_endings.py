@@ -3,8 +3,9 @@ queue, and the step outcomes that end requests (a plan the workers refused, a st
 head, KV blocks whose copy back from the CPU failed its checksum).
 
 `RequestEndings` is owned by `EngineCore` and shares its table of live requests. Invariants:
-- a request is ended at most once: it is taken out of the live table here, and a request no
-  longer in it is left alone (ending one twice would release its holds twice);
+- a request is ended once: every path takes it out of the live table, `abort` and `fail` leave
+  alone one that is no longer in it, and `complete` and `reject_during_admission` are given
+  only requests the step at hand has just ended;
 - every ended request gives back its blocks (through the scheduler, or before it got any), its
   reservations and its hold on its adapter's weights, has `metrics.finished_time` set and is
   counted in exactly one of the recorder's finished, aborted, failed or rejected counters;
