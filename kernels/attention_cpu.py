@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.native import FLAG, POINTER, SIZE, isa_number, library_isas, load_library
+from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
@@ -60,8 +60,8 @@ class DecodeRows:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built kernel library, or None (`kernels.native.load_library`)."""
+def _native() -> NativeLibrary:
+    """The kernel library as this process loaded it (`kernels.native.NativeLibrary`)."""
     attention = [
         FLAG,  # instruction set
         POINTER, SIZE, SIZE,  # query, its row and head strides
@@ -71,26 +71,28 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_float, SIZE,  # scale, window
         POINTER, SIZE, SIZE,  # out, its row and head strides
     ]  # fmt: skip
-    return load_library(
-        "kernels._attention_cpu", "decode_attention_supported", {"decode_attention": attention}
+    return NativeLibrary.load(
+        "kernels._attention_cpu",
+        "decode_attention_supported",
+        {"decode_attention": attention},
+        "decode_attention_isa_supported",
     )
 
 
 def available() -> bool:
     """Whether the native kernel was built and this CPU runs it (AVX2 and FMA at least)."""
-    return _library() is not None
+    return _native().available()
 
 
-@functools.cache
 def supported_isas() -> tuple[str, ...]:
     """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the kernel with, fastest
     first."""
-    return library_isas(_library(), "decode_attention_isa_supported")
+    return _native().isas
 
 
 def best_isa() -> str | None:
     """The fastest instruction set this CPU runs the kernel with (None: none)."""
-    return next(iter(supported_isas()), None)
+    return _native().best_isa()
 
 
 def accepts(
@@ -131,9 +133,7 @@ def decode_attention(
     """Fill `out`'s rows `decodes.rows` with each decode's attention over its paged context
     (its last `sliding_window` keys when given), with instruction set `isa` (one of
     `supported_isas()`; None: the fastest). Operands as `accepts` requires."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the attention CPU kernel is not available (not built, or no AVX2)")
+    library = _native().require("the attention CPU kernel is not available (not built, or no AVX2)")
     if not accepts(query, k_cache, v_cache, out):
         raise ValueError("decode_attention: operands the kernel does not take (see accepts)")
     num_seqs = decodes.rows.shape[0]
@@ -141,7 +141,7 @@ def decode_attention(
         return
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     status = library.decode_attention(
-        isa_number(isa, supported_isas()),
+        _native().isa_number(isa),
         query.data_ptr(),
         query.stride(0),
         query.stride(1),

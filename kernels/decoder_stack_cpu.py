@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention_cpu import MAX_GROUP, MAX_HEAD_DIM, DecodeRows
-from kernels.native import FLAG, POINTER, SIZE, isa_number, library_isas, load_library
+from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 from kernels.q4_cpu import Q4Weight
 
 STACK_DTYPES = (torch.float32, torch.bfloat16)
@@ -33,8 +33,8 @@ STACK_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built library, or None (`kernels.native.load_library`)."""
+def _native() -> NativeLibrary:
+    """The library as this process loaded it (`kernels.native.NativeLibrary`)."""
     stack = [
         FLAG,  # instruction set
         POINTER, SIZE, FLAG,  # layer table, layers, bfloat16
@@ -46,28 +46,27 @@ def _library() -> ctypes.CDLL | None:
         POINTER, POINTER, POINTER, SIZE, SIZE,  # rows, context_lens, tables, stride, block_size
         POINTER, POINTER,  # final norm weight, out
     ]  # fmt: skip
-    library = load_library("kernels._decoder_stack_cpu", "decoder_stack_supported",
-                           {"decoder_stack": stack})  # fmt: skip
-    if library is not None:
-        library.decoder_stack_fields.restype = SIZE
-    return library
+    native = NativeLibrary.load("kernels._decoder_stack_cpu", "decoder_stack_supported",
+                               {"decoder_stack": stack}, "decoder_stack_isa_supported")  # fmt: skip
+    if native.handle is not None:
+        native.handle.decoder_stack_fields.restype = SIZE
+    return native
 
 
 def available() -> bool:
     """Whether the native library was built and this CPU runs it (AVX2 and FMA at least)."""
-    return _library() is not None
+    return _native().available()
 
 
-@functools.cache
 def supported_isas() -> tuple[str, ...]:
     """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the library with, fastest
     first."""
-    return library_isas(_library(), "decoder_stack_isa_supported")
+    return _native().isas
 
 
 def best_isa() -> str | None:
     """The fastest instruction set this CPU runs the library with (None: none)."""
-    return next(iter(supported_isas()), None)
+    return _native().best_isa()
 
 
 @dataclass(frozen=True)
@@ -127,11 +126,11 @@ class DecoderStack:
         """ValueError if the library cannot run these weights as given, or `isa` (the
         instruction set every step runs with: one of `supported_isas()`, None: the fastest) is
         not one this CPU has."""
-        library = _library()
-        if library is None:
-            raise RuntimeError("the decoder stack library is not available (not built, or no "
-                               "AVX2 and FMA)")  # fmt: skip
-        isa_number(isa, supported_isas())  # refuses an instruction set this CPU lacks
+        native = _native()
+        library = native.require(
+            "the decoder stack library is not available (not built, or no AVX2 and FMA)"
+        )
+        native.isa_number(isa)  # refuses an instruction set this CPU lacks
         self.isa: str = isa or str(best_isa())
         if dtype not in STACK_DTYPES:
             raise ValueError(f"decoder stack: activations {dtype}, not one of {STACK_DTYPES}")
@@ -188,7 +187,7 @@ class DecoderStack:
         `[rows, head_dim]`, `slots` int64 `[rows]` (-1: no write), `kv_pool`
         `[layers, 2, blocks, block_size, num_kv, head_dim]` (as `accepts` requires), `decodes`
         validated against it (`kernels.prepare_attention`)."""
-        library = _library()
+        library = _native().handle
         assert library is not None, "a DecoderStack exists only where the library loads"
         if not self.accepts(residual, kv_pool):
             raise ValueError("decoder stack: residual or KV pool it does not take (see accepts)")
@@ -207,7 +206,7 @@ class DecoderStack:
         out = torch.empty(rows, self.shape.hidden, dtype=torch.float32)
         shape = self.shape
         status = library.decoder_stack(
-            isa_number(self.isa, supported_isas()),
+            _native().isa_number(self.isa),
             self.table.data_ptr(),
             self.num_layers,
             int(self.dtype == torch.bfloat16),

@@ -19,14 +19,14 @@ import functools
 
 import torch
 
-from kernels.native import FLAG, POINTER, SIZE, isa_number, library_isas, load_library
+from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built library, or None (`kernels.native.load_library`)."""
+def _native() -> NativeLibrary:
+    """The library as this process loaded it (`kernels.native.NativeLibrary`)."""
     signatures = {
         "add_rms_norm": [FLAG, POINTER, POINTER, FLAG, POINTER, FLAG, ctypes.c_float, SIZE, SIZE,
                          POINTER, FLAG],
@@ -34,24 +34,25 @@ def _library() -> ctypes.CDLL | None:
                             POINTER, POINTER, POINTER, POINTER],
         "silu_mul": [FLAG, POINTER, FLAG, SIZE, SIZE, POINTER],
     }  # fmt: skip
-    return load_library("kernels._layer_ops_cpu", "layer_ops_supported", signatures)
+    return NativeLibrary.load(
+        "kernels._layer_ops_cpu", "layer_ops_supported", signatures, "layer_ops_isa_supported"
+    )
 
 
 def available() -> bool:
     """Whether the native library was built and this CPU runs it (AVX2 and FMA at least)."""
-    return _library() is not None
+    return _native().available()
 
 
-@functools.cache
 def supported_isas() -> tuple[str, ...]:
     """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the library with, fastest
     first."""
-    return library_isas(_library(), "layer_ops_isa_supported")
+    return _native().isas
 
 
 def best_isa() -> str | None:
     """The fastest instruction set this CPU runs the library with (None: none)."""
-    return next(iter(supported_isas()), None)
+    return _native().best_isa()
 
 
 def fits(*tensors: torch.Tensor) -> bool:
@@ -84,7 +85,7 @@ def add_rms_norm(
 
     `residual` float32 `[rows, hidden]`; `delta` the same shape (float32 or bfloat16); `weight`
     `[hidden]`; all contiguous (`fits`). `isa`: one of `supported_isas()` (None: the fastest)."""
-    library = _library()
+    library = _native().handle
     assert library is not None, "callers check fits() first"
     rows, hidden = residual.shape
     if residual.dtype != torch.float32 or weight.shape != (hidden,):
@@ -93,7 +94,7 @@ def add_rms_norm(
         raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} != {tuple(residual.shape)}")
     out = torch.empty(rows, hidden, dtype=out_dtype)
     status = library.add_rms_norm(
-        isa_number(isa, supported_isas()),
+        _native().isa_number(isa),
         residual.data_ptr(),
         None if delta is None else delta.data_ptr(),
         0 if delta is None else _bf16(delta),
@@ -127,7 +128,7 @@ def rotary_write_kv(
     and `sin` float32 `[tokens, head_dim]`; `slots` int64 `[tokens]`, validated (in range,
     distinct); caches `[blocks, block_size, num_kv, head_dim]` in `qkv`'s dtype. `isa`: one of
     `supported_isas()` (None: the fastest)."""
-    library = _library()
+    library = _native().handle
     assert library is not None, "callers check fits() first"
     num_q, num_kv, head_dim = heads
     tokens = qkv.shape[0]
@@ -141,7 +142,7 @@ def rotary_write_kv(
         raise ValueError("rotary_write_kv: slots must be int64 [tokens]")
     q = torch.empty(tokens, num_q, head_dim, dtype=qkv.dtype)
     status = library.rotary_write_kv(
-        isa_number(isa, supported_isas()),
+        _native().isa_number(isa),
         qkv.data_ptr(),
         qkv.stride(0),
         _bf16(qkv),
@@ -163,13 +164,13 @@ def rotary_write_kv(
 def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """`silu(gate) * up` of `gate_up` `[rows, 2 width]` (`[gate | up]`), as `[rows, width]`;
     `isa`: one of `supported_isas()` (None: the fastest)."""
-    library = _library()
+    library = _native().handle
     assert library is not None, "callers check fits() first"
     rows, double = gate_up.shape
     if double % 2:
         raise ValueError(f"silu_mul: odd width {double}")
     out = torch.empty(rows, double // 2, dtype=gate_up.dtype)
-    number = isa_number(isa, supported_isas())
+    number = _native().isa_number(isa)
     _check(library.silu_mul(number, gate_up.data_ptr(), _bf16(gate_up), rows, double // 2,
                             out.data_ptr()), "silu_mul")  # fmt: skip
     return out

@@ -20,14 +20,13 @@ callers then keep their dense product.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 
 import torch
 
 from kernels.exact_blocks import BLOCK, solve_exact_blocks
-from kernels.native import FLAG, POINTER, SIZE, isa_number, library_isas, load_library
+from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 
 CODE_MAX = 15
 
@@ -108,37 +107,38 @@ def _solve_blocks(
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built kernel library, or None (`kernels.native.load_library`)."""
+def _native() -> NativeLibrary:
+    """The kernel library as this process loaded it (`kernels.native.NativeLibrary`)."""
     matmul = [FLAG, POINTER, FLAG, POINTER, SIZE, SIZE, POINTER, POINTER, POINTER, SIZE, POINTER]
     matmul += [FLAG]
-    return load_library("kernels._q4_cpu", "q4_supported", {"q4_matmul": matmul})
+    return NativeLibrary.load(
+        "kernels._q4_cpu", "q4_supported", {"q4_matmul": matmul}, "q4_isa_supported"
+    )
 
 
 def available() -> bool:
     """Whether the native kernel was built and this CPU runs it (AVX2 and FMA at least)."""
-    return _library() is not None
+    return _native().available()
 
 
-@functools.cache
 def supported_isas() -> tuple[str, ...]:
     """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the kernel with,
     fastest first."""
-    return library_isas(_library(), "q4_isa_supported")
+    return _native().isas
 
 
 def best_isa() -> str | None:
     """The fastest instruction set this CPU runs the kernel with (None: none)."""
-    return next(iter(supported_isas()), None)
+    return _native().best_isa()
 
 
 def q4_matmul(x: torch.Tensor, weight: Q4Weight, isa: str | None = None) -> torch.Tensor:
     """`x [..., K] @ W^T` for a `Q4Weight` W `[N, K]` over its exact float32 weights, in `x`'s
     dtype: float32, or bfloat16 (widened exactly, the float32 result rounded once); `isa`: one
     of `supported_isas()` (None: the fastest)."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the q4 CPU kernel is not available (not built, or no AVX2 and FMA)")
+    library = _native().require(
+        "the q4 CPU kernel is not available (not built, or no AVX2 and FMA)"
+    )
     rows_out, cols = weight.shape
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         raise ValueError(f"q4_matmul takes float32 or bfloat16 CPU inputs, got {x.dtype}")
@@ -150,7 +150,7 @@ def q4_matmul(x: torch.Tensor, weight: Q4Weight, isa: str | None = None) -> torc
     bf16 = x.dtype == torch.bfloat16
     widened = torch.empty(rows * cols if bf16 else 0, dtype=torch.float32)
     status = library.q4_matmul(
-        isa_number(isa, supported_isas()),
+        _native().isa_number(isa),
         flat.data_ptr(),
         int(bf16),
         widened.data_ptr(),

@@ -17,14 +17,13 @@ it was not built or the CPU lacks AVX2 and FMA, and callers then keep their dens
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 
 import torch
 
 from kernels.exact_blocks import BLOCK, solve_exact_blocks
-from kernels.native import FLAG, POINTER, SIZE, isa_number, library_isas, load_library
+from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 
 CODE_MAX = 127
 """Q8_0 codes are `round(w / scale)` with `scale = max|w| / 127`, so they span -127..127."""
@@ -90,35 +89,36 @@ def _solve_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built kernel library, or None (`kernels.native.load_library`)."""
+def _native() -> NativeLibrary:
+    """The kernel library as this process loaded it (`kernels.native.NativeLibrary`)."""
     matmul = [FLAG, POINTER, SIZE, SIZE, POINTER, POINTER, SIZE, POINTER]
-    return load_library("kernels._q8_cpu", "q8_supported", {"q8_matmul": matmul})
+    return NativeLibrary.load(
+        "kernels._q8_cpu", "q8_supported", {"q8_matmul": matmul}, "q8_isa_supported"
+    )
 
 
 def available() -> bool:
     """Whether the native kernel was built and this CPU runs it (AVX2 and FMA at least)."""
-    return _library() is not None
+    return _native().available()
 
 
-@functools.cache
 def supported_isas() -> tuple[str, ...]:
     """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the kernel with, fastest
     first."""
-    return library_isas(_library(), "q8_isa_supported")
+    return _native().isas
 
 
 def best_isa() -> str | None:
     """The fastest instruction set this CPU runs the kernel with (None: none)."""
-    return next(iter(supported_isas()), None)
+    return _native().best_isa()
 
 
 def q8_matmul(x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torch.Tensor:
     """`x [rows, K] @ W^T` (float32) for a `Q8Weight` W `[N, K]` over its exact weights; `isa`:
     one of `supported_isas()` (None: the fastest)."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the q8 CPU kernel is not available (not built, or no AVX2 and FMA)")
+    library = _native().require(
+        "the q8 CPU kernel is not available (not built, or no AVX2 and FMA)"
+    )
     rows_out, cols = weight.shape
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         raise ValueError(f"q8_matmul takes a 2-d float32 CPU input, got {x.dtype} {x.dim()}-d")
@@ -127,7 +127,7 @@ def q8_matmul(x: torch.Tensor, weight: Q8Weight, isa: str | None = None) -> torc
     x = x.contiguous()
     out = torch.empty(x.shape[0], rows_out, dtype=torch.float32)
     status = library.q8_matmul(
-        isa_number(isa, supported_isas()),
+        _native().isa_number(isa),
         x.data_ptr(),
         x.shape[0],
         cols,

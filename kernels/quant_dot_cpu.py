@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.exact_blocks import BLOCK
-from kernels.native import FLAG, POINTER, SIZE, load_library
+from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 from kernels.q4_cpu import Q4Weight
 from kernels.q8_cpu import Q8Weight
 
@@ -171,42 +171,34 @@ def _panel_floats(values: torch.Tensor, padded: int) -> torch.Tensor:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built kernel library, or None (`kernels.native.load_library`)."""
+def _native() -> NativeLibrary:
+    """The kernel library as this process loaded it (`kernels.native.NativeLibrary`)."""
     quantize = [POINTER, FLAG, SIZE, SIZE, POINTER, POINTER, POINTER]
     matmul = [FLAG, POINTER, FLAG, SIZE, SIZE, POINTER, FLAG, POINTER, POINTER, SIZE, POINTER]
     matmul += [FLAG]
-    signatures = {
-        "quant_dot_quantize": quantize,
-        "quant_dot_matmul": matmul,
-        "quant_dot_isa_supported": [FLAG],
-    }
-    return load_library("kernels._quant_dot_cpu", "quant_dot_supported", signatures)
+    signatures = {"quant_dot_quantize": quantize, "quant_dot_matmul": matmul}
+    return NativeLibrary.load(
+        "kernels._quant_dot_cpu", "quant_dot_supported", signatures, "quant_dot_isa_supported", ISAS
+    )
 
 
 def available() -> bool:
     """Whether the native kernel was built and this CPU runs it (AVX2 and FMA at least)."""
-    return _library() is not None
+    return _native().available()
 
 
-@functools.cache
 def supported_isas() -> tuple[str, ...]:
     """The instruction sets of `ISAS` this CPU runs the kernel with, fastest first."""
-    library = _library()
-    if library is None:
-        return ()
-    return tuple(name for name, number in ISAS.items() if library.quant_dot_isa_supported(number))
+    return _native().isas
 
 
 def best_isa() -> str | None:
     """The fastest instruction set this CPU runs the kernel with (None: none)."""
-    return next(iter(supported_isas()), None)
+    return _native().best_isa()
 
 
 def _checked(x: torch.Tensor, cols: int) -> tuple[ctypes.CDLL, torch.Tensor]:
-    library = _library()
-    if library is None:
-        raise RuntimeError("the quant_dot CPU kernel is not available (not built, or no AVX2)")
+    library = _native().require("the quant_dot CPU kernel is not available (not built, or no AVX2)")
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         raise ValueError(f"quant_dot takes float32 or bfloat16 CPU inputs, got {x.dtype}")
     if x.shape[-1] != cols or cols % BLOCK:
@@ -247,14 +239,12 @@ def quant_matmul(x: torch.Tensor, weight: PanelWeight, isa: str | None = None) -
     bfloat16 rounded once from the float32 result); `isa`: one of `supported_isas()` (None:
     the fastest)."""
     library, flat = _checked(x, weight.cols)
-    chosen = isa or best_isa()
-    if chosen not in supported_isas():
-        raise ValueError(f"instruction set {chosen!r} is not one of {supported_isas()}")
+    number = _native().isa_number(isa)
     rows = flat.shape[0]
     out = torch.empty(rows, weight.rows, dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
     status = library.quant_dot_matmul(
-        ISAS[chosen],
+        number,
         flat.data_ptr(),
         bf16,
         rows,

@@ -237,12 +237,12 @@ class WorkerGroup:
         else:
             import ray
 
-            plan = self._placeholders.fill(plan)
-            self._placeholders.record(None)  # until this plan's output is back
-            plan_ref = ray.put(plan) if len(self._actors) > 1 else plan
-            refs = [a.execute_with_logits.remote(plan_ref, keep_logits) for a in self._actors]
-            output, logits = ray.get(refs)[0]
-            self._placeholders.record(output)
+            def run_on_ranks(filled: StepPlan) -> tuple[StepOutput | None, torch.Tensor | None]:
+                plan_ref = self._shared(filled)
+                refs = [a.execute_with_logits.remote(plan_ref, keep_logits) for a in self._actors]
+                return ray.get(refs)[0]
+
+            output, logits = self._placeholders.run(plan, run_on_ranks)
         assert output is not None
         self.overhead.record(time.perf_counter() - began, output.forward_seconds)
         return output, logits
@@ -255,15 +255,14 @@ class WorkerGroup:
         if self._local is not None:
             output, _ = await self._rank_thread.call_async(self._run_local, plan, False)
         else:
-            import ray
+
+            async def run_on_ranks(filled: StepPlan) -> tuple[StepOutput | None, None]:
+                plan_ref = self._shared(filled)
+                outputs = await asyncio.gather(*[a.execute.remote(plan_ref) for a in self._actors])
+                return outputs[0], None
 
             async with self._ray_order:
-                plan = self._placeholders.fill(plan)
-                self._placeholders.record(None)  # until this plan's output is back
-                plan_ref = ray.put(plan) if len(self._actors) > 1 else plan
-                tasks = [a.execute.remote(plan_ref) for a in self._actors]
-                output = (await asyncio.gather(*tasks))[0]
-                self._placeholders.record(output)
+                output, _ = await self._placeholders.run_async(plan, run_on_ranks)
         assert output is not None
         self.overhead.record(time.perf_counter() - began, output.forward_seconds)
         return output
@@ -273,12 +272,18 @@ class WorkerGroup:
     ) -> tuple[StepOutput | None, torch.Tensor | None]:
         """One plan on the in-process rank, on its thread (so plans run one after the other in
         the order they were handed over), its placeholders filled from the previous output."""
-        assert self._local is not None
-        plan = self._placeholders.fill(plan)
-        self._placeholders.record(None)  # a plan that raises leaves nothing to fill from
-        output, logits = self._local.execute_with_logits(plan, keep_logits)
-        self._placeholders.record(output)
-        return output, logits
+        local = self._local
+        assert local is not None
+        return self._placeholders.run(
+            plan, lambda filled: local.execute_with_logits(filled, keep_logits)
+        )
+
+    def _shared(self, plan: StepPlan) -> Any:
+        """What the rank actors are sent: one `ray.put` of the plan when there are several (it
+        is serialized once), the plan itself for one."""
+        import ray
+
+        return ray.put(plan) if len(self._actors) > 1 else plan
 
     async def read_blocks_async(self, sources: list[tuple[str, int]]) -> list[BlockShard]:
         """Every rank's `BlockShard` of the (tier, block) `sources`, in rank order; each rank

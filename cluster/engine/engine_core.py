@@ -1,20 +1,19 @@
 """The synchronous heart of the engine: requests in, one step at a time, outputs out.
 
 `EngineCore` owns the worker group, the block manager (sized from what the workers agreed on),
-the scheduler and the tokenizer. A step is `begin_step()` (schedule, giving the plan), the
-workers' execution, then `advance_step()` (what the next schedule needs: KV marked computed,
-tokens appended, the finishes that need no text, or a refused plan isolated to its requests) and
-`settle_step()` (text, stop strings, metrics, the requests to report). `StepPipeline` runs them
-for the offline `LLM` and the async engine alike, with async scheduling planning the next step
-while the current one runs (`begin_step_ahead`: placeholders for the tokens in flight) or, when
-it cannot, launching it between the two halves; `step()` runs everything in a row. Nothing else
-drives a step.
+the scheduler and the tokenizer; every request leaves through its `RequestEndings`. A step is
+`begin_step()` (schedule, giving the plan), the workers' execution, then `advance_step()` (what
+the next schedule needs: KV marked computed, tokens appended, the finishes that need no text, or
+a refused plan isolated to its requests) and `settle_step()` (text, stop strings, metrics, the
+requests to report). `StepPipeline` runs them for the offline `LLM` and the async engine alike,
+with async scheduling planning the next step while the current one runs (`begin_step_ahead`:
+placeholders for the tokens in flight) or, when it cannot, launching it between the two halves;
+`step()` runs everything in a row. Nothing else drives a step.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from typing import Any
 
@@ -36,20 +35,18 @@ from cluster.engine.output_processor import StopLimits, append_sampled_token, ap
 from cluster.engine.outputs import RequestMetrics, RequestOutput
 from cluster.engine.preemption import PreemptionCostModel
 from cluster.engine.queue_wait import QueueWait
-from cluster.engine.request import Branch, Request, RequestStatus
+from cluster.engine.request import Branch, Request
+from cluster.engine.request_endings import RequestEndings
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.scheduler_step import SchedulerStep
 from cluster.engine.speculation import NgramSpeculator
-from cluster.engine.step_failures import blamed_sequences, step_failure_is_attributable
-from cluster.engine.step_progress import AppliedToken, StepProgress, apply_texts, holders_of
+from cluster.engine.step_progress import AppliedToken, StepProgress, apply_texts
 from cluster.engine.structured_outputs import ConstraintError
 from cluster.engine.tokenization import PromptRenderer
 from workers import ModelInfo, WorkerGroup, load_tokenizer
 from workers.lora import AdapterSummary
 from workers.plan import StepOutput
-
-log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -61,9 +58,11 @@ class EngineCore:
         workers: WorkerGroup | None = None,
         *,
         tokenizer: Any | None = None,
+        queue_wait: QueueWait | None = None,
         record_block_events: bool = False,
     ) -> None:
-        """`workers` and `tokenizer` default to ones built from `config` (tests inject them)."""
+        """`workers` and `tokenizer` default to ones built from `config`, `queue_wait` to a
+        fresh one (tests inject them)."""
         self.config = config
         self.workers = workers if workers is not None else WorkerGroup(config.to_worker_config())
         info: ModelInfo = self.workers.model_info
@@ -115,8 +114,16 @@ class EngineCore:
         )
         self.limits = StopLimits(frozenset(info.eos_token_ids), self.max_model_len)
         self.recorder = MetricsRecorder()
-        self.queue_wait = QueueWait()
+        self.queue_wait = queue_wait if queue_wait is not None else QueueWait()
         self.requests: dict[str, Request] = {}
+        self.endings = RequestEndings(
+            self.requests,
+            self.scheduler,
+            self.block_manager,
+            self.adapters,
+            self.recorder,
+            self.queue_wait,
+        )
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
 
@@ -183,7 +190,7 @@ class EngineCore:
         resume_request(request, generate.resume, self.limits)
         for branch in request.branches:  # what a range layout reserves at admission
             self.block_manager.reserve(branch.seq_id, len(ids) + max_tokens)
-        self.adapters.admit(request)  # released by `_forget_limits`
+        self.adapters.admit(request)  # released by `RequestEndings.forget_limits`
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -234,15 +241,7 @@ class EngineCore:
     def abort(self, request_id: str) -> Request | None:
         """Frees everything the request holds; the ended request (finish_reason "abort"), None
         when the id is unknown."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return None
-        self.scheduler.abort(request)
-        self._forget_limits(request)
-        self.queue_wait.observe_departure()
-        request.metrics.finished_time = time.time()
-        self.recorder.num_aborted_requests += 1
-        return request
+        return self.endings.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished() > 0
@@ -321,13 +320,13 @@ class EngineCore:
         stop string found by the previous step's `settle_step`, an abort, the previous step's
         token for a step planned ahead) is dropped."""
         progress = StepProgress(step, time.time())
-        progress.reported = [self._reject_during_admission(r) for r in step.rejected]
+        progress.reported = [self.endings.reject_during_admission(r) for r in step.rejected]
         if isinstance(result, BaseException):
-            progress.reported += self._refuse_step(step, result)
+            progress.reported += self.endings.refuse_step(step, result)
             return progress
         if result is not None:
             self._append_output(progress, result)
-        progress.reported += self._resolve_stall(step)
+        progress.reported += self.endings.resolve_stall(step)
         return progress
 
     def settle_step(self, progress: StepProgress) -> list[Request]:
@@ -340,9 +339,9 @@ class EngineCore:
         for request, branch in texts.cut:
             self.scheduler.finish_branch(request, branch)
             if request.finished and request.request_id in self.requests:
-                self._complete(request, progress.now)
+                self.endings.complete(request, progress.now)
         for request, reason in texts.broken.values():
-            reported += self._fail_requests(
+            reported += self.endings.fail(
                 [request], f"the engine could not apply a token of this request: {reason}"
             )
         for request, count in texts.new_tokens.values():
@@ -355,7 +354,7 @@ class EngineCore:
     def _append_output(self, progress: StepProgress, output: StepOutput) -> None:
         step, now = progress.step, progress.now
         if output.corrupt_swap_ins:
-            progress.reported += self._fail_corrupt_swap_ins(step, output.corrupt_swap_ins)
+            progress.reported += self.endings.fail_corrupt_swap_ins(step, output.corrupt_swap_ins)
         self.recorder.num_steps += 1
         for work in step.works:
             if work.request.metrics.first_scheduled_time is None:
@@ -381,7 +380,7 @@ class EngineCore:
                     ended[request.request_id] = request
         for request, reason in broken.values():
             ended.pop(request.request_id, None)
-            progress.reported += self._fail_requests(
+            progress.reported += self.endings.fail(
                 [request], f"the engine could not apply a token of this request: {reason}"
             )
         if broken:
@@ -389,81 +388,7 @@ class EngineCore:
         if self.config.scheduler.check_integrity:
             self.block_manager.check_integrity()
         for request in ended.values():
-            self._complete(request, now)
-
-    def _refuse_step(self, step: SchedulerStep, error: BaseException) -> list[Request]:
-        """The workers refused the step's plan and applied none of it: end the requests it was
-        blamed on (all of the step's when it names none), recompute the others whose state
-        depended on it, send its releases again; everything else goes on."""
-        if not step_failure_is_attributable(error):
-            raise error
-        log.warning("step %d refused by the workers: %r", step.plan.step_id, error)
-        self.scheduler.requeue_releases(step.plan.released)
-        self.adapters.invalidate_slots()  # its slot loads may have half run
-        blamed = blamed_sequences(error)
-        involved = step.requests()
-        guilty = [r for r in involved if not blamed or any(b.seq_id in blamed for b in r.branches)]
-        if not guilty:  # the blamed sequence is not this step's: trust nothing of it
-            guilty = involved
-        reason = f"the step running this request failed: {type(error).__name__}: {error}"
-        ended = self._fail_requests(guilty, reason)
-        guilty_ids = {r.request_id for r in guilty}
-        for request in involved:  # the innocent: their tokens and text so far are kept
-            alive = request.request_id in self.requests and not request.finished
-            if alive and request.request_id not in guilty_ids:
-                self.scheduler.recompute(request)
-        return ended
-
-    def _fail_requests(self, requests: list[Request], reason: str) -> list[Request]:
-        """Ends `requests` (those still unfinished) with `reason` as their error, freeing what
-        they hold, while every other request goes on; returns the ones it ended."""
-        ended = []
-        for request in requests:
-            if self.requests.pop(request.request_id, None) is None:
-                continue
-            self.scheduler.abort(request)
-            self._forget_limits(request)
-            self.queue_wait.observe_departure()
-            request.error = reason
-            request.failed = True
-            request.metrics.finished_time = time.time()
-            self.recorder.num_failed_requests += 1
-            ended.append(request)
-        return ended
-
-    def _resolve_stall(self, step: SchedulerStep) -> list[Request]:
-        """After a `stalled` step the head of the queues cannot fit even in an empty device
-        pool: a swapped head is sent back to be recomputed, a waiting head is finished with an
-        error instead of waiting forever. (Judged when scheduling: a request that arrived while
-        the plan executed was never considered.)"""
-        if not step.stalled or self.scheduler.running or not self.has_unfinished():
-            return []
-        request = self.scheduler.unstick_head()
-        if request is None:
-            return []
-        request.error = (
-            "the request cannot be scheduled even with every device block free "
-            f"({self.block_manager.num_device_blocks} blocks, watermark "
-            f"{self.block_manager.watermark_blocks})"
-        )
-        return [self._reject_during_admission(request)]
-
-    def _fail_corrupt_swap_ins(
-        self, step: SchedulerStep, pairs: list[tuple[int, int]]
-    ) -> list[Request]:
-        """Blocks copied back from the CPU failed their checksum: they become unfindable in
-        both tiers and every request holding one fails now, its step's tokens dropped, so the
-        wrong KV is never served (nor sealed under a hash later lookups could hit)."""
-        bad = {device for _, device in pairs}
-        self.block_manager.discard(sorted(bad), [cpu for cpu, _ in pairs])
-        self.recorder.swap_checksum_failures += len(pairs)
-        victims = holders_of(self.block_manager, self.scheduler.running, bad)
-        step.works = [work for work in step.works if work.request not in victims]
-        return self._fail_requests(
-            victims,
-            f"KV integrity: {len(pairs)} block(s) copied back from the CPU tier failed their "
-            "checksum; the request is failed rather than served from wrong KV",
-        )
+            self.endings.complete(request, now)
 
     def metrics(self) -> EngineMetrics:
         return collect_metrics(
@@ -503,41 +428,3 @@ class EngineCore:
 
     def _default_seed(self, arrival: int) -> int:
         return (self.config.model.seed * 1_000_003 + arrival * 7919 + 1) % 2**63
-
-    def _forget_limits(self, request: Request) -> None:
-        """What an ending request gives back besides its blocks: its reservations and its hold
-        on its adapter's weights (once: the digest is cleared)."""
-        for branch in request.branches:
-            self.block_manager.forget(branch.seq_id)
-        self.adapters.release(request)
-
-    def _complete(self, request: Request, now: float) -> None:
-        self.queue_wait.observe_departure()
-        self._forget_limits(request)
-        request.metrics.finished_time = now
-        self.requests.pop(request.request_id, None)
-        self.recorder.num_finished_requests += 1
-
-    def _reject_during_admission(self, request: Request) -> Request:
-        """A queued request that can no longer fit the device pool. One that has generated
-        tokens (it outgrew the pool) ends with finish_reason "length", keeping its text, as if
-        the pool were its context; one that has not is finished with its error."""
-        grown = any(branch.output_token_ids for branch in request.branches)
-        for branch in request.branches:
-            if branch.finished:
-                continue
-            if grown:
-                branch.text.finish()
-                branch.finish_reason = "length"
-            else:
-                branch.finish_reason = "abort"
-        if grown:
-            request.error = None
-            self.recorder.num_finished_requests += 1
-        else:
-            self.recorder.num_rejected_requests += 1
-        request.status = RequestStatus.FINISHED
-        request.metrics.finished_time = time.time()
-        self.requests.pop(request.request_id, None)
-        self._forget_limits(request)
-        return request

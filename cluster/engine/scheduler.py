@@ -31,6 +31,7 @@ from cluster.engine.request import Branch, Request, RequestStatus
 from cluster.engine.scheduler_step import PreemptionCounts, ScheduledWork, SchedulerStep
 from cluster.engine.speculation import DraftAllowance, NgramSpeculator, SpeculationCounters
 from cluster.engine.step_budget import StepBudget, prefill_cap
+from cluster.engine.step_samples import take_samples
 from workers.plan import PLACEHOLDER_TOKEN_ID, SampledToken, SequenceWork, StepOutput, StepPlan
 
 
@@ -174,50 +175,11 @@ class Scheduler:
         work whose branch ended while the step ran (async scheduling: a stop string found late,
         an abort, EOS sampled by the step before a step planned ahead), or whose request left
         the device meanwhile (a refused step before it), has its blocks freed already and gives
-        nothing. A sampled token a step planned ahead holds a placeholder for is written in."""
+        nothing. A sampled token a step planned ahead holds a placeholder for is written in
+        (`cluster.engine.step_samples`)."""
         self.bm.complete_transfers(step.plan.step_id)  # its copies ran: their blocks unpinned
         self.cost_model.observe_step(output.forward_seconds, step.num_tokens)
-        sampled: list[tuple[Request, Branch, SampledToken]] = []
-        for work in step.works:
-            if work.branch.finished or work.request.status is not RequestStatus.RUNNING:
-                continue
-            tokens = output.samples.get(work.branch.seq_id)
-            expected = work.num_samples + len(work.drafts)
-            if work.num_samples and (tokens is None or len(tokens) != expected):
-                raise RuntimeError(
-                    f"step {step.plan.step_id}: sequence {work.branch.seq_id} expected "
-                    f"{expected} sampled tokens, got {tokens!r}"
-                )
-            if work.drafts:
-                assert tokens is not None
-                tokens = self._keep_accepted(work, tokens)
-            else:
-                self.bm.mark_computed(work.branch.seq_id, work.start + work.num_tokens)
-            if work.num_samples == 0:
-                continue
-            assert tokens is not None
-            if self._ahead:
-                self._ahead.fill(work.branch.seq_id, work.start + work.num_tokens, tokens[-1])
-            if work.drafts:  # one branch, several tokens in order
-                sampled.extend((work.request, work.branch, t) for t in tokens)
-                continue
-            if work.request.forked:  # a decode: one branch, one token
-                sampled.append((work.request, work.branch, tokens[0]))
-                continue
-            self._fork(work.request)
-            branches = work.request.branches
-            sampled.extend((work.request, b, t) for b, t in zip(branches, tokens, strict=True))
-        return sampled
-
-    def _keep_accepted(self, work: ScheduledWork, tokens: list[SampledToken]) -> list[SampledToken]:
-        """A speculative work's rows drew `tokens` (one per row): the ones up to and including
-        the first that differs from its draft (see `NgramSpeculator.keep_accepted`)."""
-        assert self.speculator is not None
-        drawn = [token.token_id for token in tokens]
-        kept = self.speculator.keep_accepted(
-            self.bm, work.branch.seq_id, work.start, work.drafts, drawn
-        )
-        return tokens[:kept]
+        return take_samples(step, output, self.bm, self._ahead, self.speculator)
 
     # --- running ---------------------------------------------------------------------------
 
@@ -479,13 +441,6 @@ class Scheduler:
 
     def _num_preemptions(self) -> int:
         return self.preemptions.recompute + self.preemptions.swap
-
-    def _fork(self, request: Request) -> None:
-        parent = request.branches[0]
-        for child in request.branches[1:]:
-            self.bm.fork(parent.seq_id, child.seq_id)
-            child.token_ids = list(request.prompt_token_ids)
-        request.forked = True
 
     def _drop_sequence(self, branch: Branch) -> None:
         self._ahead.drop(branch.seq_id)

@@ -12,6 +12,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
+from cluster.engine.queue_wait import QueueWait
 from tests.engine.slot_workers import SlotWorkers
 from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
 
@@ -29,7 +30,8 @@ SlotEngineFactory = Callable[..., EngineCore]
 @pytest.fixture
 def slot_engine(smollm2_tokenizer: Any) -> SlotEngineFactory:
     """`slot_engine(num_device_blocks=..., num_cpu_blocks=..., **section_overrides)`: an
-    EngineCore over SlotWorkers with integrity checks on every step."""
+    EngineCore over SlotWorkers with integrity checks on every step (`queue_wait`: the
+    departure clock its admission predicts from)."""
 
     def build(
         *,
@@ -37,6 +39,7 @@ def slot_engine(smollm2_tokenizer: Any) -> SlotEngineFactory:
         num_cpu_blocks: int = 64,
         block_size: int = 4,
         max_model_len: int = 256,
+        queue_wait: QueueWait | None = None,
         **overrides: dict[str, Any],
     ) -> EngineCore:
         sections: dict[str, dict[str, Any]] = {
@@ -53,7 +56,12 @@ def slot_engine(smollm2_tokenizer: Any) -> SlotEngineFactory:
             block_size=block_size,
             max_model_len=max_model_len,
         )
-        return EngineCore(config, workers, tokenizer=smollm2_tokenizer)  # type: ignore[arg-type]
+        return EngineCore(
+            config,
+            workers,  # type: ignore[arg-type]
+            tokenizer=smollm2_tokenizer,
+            queue_wait=queue_wait,
+        )
 
     return build
 

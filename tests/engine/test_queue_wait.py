@@ -43,9 +43,11 @@ def test_prediction_follows_the_measured_departure_rate() -> None:
 def test_a_burst_queues_whole_until_the_drain_rate_predicts_too_long(
     slot_engine: SlotEngineFactory,
 ) -> None:
-    engine = slot_engine(scheduler={"max_num_seqs": 2, "max_queue_wait_s": 5.0})
     clock = FakeClock()
-    engine.queue_wait = QueueWait(window=4, clock=clock)
+    engine = slot_engine(
+        scheduler={"max_num_seqs": 2, "max_queue_wait_s": 5.0},
+        queue_wait=QueueWait(window=4, clock=clock),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
     def add(i: int) -> None:
@@ -80,9 +82,11 @@ def test_a_burst_queues_whole_until_the_drain_rate_predicts_too_long(
 
 
 def test_no_limit_never_refuses_by_time(slot_engine: SlotEngineFactory) -> None:
-    engine = slot_engine(scheduler={"max_num_seqs": 1, "max_queue_wait_s": None})
     clock = FakeClock()
-    engine.queue_wait = QueueWait(window=2, clock=clock)
+    engine = slot_engine(
+        scheduler={"max_num_seqs": 1, "max_queue_wait_s": None},
+        queue_wait=QueueWait(window=2, clock=clock),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     for i in range(3):
         engine.add_request(engine.request_builder.build({"prompt_token_ids": [5, i]}, params))
