@@ -94,22 +94,21 @@ def _prefill_one(
 ) -> torch.Tensor:
     """Several query tokens ``[q_len, H_kv, group, D]`` over keys/values ``[n, H_kv, D]``.
 
-    GQA is folded into the rows (``[H_kv, group * q_len, D]``) so no K/V head is repeated.
-    Returns ``[q_len, H_kv, group, D]`` in the query's dtype.
+    GQA is folded into the rows (``[1, H_kv, group * q_len, D]``) so no K/V head is repeated.
+    The batch dimension of one is what lets SDPA take its blocked CPU kernel with a mask (on
+    three-dimensional inputs it falls back to the explicit math path). Returns
+    ``[q_len, H_kv, group, D]`` in the query's dtype.
     """
     q_len, num_kv_heads, group, head_dim = query.shape
-    folded = query.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
+    folded = query.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
+    keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
     mask = _visible_mask(q_len, first_key, context_len, sliding_window)
     if mask is not None:
         mask = mask.repeat(group, 1)
     if softcap is not None:
-        attended = capped_attention(
-            folded, keys.transpose(0, 1), values.transpose(0, 1), mask, scale, softcap
-        )
+        attended = capped_attention(folded, keys, values, mask, scale, softcap)
     else:
-        attended = F.scaled_dot_product_attention(
-            folded, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale
-        )
+        attended = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
     return attended.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
 
 
