@@ -72,16 +72,12 @@ class Served:
 
 
 @pytest.fixture(scope="session")
-def served(tiny_model_dir: pathlib.Path) -> Iterator[Served]:
-    import ray
+def served(ray_cluster: None, tiny_model_dir: pathlib.Path) -> Iterator[Served]:
     from ray import serve
 
     from cluster.serving.serve_app import bind_app
 
     http_port, grpc_port = free_port(), free_port()
-    started_ray = not ray.is_initialized()  # reuse a cluster another fixture started
-    if started_ray:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(
             http_options={"host": "127.0.0.1", "port": http_port},
@@ -104,8 +100,6 @@ def served(tiny_model_dir: pathlib.Path) -> Iterator[Served]:
         yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
     finally:
         serve.shutdown()
-        if started_ray:
-            ray.shutdown()
 
 
 @dataclass
