@@ -15,8 +15,7 @@ worker only.
 The in-process Ray cluster (`ray_cluster`) is one per session: started by the first test that
 needs it, kept until the session ends. Tests marked `own_ray` start a Ray cluster of their own
 (a `ray.cluster_utils.Cluster`, a `pagedserve serve` process): they are ordered before every
-other test, so they run before the shared cluster starts (and the `RAY_GROUP` work unit is the
-first one xdist hands out, the longest one starting first).
+other test, so they run before the shared cluster starts.
 """
 
 from __future__ import annotations
