@@ -11,6 +11,11 @@ Under pytest-xdist (`-n 2 --dist loadgroup`, as `make test` runs) every `ray` te
 instances on one machine kill each other's proxies. The other `smollm2` tests are in
 `SMOLLM2_GROUP`, so SmolLM2's weights and HF references (session fixtures) are built on one
 worker only.
+
+The in-process Ray cluster (`ray_cluster`) is one per session: started by the first test that
+needs it, kept until the session ends. Tests marked `own_ray` start a Ray cluster of their own
+(a `ray.cluster_utils.Cluster`, a `pagedserve serve` process): they are ordered before every
+other test, so they run before the shared cluster starts.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ RAY_FIXTURES = frozenset({"ray_cluster", "served"})
 SMOLLM2_FIXTURES = frozenset({"smollm2_hf"})
 RAY_GROUP = "ray"
 SMOLLM2_GROUP = "smollm2"
+OWN_RAY_MARK = "own_ray"
 
 
 def _cuda_available() -> bool:
@@ -56,6 +62,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
         elif item.get_closest_marker("smollm2") is not None:
             item.add_marker(pytest.mark.xdist_group(SMOLLM2_GROUP))
+    # stable: within each part the collection order holds (a module's tests stay together)
+    items.sort(key=lambda item: item.get_closest_marker(OWN_RAY_MARK) is None)
     if config.getoption("fast"):
         slow = [item for item in items if {"ray", "smollm2"} & set(item.keywords)]
         config.hook.pytest_deselected(items=slow)
@@ -105,6 +113,14 @@ def _ray_only_in_ray_tests(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail("this test starts Ray: mark it `pytest.mark.ray` (kept out of --fast)")
 
 
+@pytest.fixture(autouse=True)
+def _own_ray_before_the_shared_cluster(request: pytest.FixtureRequest) -> None:
+    """A test that starts its own Ray cluster fails at once if this process's shared one runs:
+    the ordering of `pytest_collection_modifyitems` was broken."""
+    if request.node.get_closest_marker(OWN_RAY_MARK) is not None and _ray_initialized():
+        pytest.fail(f"a `{OWN_RAY_MARK}` test ran after the shared Ray cluster started")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread(request: pytest.FixtureRequest) -> Iterator[None]:
     """Run torch ops on one intra-op thread: on a small shared machine, intra-op threads that
@@ -146,15 +162,16 @@ def smollm2_hf() -> Any:
     return model.eval()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    """A local 2-CPU Ray cluster for the module, or the one already running (tests/serving's
-    session cluster); only a cluster this fixture started is shut down after."""
+    """The session's local 2-CPU Ray cluster (tests/serving's `served` app runs on it too):
+    started once, shut down when the session ends. Each test leaves it as it found it (its
+    actors and placement groups gone, its CPUs free)."""
     import ray
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

@@ -25,7 +25,7 @@ from benchmarks.reliability_probes import (
 )
 from benchmarks.reliability_server import LocalServer, derived_config, tiny_engine
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
 KEY = "key-reliability"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -18,7 +18,7 @@ import pytest
 from benchmarks.reliability_faults import kill_rank, kill_under_load
 from benchmarks.reliability_server import LocalServer, derived_config, tiny_engine
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
 RESUME_LIMIT_S = 90.0
 

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.engine.config import EngineConfig
 from tests.engine.tiny_engine import tiny_config
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
 TP = 2
 NODES = 2

@@ -19,7 +19,7 @@ import pytest
 from benchmarks.reliability_probes import shutdown_under_load
 from benchmarks.reliability_server import LocalServer, derived_config, tiny_engine
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
 EXIT_BOUND_S = 30.0
 """Seconds past the grace period the process may take to stop Serve and Ray and exit."""

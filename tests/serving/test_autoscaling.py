@@ -12,7 +12,7 @@ import pytest
 
 from tests.serving.autoscaling_scenario import NODES
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
 MARKER = "AUTOSCALING_OUTCOME "
 

@@ -19,7 +19,7 @@ from protos import generation_pb2 as pb
 from protos import generation_pb2_grpc as pb_grpc
 from tests.serving.conftest import GreedyOracle
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
 ENGINE_FLAGS = [
     "--dtype",

@@ -29,7 +29,13 @@ from safetensors.torch import load_file, save_file
 from protos import generation_pb2 as pb
 from protos import generation_pb2_grpc as pb_grpc
 from tests.lora.adapters import ALL_PROJECTIONS, build_adapter, copy_adapter
-from tests.serving.conftest import MODEL, Served, engine_section, run_two_engine_app
+from tests.serving.conftest import (
+    MODEL,
+    Served,
+    engine_section,
+    quick_stop_options,
+    run_two_engine_app,
+)
 
 APP = "lora"
 ROUTE = "/lora"
@@ -120,8 +126,8 @@ def lora_app(
     }
     app = bind_app(
         args,
-        engine_options={"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 64},
-        ingress_options={"ray_actor_options": {"num_cpus": 0}},
+        engine_options=quick_stop_options(max_ongoing_requests=64),
+        ingress_options=quick_stop_options(),
     )
     serve.run(app, name=APP, route_prefix=ROUTE)
     yield LoRAApp(served.http_base + ROUTE, served.grpc_target, adapters)

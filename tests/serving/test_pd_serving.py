@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serving.conftest import MODEL, GreedyOracle, Served, engine_section
+from tests.serving.conftest import MODEL, GreedyOracle, Served, engine_section, quick_stop_options
 
 APP = "pd"
 ROUTE = "/pd"
@@ -30,7 +30,7 @@ def pd_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
 
     from cluster.serving.pd_app import build_pd_app
 
-    side = {"deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}}
+    side = {"deployment": quick_stop_options(num_replicas=1)}
     args = {
         "served_model_name": MODEL,
         "engine": engine_section(tiny_model_dir),

@@ -11,7 +11,7 @@ import openai
 import pytest
 import yaml
 
-from tests.serving.conftest import Served
+from tests.serving.conftest import Served, quick_stop_options
 
 CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "serving" / "serve_config.yaml"
 ROUTE = "/smollm2"
@@ -25,8 +25,8 @@ def smollm2(served: Served) -> Iterator[tuple[openai.OpenAI, str]]:
 
     (app,) = yaml.safe_load(CONFIG.read_text())["applications"]
     build_app(app["args"])  # validates the shipped args, engine section included
-    no_cpu = {"ray_actor_options": {"num_cpus": 0}}
-    graph = bind_app(app["args"], engine_options=no_cpu, ingress_options=no_cpu)
+    options = quick_stop_options()
+    graph = bind_app(app["args"], engine_options=options, ingress_options=options)
     serve.run(graph, name="smollm2", route_prefix=ROUTE)
     try:
         client = openai.OpenAI(base_url=f"{served.http_base}{ROUTE}/v1", api_key="-", max_retries=0)
