@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h kernels/csrc/*.inc)
+$(STAMP): pyproject.toml setup.py $(wildcard pagedserve_kernels/csrc/*.cpp pagedserve_kernels/csrc/*.h pagedserve_kernels/csrc/*.inc)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_PIN)"

@@ -1,14 +1,15 @@
 """Builds the project's native pieces at install time with the machine's C++ compiler: the CPU
-4-bit and 8-bit matmuls (kernels/csrc/q4_cpu.cpp, q8_cpu.cpp), the int8-activation products
-over 4- and 8-bit weights (kernels/csrc/quant_dot_cpu.cpp), the CPU paged decode attention
-(kernels/csrc/attention_cpu.cpp), a decoder layer's elementwise work
-(kernels/csrc/layer_ops_cpu.cpp), and the three chained into a decode step's whole decoder stack
-(kernels/csrc/decoder_stack_cpu.cpp). Everything else is in pyproject.toml.
+4-bit and 8-bit matmuls (pagedserve_kernels/csrc/q4_cpu.cpp, q8_cpu.cpp), the int8-activation
+products over 4- and 8-bit weights (pagedserve_kernels/csrc/quant_dot_cpu.cpp), the CPU paged decode
+attention (pagedserve_kernels/csrc/attention_cpu.cpp), a decoder layer's elementwise work
+(pagedserve_kernels/csrc/layer_ops_cpu.cpp), and the three chained into a decode step's whole
+decoder stack (pagedserve_kernels/csrc/decoder_stack_cpu.cpp). Everything else is in pyproject.toml.
 
 Each library has a plain C ABI (no Python headers needed) and is loaded with ctypes. All are
 optional: where one cannot be built the install still succeeds and the plain-torch path is used
-(`available()` in kernels.q4_cpu, kernels.q8_cpu, kernels.quant_dot_cpu, kernels.attention_cpu,
-kernels.layer_ops_cpu and kernels.decoder_stack_cpu says which).
+(`available()` in pagedserve_kernels.q4_cpu, pagedserve_kernels.q8_cpu,
+pagedserve_kernels.quant_dot_cpu, pagedserve_kernels.attention_cpu, pagedserve_kernels.layer_ops_cpu
+and pagedserve_kernels.decoder_stack_cpu says which).
 """
 
 from setuptools import Extension, setup
@@ -17,13 +18,13 @@ KERNELS = ["q4_cpu", "attention_cpu", "layer_ops_cpu"]
 
 
 def native(name: str, linked: tuple[str, ...] = ()) -> Extension:
-    """`kernels._<name>` from `kernels/csrc/<name>.cpp` (and the `linked` kernels' sources),
-    OpenMP on (torch's libgomp at run time)."""
+    """`pagedserve_kernels._<name>` from `pagedserve_kernels/csrc/<name>.cpp` (and the `linked`
+    kernels' sources), OpenMP on (torch's libgomp at run time)."""
     return Extension(
-        f"kernels._{name}",
-        sources=[f"kernels/csrc/{source}.cpp" for source in (name, *linked)],
+        f"pagedserve_kernels._{name}",
+        sources=[f"pagedserve_kernels/csrc/{source}.cpp" for source in (name, *linked)],
         depends=[
-            f"kernels/csrc/{header}"
+            f"pagedserve_kernels/csrc/{header}"
             for header in (
                 "cpu_common.h",
                 "cpu_kernels.h",

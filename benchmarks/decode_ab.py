@@ -16,11 +16,12 @@ between rounds.
 Variants (the optimizations switched off one by one on the shipped bfloat16 model):
 - `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked;
   steps of up to 8 decodes (16 in float32) through the whole decoder stack in one native call,
-  `kernels.decoder_stack_cpu`, every product on the 4-bit copy of a Q4_1 model's weights; the
-  LM head of up to 4 rows on the 8-bit copy of its Q8_0 weights, `kernels.q8_cpu`).
+  `pagedserve_kernels.decoder_stack_cpu`, every product on the 4-bit copy of a Q4_1 model's weights;
+  the LM head of up to 4 rows on the 8-bit copy of its Q8_0 weights, `pagedserve_kernels.q8_cpu`).
 - `per_operator`: without those two: per layer, decode attention by the native kernel
-  `kernels.attention_cpu`, norms, rotary embeddings, KV writes and silu by
-  `kernels.layer_ops_cpu`, products of at most 8 rows on the 4-bit copy, more on the packed one.
+  `pagedserve_kernels.attention_cpu`, norms, rotary embeddings, KV writes and silu by
+  `pagedserve_kernels.layer_ops_cpu`, products of at most 8 rows on the 4-bit copy, more on the
+  packed one.
 - `torch_layer_ops`: that with the layers' elementwise work in plain torch.
 - `torch_attention`: that with decode attention on the torch path too (`_all_heads` on gathered
   groups).
@@ -45,7 +46,7 @@ from collections.abc import Iterator
 import torch
 
 from benchmarks.workers import OurRunner, local_group
-from kernels import attention_cpu, torch_cpu
+from pagedserve_kernels import attention_cpu, torch_cpu
 from workers import WorkerGroup
 from workers.dense_matmul import DenseMatmul
 from workers.layer_ops import TorchLayerOps

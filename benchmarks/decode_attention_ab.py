@@ -1,4 +1,4 @@
-"""CPU decode attention side by side: the native kernel (`kernels.attention_cpu`),
+"""CPU decode attention side by side: the native kernel (`pagedserve_kernels.attention_cpu`),
 `_all_heads` (two bmm calls on gathered groups) and SDPA on gathered groups.
 
 `python -m benchmarks.decode_attention_ab --json [--rounds 15] [--threads 1] [--seqs 1,4,16,32]
@@ -6,9 +6,9 @@
 (9 query heads, 3 KV heads, head dim 64, blocks of 16) with contexts drawn from 128..256 and
 blocks shuffled over the pool, with 30 layers' caches (so the K/V reads are not all cache hits),
 metadata prepared once per step as the model does. Each variant runs
-`kernels.torch_cpu.paged_attention` over the 30 layers; `folded` turns the native kernel off for
-its own calls (`attention_cpu.accepts` always false), `sdpa` also swaps `torch_cpu._folds` to
-always-False; `native_<isa>` calls the kernel itself with each other instruction set this CPU
+`pagedserve_kernels.torch_cpu.paged_attention` over the 30 layers; `folded` turns the native kernel
+off for its own calls (`attention_cpu.accepts` always false), `sdpa` also swaps `torch_cpu._folds`
+to always-False; `native_<isa>` calls the kernel itself with each other instruction set this CPU
 has (`attention_cpu.supported_isas()`; `native` is the fastest). Reported: median ms per layer of
 each, `<variant>_over_native` = median over rounds of (its time / the native kernel's), and the
 largest difference of each output from the native one.
@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import attention_cpu, torch_cpu
-from kernels.metadata import prepare_attention
+from pagedserve_kernels import attention_cpu, torch_cpu
+from pagedserve_kernels.metadata import prepare_attention
 
 LAYERS = 30
 BLOCK_SIZE = 16

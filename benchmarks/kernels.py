@@ -4,12 +4,12 @@
 
 * CPU (always): decode attention for a batch shaped like SmolLM2-135M (9 query heads, 3 KV
   heads, head dim 64), 32 sequences with contexts spread over 256..2048, through
-  ``kernels.paged_attention`` (blocks shuffled across the pool) and through contiguous
+  ``pagedserve_kernels.paged_attention`` (blocks shuffled across the pool) and through contiguous
   per-sequence K/V with ``scaled_dot_product_attention`` (one call per sequence, and one padded
   batched call with a mask). Reports ``paged_over_contiguous`` (paged time over the faster
   contiguous variant; target <= 1.25) and the KV bytes read per second; the paged path is timed
   as a validated call (``paged``) and as a layer's call with metadata prepared once per step
-  (``paged_prepared``, ``kernels.prepare_attention``), the way the model calls it.
+  (``paged_prepared``, ``pagedserve_kernels.prepare_attention``), the way the model calls it.
 * CUDA (when present): the Triton decode kernel's achieved KV bandwidth as a fraction of the
   device's peak (spec from the memory clock and bus width when torch reports them, and measured
   copy bandwidth), and the prefill kernel's TFLOP/s, each beside SDPA on contiguous data.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import kernels
+import pagedserve_kernels
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def make_decode_batch(
 
 
 def paged_decode(batch: DecodeBatch) -> torch.Tensor:
-    return kernels.paged_attention(
+    return pagedserve_kernels.paged_attention(
         batch.query,
         batch.k_cache,
         batch.v_cache,
@@ -109,15 +109,17 @@ def paged_decode(batch: DecodeBatch) -> torch.Tensor:
     )
 
 
-def prepared_decode(batch: DecodeBatch, metadata: kernels.PreparedAttention) -> torch.Tensor:
+def prepared_decode(
+    batch: DecodeBatch, metadata: pagedserve_kernels.PreparedAttention
+) -> torch.Tensor:
     """One layer's call as the model makes it: metadata validated and prepared once per step."""
-    return kernels.paged_attention(
+    return pagedserve_kernels.paged_attention(
         batch.query, batch.k_cache, batch.v_cache, scale=batch.scale, metadata=metadata
     )
 
 
-def prepare(batch: DecodeBatch) -> kernels.PreparedAttention:
-    return kernels.prepare_attention(
+def prepare(batch: DecodeBatch) -> pagedserve_kernels.PreparedAttention:
+    return pagedserve_kernels.prepare_attention(
         batch.cu_query_lens,
         batch.context_lens,
         batch.block_tables,
@@ -260,7 +262,7 @@ def cuda_decode_figures(
     """Triton decode (kernel launch and public call) beside padded contiguous SDPA."""
     from triton.testing import do_bench
 
-    from kernels import triton_attention, validation
+    from pagedserve_kernels import triton_attention, validation
 
     batch = make_decode_batch(
         contexts, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -306,7 +308,7 @@ def cuda_prefill_figures(num_seqs: int, length: int, num_q_heads: int, num_kv_he
     """Triton prefill (whole prompts, causal) TFLOP/s beside SDPA with is_causal on contiguous."""
     from triton.testing import do_bench
 
-    from kernels import triton_attention, validation
+    from pagedserve_kernels import triton_attention, validation
 
     block_size = 16
     blocks = length // block_size

@@ -271,7 +271,7 @@ def bandwidth(blocks: int, repeats: int) -> dict[str, Any]:
     """The per-rank byte path of a pull, in process, for SmolLM2-135M's KV geometry."""
     import torch
 
-    from kernels import allocate_kv_pool
+    from pagedserve_kernels import allocate_kv_pool
     from workers.block_io import read_from_tiers, write_blocks
     from workers.cpu_features import auto_dtype
 

@@ -13,8 +13,8 @@ round after round:
 - `int8_dynamic`: fbgemm's `quantized.linear_dynamic` (int8 weights per row, float32 activations
   quantized per call to 8 bits): fast, but its per-tensor activation quantization fails the
   bfloat16 greedy bound on SmolLM2 (see benchmarks/README.md), so it is timed only;
-- `q4_cpu`: this project's kernel (`kernels.q4_cpu`) on GGUF Q4_1 codes with float32 scales and
-  minimums, bfloat16 activations, over the exact float32 weights;
+- `q4_cpu`: this project's kernel (`pagedserve_kernels.q4_cpu`) on GGUF Q4_1 codes with float32
+  scales and minimums, bfloat16 activations, over the exact float32 weights;
 - `f32_packed` and `q4_cpu_f32`: the float32 mode's packed product and the same kernel with
   float32 activations.
 
@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.q4_cpu import Q4Weight, available, q4_matmul
+from pagedserve_kernels.q4_cpu import Q4Weight, available, q4_matmul
 from workers.dense_matmul import DenseMatmul
 
 LAYERS = 30

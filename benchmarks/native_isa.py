@@ -6,13 +6,14 @@ batch of rows, each variant in turn, round after round (interleaved, so all see 
 
 - `q4_f32` / `q4_bf16`: the four products of every decoder layer (fused QKV 960x576, o 576x576,
   fused gate/up 3072x576, down 576x1536) over 30 layers' distinct weights (streamed from memory
-  as in a forward pass), float32 / bfloat16 activations: `kernels.q4_cpu` with each instruction
-  set (`native_<isa>`) against oneDNN on the prepacked weight (`packed`, `workers.dense_matmul`);
-- `q8_head`: the LM head (49152x576, float32): `kernels.q8_cpu` per instruction set against the
-  prepacked float32 head;
+  as in a forward pass), float32 / bfloat16 activations: `pagedserve_kernels.q4_cpu` with each
+  instruction set (`native_<isa>`) against oneDNN on the prepacked weight (`packed`,
+  `workers.dense_matmul`);
+- `q8_head`: the LM head (49152x576, float32): `pagedserve_kernels.q8_cpu` per instruction set
+  against the prepacked float32 head;
 - `layer_ops_f32`: a layer's elementwise work 30 times (two residual adds with RMS norm over 576,
   rotary embeddings of 9 + 3 heads of 64 with the KV write, silu(gate) * up over 1536):
-  `kernels.layer_ops_cpu` per instruction set against plain torch (the same steps as
+  `pagedserve_kernels.layer_ops_cpu` per instruction set against plain torch (the same steps as
   `workers.layer_ops.TorchLayerOps`).
 
 Decode attention per instruction set is in `benchmarks.decode_attention_ab`. Reported: median ms
@@ -31,9 +32,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import layer_ops_cpu, q4_cpu, q8_cpu
-from kernels.q4_cpu import Q4Weight
-from kernels.q8_cpu import Q8Weight
+from pagedserve_kernels import layer_ops_cpu, q4_cpu, q8_cpu
+from pagedserve_kernels.q4_cpu import Q4Weight
+from pagedserve_kernels.q8_cpu import Q8Weight
 from workers.dense_matmul import DenseMatmul
 
 LAYERS = 30

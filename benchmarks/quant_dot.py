@@ -1,4 +1,4 @@
-"""Int8-activation products (`kernels.quant_dot_cpu`) against oneDNN's packed float32 and
+"""Int8-activation products (`pagedserve_kernels.quant_dot_cpu`) against oneDNN's packed float32 and
 bfloat16 products and the float32-arithmetic 4-bit kernel, side by side on SmolLM2-135M's shapes.
 
 `python -m benchmarks.quant_dot --json [--rows 1,8,16,64,256,1024] [--rounds 9] [--threads 2]
@@ -8,9 +8,9 @@ variant in turn, round after round, on the same weights:
 
 - `f32_packed`, `bf16_packed`: `workers.dense_matmul.DenseMatmul` on prepacked float32 /
   bfloat16 weights (oneDNN);
-- `q4_f32`: `kernels.q4_cpu` (4-bit codes, float32 arithmetic; rows <= 16, layers only);
-- `int8_<isa>`: `kernels.quant_dot_cpu.quant_matmul` with each instruction set (by default only
-  the fastest; `--isas all` for every one this CPU runs), float32 activations;
+- `q4_f32`: `pagedserve_kernels.q4_cpu` (4-bit codes, float32 arithmetic; rows <= 16, layers only);
+- `int8_<isa>`: `pagedserve_kernels.quant_dot_cpu.quant_matmul` with each instruction set (by
+  default only the fastest; `--isas all` for every one this CPU runs), float32 activations;
 - with `--k-quants` (layers only), `int8_5bit` and `int8_6bit`: the fastest set on the panels'
   forms of Q5_K (5-bit codes) and Q6_K (6-bit codes, scales per 16) weights.
 
@@ -32,9 +32,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import quant_dot_cpu
-from kernels.q4_cpu import Q4Weight, q4_matmul
-from kernels.q8_cpu import Q8Weight
+from pagedserve_kernels import quant_dot_cpu
+from pagedserve_kernels.q4_cpu import Q4Weight, q4_matmul
+from pagedserve_kernels.q8_cpu import Q8Weight
 from workers.dense_matmul import DenseMatmul
 
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}

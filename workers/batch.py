@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.range_attention import contiguous_runs
+from pagedserve_kernels.range_attention import contiguous_runs
 from workers.model import AttentionMetadata
 from workers.plan import PlanRejected, SamplingSettings, SequenceWork, StepPlan
 from workers.sampling import SampleRequest

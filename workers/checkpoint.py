@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kernels.gguf_panels import BlockForm
+from pagedserve_kernels.gguf_panels import BlockForm
 
 
 class BlockSource(Protocol):

@@ -78,8 +78,9 @@ class WorkerConfig:
     quantized_activations: bool = False
     """CPU ranks: every product on GGUF Q4_1 / Q8_0 weights quantizes its activations to int8
     per row-block of 32 and multiplies the codes with integer dot products
-    (`kernels.quant_dot_cpu`, AVX2 or better), except decode steps the native decoder stack
-    takes (exact, as without it). Faster, not float32-exact (docs/quantized_activations.md)."""
+    (`pagedserve_kernels.quant_dot_cpu`, AVX2 or better), except decode steps the native decoder
+    stack takes (exact, as without it). Faster, not float32-exact
+    (docs/quantized_activations.md)."""
 
     max_loras: int = 0
     """LoRA device slots per rank (0: LoRA off, no slot memory allocated)."""

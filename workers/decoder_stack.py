@@ -1,4 +1,5 @@
-"""The model's decode steps through one native call (`kernels.decoder_stack_cpu`) where it can.
+"""The model's decode steps through one native call (`pagedserve_kernels.decoder_stack_cpu`) where
+it can.
 
 The model builds its own stack layers once, after loading (`CausalLM.native_stack`: a CPU model
 of Llama's layer on one rank, with the native layer ops, every linear layer's exact 4-bit copy
@@ -13,8 +14,8 @@ the stack stops paying there: benchmarks/README.md, "Figures behind choices in t
 AVX2 CPU has no native bfloat16 products, and the kernel still wins at 32 rows.)
 
 Invariant: where it runs, its results are bit-identical to the per-operator path's (the same
-kernels in the same order, `kernels.decoder_stack_cpu`), so the greedy parity tests cover it;
-each row's result is independent of the rest of the batch.
+kernels in the same order, `pagedserve_kernels.decoder_stack_cpu`), so the greedy parity tests cover
+it; each row's result is independent of the rest of the batch.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionStep, decoder_stack_cpu
-from kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
+from pagedserve_kernels import AttentionStep, decoder_stack_cpu
+from pagedserve_kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
 from workers.dense_matmul import Q4_MAX_ROWS
 
 

@@ -12,8 +12,8 @@ packed as well). The speed-ups: benchmarks/README.md, "the forward pass of the b
 Decode batches read every weight for a few rows, so there the product is bound by reading the
 weights. A layer whose float32 checkpoint values are exactly GGUF Q4_1 blocks (a model loaded from
 a Q4_1 file) is handed those values once (`adopt_exact_source`) and keeps them as 4-bit codes
-(`kernels.q4_cpu`: 0.75 bytes per weight with its scales, against 2 in bfloat16); calls of at
-most `Q4_MAX_ROWS[dtype]` rows (per instruction set: `Q4_MAX_ROWS_BY_ISA`) multiply those
+(`pagedserve_kernels.q4_cpu`: 0.75 bytes per weight with its scales, against 2 in bfloat16); calls
+of at most `Q4_MAX_ROWS[dtype]` rows (per instruction set: `Q4_MAX_ROWS_BY_ISA`) multiply those
 (benchmarks/README.md, "a native 4-bit matmul for decode batches"). They compute over
 the checkpoint's exact float32 weights: in float32 the packed product up to summation order, in
 bfloat16 a more exact one than the packed bfloat16 weight gives (the weights are not rounded,
@@ -21,8 +21,8 @@ the sums are float32, the result is rounded once), so a bfloat16 model's decode 
 to float32 than its larger batches.
 
 With `quantized_activations` (the model's setting, off by default) such a layer also keeps its
-codes in the layout of `kernels.quant_dot_cpu` (as does a layer whose GGUF blocks are handed
-over by `adopt_panels`: Q4_0, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K), and every call
+codes in the layout of `pagedserve_kernels.quant_dot_cpu` (as does a layer whose GGUF blocks are
+handed over by `adopt_panels`: Q4_0, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K), and every call
 quantizes `x` to int8 per row-block of 32 and multiplies with integer dot products: not
 float32-exact
 (docs/quantized_activations.md). The 4-bit copy then serves only the native decoder stack
@@ -50,8 +50,8 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
-from kernels import q4_cpu, quant_dot_cpu
-from kernels.gguf_panels import BlockForm
+from pagedserve_kernels import q4_cpu, quant_dot_cpu
+from pagedserve_kernels.gguf_panels import BlockForm
 
 PACK_BATCH_HINT = 16
 """The batch size oneDNN is told to expect when it picks the packed layout (decode batches)."""
@@ -62,8 +62,8 @@ Q4_MAX_ROWS_BY_ISA: Mapping[str, Mapping[torch.dtype, int]] = MappingProxyType(
         "avx2": MappingProxyType({torch.bfloat16: 32, torch.float32: 16}),
     }
 )
-"""Per instruction set of the 4-bit kernel (`kernels.q4_cpu.best_isa()`) and input dtype, the
-most rows a call may have to use the 4-bit copy: where it beats the packed weight
+"""Per instruction set of the 4-bit kernel (`pagedserve_kernels.q4_cpu.best_isa()`) and input dtype,
+the most rows a call may have to use the 4-bit copy: where it beats the packed weight
 (benchmarks/README.md, "Figures behind choices in the code" for AVX-512, "Native kernels on an
 AVX2-only CPU" for AVX2, where oneDNN only emulates bfloat16 and the kernel still wins at 32
 rows)."""
@@ -125,7 +125,7 @@ class DenseMatmul:
         return keep and self.panels is None
 
     def adopt_panels(self, form: BlockForm | None) -> None:
-        """Keep the weight's stored block codes (a GGUF file's, `kernels.gguf_panels`) as
+        """Keep the weight's stored block codes (a GGUF file's, `pagedserve_kernels.gguf_panels`) as
         panels where `wants_panels()`; `pack()` drops them unless they dequantize to the weight
         bit for bit."""
         if form is not None and self.wants_panels() and form.codes.shape == self.weight.shape:

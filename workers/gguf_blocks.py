@@ -1,5 +1,5 @@
-"""A GGUF file's quantized matrices as block forms (`kernels.gguf_panels.BlockForm`), so layers
-can keep the codes the file stores for the int8-activation kernel (`quantized_activations`)
+"""A GGUF file's quantized matrices as block forms (`pagedserve_kernels.gguf_panels.BlockForm`), so
+layers can keep the codes the file stores for the int8-activation kernel (`quantized_activations`)
 instead of recovering them from dequantized float32 values, which only works for Q4_1 / Q8_0.
 
 Invariant: `GgufBlockSource.form(name, ...)` dequantizes, bit for bit, to the rows or columns
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gguf
 
-from kernels.gguf_panels import BlockForm, form_from_gguf, has_panel_form
+from pagedserve_kernels.gguf_panels import BlockForm, form_from_gguf, has_panel_form
 from workers.config import ModelSpec
 from workers.families import family_named
 from workers.gguf_weights import hf_name, unpermute_rows

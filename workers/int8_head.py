@@ -1,8 +1,8 @@
 """The LM head with int8-quantized activations (`quantized_activations`): screened by the int8
 product, float32 where it could matter.
 
-A GGUF Q8_0 head multiplied with int8 hidden rows (`kernels.quant_dot_cpu`) is fast but moves
-each logit by up to `sum over blocks of (d / 2) * sum |w|` (d: the block's activation scale),
+A GGUF Q8_0 head multiplied with int8 hidden rows (`pagedserve_kernels.quant_dot_cpu`) is fast but
+moves each logit by up to `sum over blocks of (d / 2) * sum |w|` (d: the block's activation scale),
 which flips greedy choices. `Int8ScreenedHead` bounds that error per (row, chunk of `CHUNK`
 vocabulary rows) and recomputes in float32 every logit whose upper bound reaches its row's best
 lower bound (`workers.lm_head.refine_near_maxima`, as the bfloat16 mode's screened head), so a
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import quant_dot_cpu
-from kernels.quant_dot_cpu import PanelWeight
+from pagedserve_kernels import quant_dot_cpu
+from pagedserve_kernels.quant_dot_cpu import PanelWeight
 from workers.lm_head import ABSOLUTE_SLACK, CHUNK, refine_near_maxima
 
 BLOCK = 32

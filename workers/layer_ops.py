@@ -1,10 +1,10 @@
 """The elementwise steps of a decoder layer, behind one protocol: plain torch everywhere, or the
-native CPU library (`kernels.layer_ops_cpu`) where it was built.
+native CPU library (`pagedserve_kernels.layer_ops_cpu`) where it was built.
 
 A model picks its `LayerOps` once (`layer_ops_for`); its layers call it for the residual add and
 RMS norm, rotary embeddings with the KV write, and silu(gate) * up. Both implementations compute
-the same functions; the native one rounds once per output (see `kernels.layer_ops_cpu`) and
-falls back to torch for any operand it does not take, so a model never depends on which runs.
+the same functions; the native one rounds once per output (see `pagedserve_kernels.layer_ops_cpu`)
+and falls back to torch for any operand it does not take, so a model never depends on which runs.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionStep, layer_ops_cpu, write_kv
-from kernels.metadata import check_prepared
+from pagedserve_kernels import AttentionStep, layer_ops_cpu, write_kv
+from pagedserve_kernels.metadata import check_prepared
 from workers.rope import RotaryEmbedding, apply_rotary
 
 

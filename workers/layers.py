@@ -13,10 +13,10 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
-from kernels import q8_cpu, quant_dot_cpu
-from kernels.gguf_panels import stack_forms
-from kernels.q8_cpu import Q8Weight
-from kernels.quant_dot_cpu import PanelWeight
+from pagedserve_kernels import q8_cpu, quant_dot_cpu
+from pagedserve_kernels.gguf_panels import stack_forms
+from pagedserve_kernels.q8_cpu import Q8Weight
+from pagedserve_kernels.quant_dot_cpu import PanelWeight
 from workers.checkpoint import CheckpointReader
 from workers.dense_matmul import DenseMatmul
 from workers.int8_head import Int8ScreenedHead
@@ -194,8 +194,8 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     `keep_exact_q8` (the model calls it for its head): where the float32 weight is exactly GGUF
     Q8_0 blocks and the CPU kernel runs, `logits` of at most `Q8_MAX_ROWS` rows multiply those
-    8-bit codes instead (`kernels.q8_cpu`): every logit is the float32 product over the exact
-    weights (up to summation order), read at 1.125 bytes per weight. With `activations` (the
+    8-bit codes instead (`pagedserve_kernels.q8_cpu`): every logit is the float32 product over the
+    exact weights (up to summation order), read at 1.125 bytes per weight. With `activations` (the
     model's `quantized_activations`) larger batches multiply the same codes with int8-quantized
     hidden rows and recompute in float32 the logits that could be a row's maximum
     (`workers.int8_head`): the greedy choice stays the float32 head's.

@@ -2,8 +2,8 @@
 paged KV cache.
 
 Attention metadata travels explicitly in `AttentionMetadata`; KV is written and read only through
-the `kernels` public API. Tensor parallelism lives in the parallel layers alone: query/KV heads
-and MLP columns are split by rank, `o_proj` and `down_proj` all-reduce, and the vocab-parallel
+the `pagedserve_kernels` public API. Tensor parallelism lives in the parallel layers alone: query/KV
+heads and MLP columns are split by rank, `o_proj` and `down_proj` all-reduce, and the vocab-parallel
 embedding and LM head all-reduce / all-gather.
 """
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionStep, PagedAttentionStep, prepare_attention
-from kernels.decoder_stack_cpu import StackLayer, StackShape
-from kernels.range_attention import RangeAttention
+from pagedserve_kernels import AttentionStep, PagedAttentionStep, prepare_attention
+from pagedserve_kernels.decoder_stack_cpu import StackLayer, StackShape
+from pagedserve_kernels.range_attention import RangeAttention
 from workers.checkpoint import CheckpointReader
 from workers.config import ModelSpec
 from workers.decoder_stack import NativeDecode, NativeStack
@@ -281,9 +281,9 @@ class DecoderLayer(torch.nn.Module):
             )
 
     def stack_layer(self) -> StackLayer | None:
-        """This layer as one layer of the native decoder stack (`kernels.decoder_stack_cpu`),
-        or None where the stack does not compute it: sandwich norms, experts, a product
-        without its exact 4-bit copy, or a bias."""
+        """This layer as one layer of the native decoder stack
+        (`pagedserve_kernels.decoder_stack_cpu`), or None where the stack does not compute it:
+        sandwich norms, experts, a product without its exact 4-bit copy, or a bias."""
         if self.sandwich or not isinstance(self.mlp, GatedMLP):
             return None
         attention, mlp = self.self_attn, self.mlp
@@ -321,7 +321,7 @@ class CausalLM(torch.nn.Module):
     (`VocabParallelEmbedding.keep_exact_q8`): float32 logits over the exact weights.
     With `quantized_activations` (off by default; not float32-exact) the products those copies
     do not take (prefill, larger batches) multiply the same codes with int8-quantized activations
-    (`kernels.quant_dot_cpu`, docs/quantized_activations.md).
+    (`pagedserve_kernels.quant_dot_cpu`, docs/quantized_activations.md).
     """
 
     def __init__(

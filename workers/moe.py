@@ -83,9 +83,9 @@ class SparseMoE(torch.nn.Module):
     def expert_products(self, rows: torch.Tensor, counts: list[int], triton: bool) -> torch.Tensor:
         """Each local expert's gated MLP over its `rows` (sorted by expert, `counts[e]` rows
         of local expert e): one product per expert (torch), or one grouped Triton launch per
-        projection (`kernels.triton_grouped_gemm`)."""
+        projection (`pagedserve_kernels.triton_grouped_gemm`)."""
         if triton:
-            from kernels.triton_grouped_gemm import grouped_matmul
+            from pagedserve_kernels.triton_grouped_gemm import grouped_matmul
 
             offsets = torch.tensor([0, *counts]).cumsum(0)
             gate, up = grouped_matmul(rows, self.gate_up, offsets).chunk(2, dim=-1)

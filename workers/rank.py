@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from kernels import allocate_kv_pool, copy_blocks, swap_blocks
+from pagedserve_kernels import allocate_kv_pool, copy_blocks, swap_blocks
 from workers import block_io
 from workers.batch import SequenceRegistry, pack_batch
 from workers.config import WorkerConfig

@@ -1,7 +1,7 @@
 """Kernel tests run Triton in its CPU interpreter where no CUDA device exists.
 
 The interpreter is chosen when a Triton kernel is defined, so the variable must be set before any
-``kernels.triton_*`` module is imported; the Makefile sets it too.
+``pagedserve_kernels.triton_*`` module is imported; the Makefile sets it too.
 """
 
 from __future__ import annotations

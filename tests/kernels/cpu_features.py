@@ -21,8 +21,8 @@ def cpu_has_avx2_fma() -> bool:
 
 
 def cpu_vector_isas() -> tuple[str, ...]:
-    """The instruction sets of the native vector kernels (`kernels.native.VECTOR_ISAS`) this CPU
-    has, fastest first: "avx512" (AVX-512 F and BW besides AVX2 and FMA) and "avx2"."""
+    """The instruction sets of the native vector kernels (`pagedserve_kernels.native.VECTOR_ISAS`)
+    this CPU has, fastest first: "avx512" (AVX-512 F and BW besides AVX2 and FMA) and "avx2"."""
     flags = set(cpu_flags())
     if not cpu_has_avx2_fma():
         return ()

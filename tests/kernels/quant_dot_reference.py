@@ -1,6 +1,7 @@
-"""Plain-torch oracles of `kernels.quant_dot_cpu`: the activation quantization (the same float32
-operations, so bit for bit), the integer arithmetic of its product (in float64, with the float32
-summation bound), and the bound of its distance from the float32 product over the same weights."""
+"""Plain-torch oracles of `pagedserve_kernels.quant_dot_cpu`: the activation quantization (the same
+float32 operations, so bit for bit), the integer arithmetic of its product (in float64, with the
+float32 summation bound), and the bound of its distance from the float32 product over the same
+weights."""
 
 from __future__ import annotations
 

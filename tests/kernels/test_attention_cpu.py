@@ -1,16 +1,16 @@
-"""The native CPU decode attention (`kernels.attention_cpu`) against the plain-torch oracle
-(`kernels.reference`, float32 throughout): shapes, windows, strides, threads, and what it must
-leave alone."""
+"""The native CPU decode attention (`pagedserve_kernels.attention_cpu`) against the plain-torch
+oracle (`pagedserve_kernels.reference`, float32 throughout): shapes, windows, strides, threads, and
+what it must leave alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import kernels
-from kernels import attention_cpu, reference
-from kernels.attention_cpu import DecodeRows
-from kernels.metadata import prepare_attention
+import pagedserve_kernels
+from pagedserve_kernels import attention_cpu, reference
+from pagedserve_kernels.attention_cpu import DecodeRows
+from pagedserve_kernels.metadata import prepare_attention
 from tests.kernels.cases import AttentionCase, make_case
 from tests.kernels.cpu_features import (
     cpu_has_avx2_fma,
@@ -179,8 +179,8 @@ def test_writes_only_decode_rows_of_strided_operands(isa: str) -> None:
 
 @needs_kernel
 def test_public_path_mixes_native_decodes_with_torch_prefills() -> None:
-    """kernels.paged_attention on the CPU: decodes through the kernel, prefills through torch,
-    every row as the oracle gives it."""
+    """pagedserve_kernels.paged_attention on the CPU: decodes through the kernel, prefills through
+    torch, every row as the oracle gives it."""
     lengths = [(41, 41), (33, 1), (16, 0), (70, 1), (65, 5), (3, 1)]
     case = make_case(lengths, block_size=16, head_dim=64, group=3, dtype=torch.bfloat16)
     prepared = prepare_attention(
@@ -192,7 +192,9 @@ def test_public_path_mixes_native_decodes_with_torch_prefills() -> None:
     )
     assert prepared.decode_rows is not None
     assert prepared.decode_rows.rows.tolist() == [41, 42, 48]
-    got = kernels.paged_attention(case.query, case.k_cache, case.v_cache, **case.kwargs())
+    got = pagedserve_kernels.paged_attention(
+        case.query, case.k_cache, case.v_cache, **case.kwargs()
+    )
     torch.testing.assert_close(got.float(), _oracle(case).float(), atol=2.0**-7, rtol=2.0**-7)
 
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import kernels
-from kernels import reference, triton_cache_ops
+import pagedserve_kernels
+from pagedserve_kernels import reference, triton_cache_ops
 from tests.kernels.cases import DTYPES, triton_device
 
 WriteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -36,8 +36,8 @@ def _triton_copy_blocks(kv_pool: torch.Tensor, pairs: torch.Tensor) -> None:
     kv_pool.copy_(pool_dev)
 
 
-WRITERS: dict[str, WriteFn] = {"cpu": kernels.write_kv, "triton": _triton_write_kv}
-COPIERS: dict[str, CopyFn] = {"cpu": kernels.copy_blocks, "triton": _triton_copy_blocks}
+WRITERS: dict[str, WriteFn] = {"cpu": pagedserve_kernels.write_kv, "triton": _triton_write_kv}
+COPIERS: dict[str, CopyFn] = {"cpu": pagedserve_kernels.copy_blocks, "triton": _triton_copy_blocks}
 
 
 def _random_pool(num_layers: int, num_blocks: int, block_size: int, heads: int, head_dim: int,
@@ -48,7 +48,7 @@ def _random_pool(num_layers: int, num_blocks: int, block_size: int, heads: int, 
 
 
 def test_allocate_kv_pool_layout() -> None:
-    pool = kernels.allocate_kv_pool(
+    pool = pagedserve_kernels.allocate_kv_pool(
         num_layers=3, num_blocks=5, block_size=16, num_kv_heads=2, head_dim=64,
         dtype=torch.bfloat16, device="cpu",
     )  # fmt: skip
@@ -107,7 +107,7 @@ def test_copy_blocks_matches_reference(impl: str, dtype: torch.dtype) -> None:
 def test_copy_blocks_with_no_pairs_changes_nothing() -> None:
     pool = _random_pool(1, 3, 8, 1, 64, torch.float32)
     before = pool.clone()
-    kernels.copy_blocks(pool, torch.empty((0, 2), dtype=torch.int64))
+    pagedserve_kernels.copy_blocks(pool, torch.empty((0, 2), dtype=torch.int64))
     assert torch.equal(pool, before)
 
 
@@ -118,11 +118,11 @@ def test_swap_blocks_between_cpu_pools_matches_reference(dtype: torch.dtype) -> 
     out_pairs = torch.tensor([[6, 0], [1, 3], [3, 2]])
     expected = cpu_pool.clone()
     reference.swap_blocks(device_pool, expected, out_pairs)
-    kernels.swap_blocks(device_pool, cpu_pool, out_pairs)
+    pagedserve_kernels.swap_blocks(device_pool, cpu_pool, out_pairs)
     assert torch.equal(cpu_pool, expected)
     in_pairs = torch.tensor([[0, 2], [3, 5]])
     expected_back = device_pool.clone()
     reference.swap_blocks(cpu_pool, expected_back, in_pairs)
-    kernels.swap_blocks(cpu_pool, device_pool, in_pairs)
+    pagedserve_kernels.swap_blocks(cpu_pool, device_pool, in_pairs)
     assert torch.equal(device_pool, expected_back)
     assert torch.equal(device_pool[:, :, 2], expected[:, :, 0])  # block 6 went out and came back

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference, torch_cpu
-from kernels.metadata import prepare_attention
+import pagedserve_kernels
+from pagedserve_kernels import reference, torch_cpu
+from pagedserve_kernels.metadata import prepare_attention
 from tests.kernels.cases import (
     BLOCK_SIZES,
     DTYPES,
@@ -22,7 +22,7 @@ from tests.kernels.cases import (
 
 
 def _both(case: AttentionCase, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    got = kernels.paged_attention(
+    got = pagedserve_kernels.paged_attention(
         case.query, case.k_cache, case.v_cache, sliding_window=window, **case.kwargs()
     )
     expected = reference.paged_attention(
@@ -60,7 +60,9 @@ def test_cpu_attention_writes_into_out_and_reads_strided_query() -> None:
     query = fused[:, :4]
     assert not query.is_contiguous()
     out = torch.full_like(case.query, float("nan"))
-    returned = kernels.paged_attention(query, case.k_cache, case.v_cache, out=out, **case.kwargs())
+    returned = pagedserve_kernels.paged_attention(
+        query, case.k_cache, case.v_cache, out=out, **case.kwargs()
+    )
     assert returned is out
     expected = reference.paged_attention(case.query, case.k_cache, case.v_cache, **case.kwargs())
     assert_close(out, expected, torch.float32)
@@ -69,7 +71,7 @@ def test_cpu_attention_writes_into_out_and_reads_strided_query() -> None:
 def test_cpu_attention_long_decode_with_int64_metadata() -> None:
     lengths = [(300, 1), (129, 1), (64, 3)]
     case = make_case(lengths, block_size=16, head_dim=64, group=3, dtype=torch.float32, seed=7)
-    got = kernels.paged_attention(
+    got = pagedserve_kernels.paged_attention(
         case.query,
         case.k_cache,
         case.v_cache,

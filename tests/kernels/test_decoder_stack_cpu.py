@@ -1,6 +1,6 @@
-"""The native decoder stack (`kernels.decoder_stack_cpu`) against two oracles on random 4-bit
-layers: a plain-torch float64 forward that rounds where the model rounds (the hidden states and
-the KV it writes), and the same native kernels called one by one from Python (bit for bit).
+"""The native decoder stack (`pagedserve_kernels.decoder_stack_cpu`) against two oracles on random
+4-bit layers: a plain-torch float64 forward that rounds where the model rounds (the hidden states
+and the KV it writes), and the same native kernels called one by one from Python (bit for bit).
 Also: rows and thread counts do not change a row's bits, and bad operands are refused."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import attention_cpu, decoder_stack_cpu, layer_ops_cpu, q4_cpu, reference
-from kernels.attention_cpu import DecodeRows
-from kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
-from kernels.metadata import prepare_attention
-from kernels.q4_cpu import Q4Weight
+from pagedserve_kernels import attention_cpu, decoder_stack_cpu, layer_ops_cpu, q4_cpu, reference
+from pagedserve_kernels.attention_cpu import DecodeRows
+from pagedserve_kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
+from pagedserve_kernels.metadata import prepare_attention
+from pagedserve_kernels.q4_cpu import Q4Weight
 from tests.kernels.cpu_features import (
     cpu_has_avx2_fma,
     cpu_vector_isas,

@@ -1,5 +1,5 @@
-"""GGUF blocks repacked from their raw bytes (`kernels.gguf_panels`) against the gguf package's
-own dequantizer (the independent oracle), and multiplied by the int8-activation kernel.
+"""GGUF blocks repacked from their raw bytes (`pagedserve_kernels.gguf_panels`) against the gguf
+package's own dequantizer (the independent oracle), and multiplied by the int8-activation kernel.
 
 gguf cannot quantize K-quants, so their blocks are random bytes with sane float16 scales:
 every code, 6-bit (Q6_K: signed 8-bit) scale and minimum pattern occurs.
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import quant_dot_cpu
-from kernels.gguf_panels import form_from_gguf, panels_from_gguf, stack_forms
+from pagedserve_kernels import quant_dot_cpu
+from pagedserve_kernels.gguf_panels import form_from_gguf, panels_from_gguf, stack_forms
 from tests.kernels.quant_dot_reference import activation_rounding_bound, reference_quantize
 
 T = gguf.GGMLQuantizationType

@@ -11,8 +11,8 @@ import itertools
 import pytest
 import torch
 
-import kernels
-from kernels import reference, triton_attention
+import pagedserve_kernels
+from pagedserve_kernels import reference, triton_attention
 from tests.kernels.cases import (
     BLOCK_SIZES,
     DTYPES,
@@ -58,7 +58,7 @@ def test_cuda_attention_matches_reference(
         case.query, case.k_cache, case.v_cache, sliding_window=window, **case.kwargs()
     )
     device_case = case.to("cuda")
-    got = kernels.paged_attention(
+    got = pagedserve_kernels.paged_attention(
         device_case.query, device_case.k_cache, device_case.v_cache, sliding_window=window,
         **device_case.kwargs(),
     )  # fmt: skip
@@ -72,12 +72,12 @@ def test_cuda_few_long_decodes_take_the_split_path(dtype: torch.dtype) -> None:
     case = make_case(lengths, block_size=16, head_dim=128, group=4, dtype=dtype, num_kv_heads=1)
     expected = reference.paged_attention(case.query, case.k_cache, case.v_cache, **case.kwargs())
     device_case = case.to("cuda")
-    got = kernels.paged_attention(
+    got = pagedserve_kernels.paged_attention(
         device_case.query, device_case.k_cache, device_case.v_cache, **device_case.kwargs()
     )
     assert_close(got.cpu(), expected, dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    from kernels.validation import check_paged_attention
+    from pagedserve_kernels.validation import check_paged_attention
 
     batch = check_paged_attention(
         case.query, case.k_cache, case.v_cache, case.cu_query_lens, case.context_lens,
@@ -96,7 +96,9 @@ def test_cuda_write_kv_touches_only_its_slots(dtype: torch.dtype) -> None:
     expected = pool.clone()
     reference.write_kv(key, value, expected[1, 0], expected[1, 1], slots)
     device_pool = pool.cuda()
-    kernels.write_kv(key.cuda(), value.cuda(), device_pool[1, 0], device_pool[1, 1], slots.cuda())
+    pagedserve_kernels.write_kv(
+        key.cuda(), value.cuda(), device_pool[1, 0], device_pool[1, 1], slots.cuda()
+    )
     assert torch.equal(device_pool.cpu(), expected)
 
 
@@ -106,17 +108,17 @@ def test_cuda_copy_blocks_matches_reference() -> None:
     expected = pool.clone()
     reference.copy_blocks(expected, pairs)
     device_pool = pool.cuda()
-    kernels.copy_blocks(device_pool, pairs.cuda())
+    pagedserve_kernels.copy_blocks(device_pool, pairs.cuda())
     assert torch.equal(device_pool.cpu(), expected)
 
 
 def test_cuda_swap_out_and_in_through_pinned_memory() -> None:
-    device_pool = kernels.allocate_kv_pool(
+    device_pool = pagedserve_kernels.allocate_kv_pool(
         num_layers=3, num_blocks=20, block_size=16, num_kv_heads=2, head_dim=64,
         dtype=torch.float16, device="cuda",
     )  # fmt: skip
     device_pool.copy_(torch.randn(device_pool.shape).to(torch.float16))
-    cpu_pool = kernels.allocate_kv_pool(
+    cpu_pool = pagedserve_kernels.allocate_kv_pool(
         num_layers=3, num_blocks=8, block_size=16, num_kv_heads=2, head_dim=64,
         dtype=torch.float16, device="cpu", pin_memory=True,
     )  # fmt: skip
@@ -124,12 +126,12 @@ def test_cuda_swap_out_and_in_through_pinned_memory() -> None:
     out_pairs = torch.tensor([[19, 0], [4, 5], [7, 3]])
     expected_cpu = cpu_pool.clone()
     reference.swap_blocks(device_pool.cpu(), expected_cpu, out_pairs)
-    kernels.swap_blocks(device_pool, cpu_pool, out_pairs)
+    pagedserve_kernels.swap_blocks(device_pool, cpu_pool, out_pairs)
     assert torch.equal(cpu_pool, expected_cpu)
     in_pairs = torch.tensor([[0, 1], [3, 2]])
     expected_device = device_pool.cpu()
     reference.swap_blocks(cpu_pool, expected_device, in_pairs)
-    kernels.swap_blocks(cpu_pool, device_pool, in_pairs)
+    pagedserve_kernels.swap_blocks(cpu_pool, device_pool, in_pairs)
     torch.cuda.synchronize()
     assert torch.equal(device_pool.cpu(), expected_device)
 
@@ -137,7 +139,7 @@ def test_cuda_swap_out_and_in_through_pinned_memory() -> None:
 def test_cuda_bad_slot_raises_before_launch() -> None:
     pool = torch.zeros(1, 2, 4, 8, 1, 64, device="cuda")
     with pytest.raises(ValueError, match="slots outside"):
-        kernels.write_kv(
+        pagedserve_kernels.write_kv(
             torch.ones(2, 1, 64, device="cuda"), torch.ones(2, 1, 64, device="cuda"),
             pool[0, 0], pool[0, 1], torch.tensor([0, 32], device="cuda"),
         )  # fmt: skip

@@ -1,5 +1,5 @@
-"""The native elementwise layer ops (`kernels.layer_ops_cpu`) against float64 oracles: each
-result is the exact value rounded once to its dtype (within float32's own error), and every
+"""The native elementwise layer ops (`pagedserve_kernels.layer_ops_cpu`) against float64 oracles:
+each result is the exact value rounded once to its dtype (within float32's own error), and every
 cache entry it should not write keeps its bits."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import layer_ops_cpu
+from pagedserve_kernels import layer_ops_cpu
 from tests.kernels.cpu_features import (
     cpu_has_avx2_fma,
     cpu_vector_isas,

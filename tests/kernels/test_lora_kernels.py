@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import lora, triton_lora
+from pagedserve_kernels import lora, triton_lora
 from tests.kernels.cases import triton_device
 
 WIDTHS = (48, 16, 16)  # a fused q/k/v target

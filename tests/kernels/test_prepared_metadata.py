@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import pagedserve_kernels
+from pagedserve_kernels import reference
 from tests.kernels.cases import (
     BLOCK_SIZES,
     KINDS,
@@ -21,8 +21,8 @@ from tests.kernels.cases import (
 )
 
 
-def _prepare(case: AttentionCase, **options: object) -> kernels.PreparedAttention:
-    return kernels.prepare_attention(
+def _prepare(case: AttentionCase, **options: object) -> pagedserve_kernels.PreparedAttention:
+    return pagedserve_kernels.prepare_attention(
         case.cu_query_lens,
         case.context_lens,
         case.block_tables,
@@ -56,7 +56,7 @@ def test_prepared_attention_matches_reference_in_every_layer(
     layers = [first, second]
     metadata = _prepare(layers[0])
     for case in layers:
-        got = kernels.paged_attention(
+        got = pagedserve_kernels.paged_attention(
             case.query, case.k_cache, case.v_cache, scale=case.scale, metadata=metadata
         )
         assert_close(got, _expected(case), dtype)
@@ -71,10 +71,14 @@ def test_prepared_attention_with_small_decode_groups_and_window(block_size: int,
     metadata = _prepare(case, decode_group_tokens=block_size)
     assert len(metadata.decode_groups) == sum(1 for _, q in lengths if q == 1)
     for window in (None, block_size // 2 + 3):
-        got = kernels.paged_attention(
-            case.query, case.k_cache, case.v_cache, scale=case.scale, sliding_window=window,
+        got = pagedserve_kernels.paged_attention(
+            case.query,
+            case.k_cache,
+            case.v_cache,
+            scale=case.scale,
+            sliding_window=window,
             metadata=metadata,
-        )  # fmt: skip
+        )
         assert_close(got, _expected(case, window), torch.float32)
 
 
@@ -84,7 +88,7 @@ def test_prepared_decodes_of_equal_length_share_one_group_and_write_into_out() -
     metadata = _prepare(case)
     assert len(metadata.decode_groups) == 1
     out = torch.full_like(case.query, float("nan"))
-    returned = kernels.paged_attention(
+    returned = pagedserve_kernels.paged_attention(
         case.query, case.k_cache, case.v_cache, scale=case.scale, out=out, metadata=metadata
     )
     assert returned is out
@@ -100,12 +104,16 @@ def test_prepared_write_kv_matches_reference_and_touches_only_its_slots(block_si
     key = torch.randn(6, 2, 64, generator=generator)
     value = torch.randn(6, 2, 64, generator=generator)
     cu = torch.tensor([0, 6], dtype=torch.int32)
-    metadata = kernels.prepare_attention(
-        cu, torch.tensor([6], dtype=torch.int32), torch.tensor([[0, 1, 2, 3, 4, 5]]),
-        num_blocks=6, block_size=block_size, slot_mapping=slots,
-    )  # fmt: skip
+    metadata = pagedserve_kernels.prepare_attention(
+        cu,
+        torch.tensor([6], dtype=torch.int32),
+        torch.tensor([[0, 1, 2, 3, 4, 5]]),
+        num_blocks=6,
+        block_size=block_size,
+        slot_mapping=slots,
+    )
     for layer in range(2):
-        kernels.write_kv(key, value, pool[layer, 0], pool[layer, 1], metadata=metadata)
+        pagedserve_kernels.write_kv(key, value, pool[layer, 0], pool[layer, 1], metadata=metadata)
         reference.write_kv(key, value, expected[layer, 0], expected[layer, 1], slots)
     assert torch.equal(pool, expected)
 
@@ -136,8 +144,9 @@ PREPARE_ERRORS = {
 
 @pytest.mark.parametrize("problem", sorted(PREPARE_ERRORS))
 def test_prepare_attention_rejects_bad_metadata(problem: str) -> None:
-    case = make_case(lengths_for("mixed", 8), block_size=8, head_dim=64, group=2,
-                     dtype=torch.float32)  # fmt: skip
+    case = make_case(
+        lengths_for("mixed", 8), block_size=8, head_dim=64, group=2, dtype=torch.float32
+    )
     assert int(case.cu_query_lens[-1]) == 23
     arguments: dict[str, object] = {
         "cu_query_lens": case.cu_query_lens,
@@ -150,26 +159,33 @@ def test_prepare_attention_rejects_bad_metadata(problem: str) -> None:
     arguments.update(PREPARE_ERRORS[problem](case))
     match = "outside" if problem == "negative" else problem
     with pytest.raises(ValueError, match=match):
-        kernels.prepare_attention(**arguments)  # type: ignore[arg-type]
+        pagedserve_kernels.prepare_attention(**arguments)  # type: ignore[arg-type]
 
 
 def test_prepared_calls_reject_a_layer_that_does_not_match() -> None:
-    case = make_case(lengths_for("mixed", 8), block_size=8, head_dim=64, group=2,
-                     dtype=torch.float32)  # fmt: skip
+    case = make_case(
+        lengths_for("mixed", 8), block_size=8, head_dim=64, group=2, dtype=torch.float32
+    )
     metadata = _prepare(case)
     with pytest.raises(ValueError, match="prepared for"):
-        kernels.paged_attention(case.query[:-1], case.k_cache, case.v_cache, scale=case.scale,
-                                metadata=metadata)  # fmt: skip
+        pagedserve_kernels.paged_attention(
+            case.query[:-1], case.k_cache, case.v_cache, scale=case.scale, metadata=metadata
+        )
     with pytest.raises(ValueError, match="prepared for"):
-        kernels.paged_attention(case.query, case.k_cache[:-1], case.v_cache[:-1],
-                                scale=case.scale, metadata=metadata)  # fmt: skip
+        pagedserve_kernels.paged_attention(
+            case.query, case.k_cache[:-1], case.v_cache[:-1], scale=case.scale, metadata=metadata
+        )
     with pytest.raises(ValueError, match="not both"):
-        kernels.paged_attention(case.query, case.k_cache, case.v_cache, metadata=metadata,
-                                **case.kwargs())  # type: ignore[arg-type]  # fmt: skip
+        pagedserve_kernels.paged_attention(
+            case.query, case.k_cache, case.v_cache, metadata=metadata, **case.kwargs()
+        )  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="or metadata"):
-        kernels.paged_attention(case.query, case.k_cache, case.v_cache, scale=case.scale)
+        pagedserve_kernels.paged_attention(case.query, case.k_cache, case.v_cache, scale=case.scale)
     with pytest.raises(ValueError, match="slot_mapping"):
-        kernels.write_kv(case.query[:, :2], case.query[:, :2], case.k_cache, case.v_cache,
-                         metadata=metadata)  # fmt: skip
+        pagedserve_kernels.write_kv(
+            case.query[:, :2], case.query[:, :2], case.k_cache, case.v_cache, metadata=metadata
+        )
     with pytest.raises(ValueError, match="exactly one"):
-        kernels.write_kv(case.query[:, :2], case.query[:, :2], case.k_cache, case.v_cache)
+        pagedserve_kernels.write_kv(
+            case.query[:, :2], case.query[:, :2], case.k_cache, case.v_cache
+        )

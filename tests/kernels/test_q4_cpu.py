@@ -1,6 +1,6 @@
-"""The CPU 4-bit kernel (`kernels.q4_cpu`) against plain torch: the exact recovery of GGUF Q4_1
-blocks from dequantized float32 weights, and products equal to float32 (float64 as the oracle)
-over the dequantized weights, in float32 and bfloat16."""
+"""The CPU 4-bit kernel (`pagedserve_kernels.q4_cpu`) against plain torch: the exact recovery of
+GGUF Q4_1 blocks from dequantized float32 weights, and products equal to float32 (float64 as the
+oracle) over the dequantized weights, in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import q4_cpu
-from kernels.q4_cpu import Q4Weight, q4_matmul
+from pagedserve_kernels import q4_cpu
+from pagedserve_kernels.q4_cpu import Q4Weight, q4_matmul
 from tests.kernels.cpu_features import (
     cpu_has_avx2_fma,
     cpu_vector_isas,

@@ -1,6 +1,6 @@
-"""The CPU 8-bit kernel (`kernels.q8_cpu`) against plain torch: the exact recovery of GGUF Q8_0
-blocks (quantized by the gguf package) from dequantized float32 weights, and products equal to
-float32 (float64 as the oracle) over the dequantized weights."""
+"""The CPU 8-bit kernel (`pagedserve_kernels.q8_cpu`) against plain torch: the exact recovery of
+GGUF Q8_0 blocks (quantized by the gguf package) from dequantized float32 weights, and products
+equal to float32 (float64 as the oracle) over the dequantized weights."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import q8_cpu
-from kernels.q8_cpu import Q8Weight, q8_matmul
+from pagedserve_kernels import q8_cpu
+from pagedserve_kernels.q8_cpu import Q8Weight, q8_matmul
 from tests.kernels.cpu_features import (
     cpu_has_avx2_fma,
     cpu_vector_isas,

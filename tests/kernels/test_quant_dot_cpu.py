@@ -1,4 +1,4 @@
-"""The int8-activation products (`kernels/csrc/quant_dot_cpu.cpp`) against plain torch.
+"""The int8-activation products (`pagedserve_kernels/csrc/quant_dot_cpu.cpp`) against plain torch.
 
 Oracles: `tests.kernels.quant_dot_reference` (the activation codes bit for bit; the integer
 arithmetic of the product in float64 within float32 summation; the distance from the float32
@@ -13,10 +13,10 @@ import gguf
 import pytest
 import torch
 
-from kernels import quant_dot_cpu
-from kernels.q4_cpu import Q4Weight
-from kernels.q8_cpu import Q8Weight
-from kernels.quant_dot_cpu import PanelWeight, quant_matmul, quantize_activations
+from pagedserve_kernels import quant_dot_cpu
+from pagedserve_kernels.q4_cpu import Q4Weight
+from pagedserve_kernels.q8_cpu import Q8Weight
+from pagedserve_kernels.quant_dot_cpu import PanelWeight, quant_matmul, quantize_activations
 from tests.kernels.cpu_features import cpu_flags
 from tests.kernels.gguf_blocks import gguf_blocks
 from tests.kernels.quant_dot_reference import (

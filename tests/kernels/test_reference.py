@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.kv_pool import allocate_kv_pool
+from pagedserve_kernels import reference
+from pagedserve_kernels.kv_pool import allocate_kv_pool
 from tests.kernels.cases import make_case
 
 

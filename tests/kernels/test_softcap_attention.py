@@ -1,6 +1,6 @@
 """Soft-capped attention scores (`cap * tanh(s / cap)`, Gemma 2) on every attention path.
 
-The oracle is `kernels.reference.paged_attention`, itself checked here against a direct
+The oracle is `pagedserve_kernels.reference.paged_attention`, itself checked here against a direct
 computation of one sequence; the CPU path (whose native decode kernel has no soft cap, so capped
 calls take the torch path), the Triton kernel (the CPU interpreter here) and the contiguous
 layout's `range_attention` must match it, with and without a sliding window.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference, triton_attention, validation
-from kernels.range_attention import range_attention
+import pagedserve_kernels
+from pagedserve_kernels import reference, triton_attention, validation
+from pagedserve_kernels.range_attention import range_attention
 from tests.kernels.cases import (
     KINDS,
     AttentionCase,
@@ -66,7 +66,7 @@ def test_cpu_path_caps_like_the_reference(
     kind: str, dtype: torch.dtype, window: int | None
 ) -> None:
     case = _case(kind, dtype)
-    got = kernels.paged_attention(
+    got = pagedserve_kernels.paged_attention(
         case.query,
         case.k_cache,
         case.v_cache,
@@ -127,6 +127,6 @@ def test_range_attention_caps_like_the_reference(window: int | None) -> None:
 def test_a_bad_softcap_is_refused(softcap: float) -> None:
     case = _case("decode", torch.float32)
     with pytest.raises(ValueError, match="softcap must be None or a positive finite number"):
-        kernels.paged_attention(
+        pagedserve_kernels.paged_attention(
             case.query, case.k_cache, case.v_cache, softcap=softcap, **case.kwargs()
         )

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, triton_attention, validation
-from kernels.validation import AttentionBatch
+from pagedserve_kernels import reference, triton_attention, validation
+from pagedserve_kernels.validation import AttentionBatch
 from tests.kernels.cases import (
     BLOCK_SIZES,
     DTYPES,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton_grouped_gemm import grouped_matmul
+from pagedserve_kernels.triton_grouped_gemm import grouped_matmul
 from tests.kernels.cases import triton_device
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import pagedserve_kernels
 from tests.kernels.cases import AttentionCase, lengths_for, make_case
 
 
@@ -23,7 +23,7 @@ def _attend(case: AttentionCase, **overrides: object) -> None:
         **case.kwargs(),
     }
     arguments.update(overrides)
-    kernels.paged_attention(**arguments)  # type: ignore[arg-type]
+    pagedserve_kernels.paged_attention(**arguments)  # type: ignore[arg-type]
 
 
 def _table_with(case: AttentionCase, value: int) -> torch.Tensor:
@@ -92,21 +92,30 @@ WRITE_ERRORS = {
 def test_write_kv_rejects_without_writing(problem: str) -> None:
     pool = _pool()
     before = pool.clone()
-    arguments = {"key": torch.randn(3, 2, 64), "value": torch.randn(3, 2, 64),
-                 "slots": torch.tensor([0, 1, 2])}  # fmt: skip
+    arguments = {
+        "key": torch.randn(3, 2, 64),
+        "value": torch.randn(3, 2, 64),
+        "slots": torch.tensor([0, 1, 2]),
+    }
     arguments.update(WRITE_ERRORS[problem])
     match = "slots outside" if problem == "below -1" else problem
     with pytest.raises(ValueError, match=match):
-        kernels.write_kv(arguments["key"], arguments["value"], pool[0, 0], pool[0, 1],
-                         arguments["slots"])  # fmt: skip
+        pagedserve_kernels.write_kv(
+            arguments["key"], arguments["value"], pool[0, 0], pool[0, 1], arguments["slots"]
+        )
     assert torch.equal(pool, before)
 
 
 def test_write_kv_rejects_a_non_contiguous_cache() -> None:
     pool = _pool()
     with pytest.raises(ValueError, match="contiguous"):
-        kernels.write_kv(torch.randn(1, 2, 64), torch.randn(1, 2, 64), pool[0, 0, :, ::2],
-                         pool[0, 1, :, ::2], torch.tensor([0]))  # fmt: skip
+        pagedserve_kernels.write_kv(
+            torch.randn(1, 2, 64),
+            torch.randn(1, 2, 64),
+            pool[0, 0, :, ::2],
+            pool[0, 1, :, ::2],
+            torch.tensor([0]),
+        )
 
 
 @pytest.mark.parametrize(
@@ -124,7 +133,7 @@ def test_copy_blocks_rejects_without_copying(pairs: torch.Tensor, match: str) ->
     pool = _pool()
     before = pool.clone()
     with pytest.raises(ValueError, match=match):
-        kernels.copy_blocks(pool, pairs)
+        pagedserve_kernels.copy_blocks(pool, pairs)
     assert torch.equal(pool, before)
 
 
@@ -144,14 +153,14 @@ def test_swap_blocks_rejects_without_copying(
     src_pool = _pool()
     before = dst_pool.clone()
     with pytest.raises(ValueError, match=match):
-        kernels.swap_blocks(src_pool, dst_pool, pairs)
+        pagedserve_kernels.swap_blocks(src_pool, dst_pool, pairs)
     assert torch.equal(dst_pool, before)
 
 
 def test_swap_blocks_rejects_one_pool_as_both_ends() -> None:
     pool = _pool()
     with pytest.raises(ValueError, match="same tensor"):
-        kernels.swap_blocks(pool, pool, torch.tensor([[0, 1]]))
+        pagedserve_kernels.swap_blocks(pool, pool, torch.tensor([[0, 1]]))
 
 
 @pytest.mark.parametrize(
@@ -164,9 +173,14 @@ def test_swap_blocks_rejects_one_pool_as_both_ends() -> None:
 )
 def test_allocate_kv_pool_rejects(overrides: dict[str, object], match: str) -> None:
     arguments: dict[str, object] = {
-        "num_layers": 1, "num_blocks": 2, "block_size": 8, "num_kv_heads": 1, "head_dim": 64,
-        "dtype": torch.float32, "device": "cpu",
-    }  # fmt: skip
+        "num_layers": 1,
+        "num_blocks": 2,
+        "block_size": 8,
+        "num_kv_heads": 1,
+        "head_dim": 64,
+        "dtype": torch.float32,
+        "device": "cpu",
+    }
     arguments.update(overrides)
     with pytest.raises(ValueError, match=match):
-        kernels.allocate_kv_pool(**arguments)  # type: ignore[arg-type]
+        pagedserve_kernels.allocate_kv_pool(**arguments)  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import allocate_kv_pool
+from pagedserve_kernels import allocate_kv_pool
 from workers.config import WorkerConfig
 from workers.kv_memory import KVShape
 from workers.plan import StepPlan

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.range_attention import contiguous_runs, range_attention
+from pagedserve_kernels import reference
+from pagedserve_kernels.range_attention import contiguous_runs, range_attention
 
 
 @pytest.mark.parametrize("sliding_window", [None, 5])

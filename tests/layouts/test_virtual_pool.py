@@ -7,7 +7,7 @@ import resource
 import pytest
 import torch
 
-from kernels import write_kv
+from pagedserve_kernels import write_kv
 from workers.virtual_pool import PAGE_BYTES, VirtualKVPool, virtual_geometry
 
 LAYERS, BLOCK, HEADS, DIM = 2, 16, 2, 32  # one block of one plane = 4 KiB in float32

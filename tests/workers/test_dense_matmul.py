@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import q4_cpu
+from pagedserve_kernels import q4_cpu
 from workers.dense_matmul import Q4_MAX_ROWS, DenseMatmul, can_pack
 
 needs_packing = pytest.mark.skipif(

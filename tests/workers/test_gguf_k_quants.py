@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from kernels import quant_dot_cpu
+from pagedserve_kernels import quant_dot_cpu
 from tests.tiny_model import SEED
 from tests.workers.gguf_writer import write_llama_gguf
 from tests.workers.paged_runner import fast_mode_flips, greedy_generate, hf_greedy, teacher_forced

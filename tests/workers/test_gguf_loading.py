@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from kernels import q4_cpu
+from pagedserve_kernels import q4_cpu
 from tests.tiny_model import SEED
 from tests.workers.gguf_writer import write_llama_gguf
 from tests.workers.paged_runner import greedy_generate, hf_greedy

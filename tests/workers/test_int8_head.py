@@ -1,8 +1,8 @@
 """The int8-screened LM head (`workers.int8_head`) against the float32 head on the same weights.
 
 Oracle: `F.linear` in float32 over the gguf package's dequantized Q8_0 weights, and the
-kernel's own int8 estimate (`kernels.quant_dot_cpu`). Hidden rows are built with near ties
-(two vocabulary rows nearly equal in direction) so the screen has work to do.
+kernel's own int8 estimate (`pagedserve_kernels.quant_dot_cpu`). Hidden rows are built with near
+ties (two vocabulary rows nearly equal in direction) so the screen has work to do.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import quant_dot_cpu
-from kernels.q8_cpu import Q8Weight
-from kernels.quant_dot_cpu import PanelWeight
+from pagedserve_kernels import quant_dot_cpu
+from pagedserve_kernels.q8_cpu import Q8Weight
+from pagedserve_kernels.quant_dot_cpu import PanelWeight
 from tests.kernels.gguf_blocks import gguf_blocks
 from workers.int8_head import Int8ScreenedHead
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import PagedAttentionStep, layer_ops_cpu, prepare_attention
+from pagedserve_kernels import PagedAttentionStep, layer_ops_cpu, prepare_attention
 from tests.kernels.cpu_features import cpu_has_avx2_fma, each_isa, needs_vector_kernels
 from workers.config import RopeSpec
 from workers.layer_ops import NativeCpuLayerOps, TorchLayerOps, layer_ops_for

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernels import allocate_kv_pool
+from pagedserve_kernels import allocate_kv_pool
 from workers.block_io import read_blocks, write_blocks
 from workers.shard_channel import recv_shard, send_shard
 

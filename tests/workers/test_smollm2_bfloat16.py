@@ -14,7 +14,7 @@ kernel runs; `workers.decoder_stack`); all ten prompts decoding together (10 row
 packed bfloat16 weights, one operator at a time); groups of `Q4_MAX_ROWS[bfloat16]` with the
 stack off (decode-sized calls on the 4-bit copy, one operator at a time;
 `workers.dense_matmul`); and groups of `Q8_MAX_ROWS` through the stack, where the LM head
-multiplies the 8-bit copy of its Q8_0 weights (`kernels.q8_cpu`).
+multiplies the 8-bit copy of its Q8_0 weights (`pagedserve_kernels.q8_cpu`).
 
 The stack's own check: its decode steps give the per-operator path's logits bit for bit, and
 steps it does not take (prefills, more decodes than it takes) keep that path.
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import decoder_stack_cpu, q4_cpu, q8_cpu
+from pagedserve_kernels import decoder_stack_cpu, q4_cpu, q8_cpu
 from tests.kernels.cpu_features import needs_vector_kernels
 from tests.workers.conftest import SMOLLM2_CHATS, SMOLLM2_NEW_TOKENS, ChatReferences
 from tests.workers.paged_runner import (

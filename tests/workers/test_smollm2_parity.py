@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from kernels import q4_cpu
+from pagedserve_kernels import q4_cpu
 from tests.workers.paged_runner import chat_prompt_ids, greedy_generate, hf_greedy
 from workers import WorkerConfig, WorkerGroup, load_tokenizer
 

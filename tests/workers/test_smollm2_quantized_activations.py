@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct with int8-quantized activations against HF transformers in float32.
 
 `quantized_activations` rounds every activation row-block of 32 to 8 bits before the products
-on the GGUF codes (`kernels.quant_dot_cpu`; not in the native decoder stack): its logits move
-by far more than the float32 parity test allows, so the bound it keeps is on decisions, as the
+on the GGUF codes (`pagedserve_kernels.quant_dot_cpu`; not in the native decoder stack): its logits
+move by far more than the float32 parity test allows, so the bound it keeps is on decisions, as the
 bfloat16 mode's.
 Teacher-forced on HF's own greedy path, our logits move HF's top-2 margin by less than
 `NEAR_TIE` at every step (so a flip is a decision HF took by less than that) and by less than
@@ -27,8 +27,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import quant_dot_cpu
-from kernels.quant_dot_cpu import quant_matmul
+from pagedserve_kernels import quant_dot_cpu
+from pagedserve_kernels.quant_dot_cpu import quant_matmul
 from tests.workers.conftest import SMOLLM2_NEW_TOKENS, ChatReferences
 from tests.workers.paged_runner import (
     fast_mode_flips,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.lora import LoRAIndices, add_lora, prepare_indices
+from pagedserve_kernels.lora import LoRAIndices, add_lora, prepare_indices
 from workers.lora.slots import LoRASlots
 
 

@@ -1,7 +1,7 @@
 """Triton kernels that move KV data: the write by slot mapping and the block copy.
 
-Both take inputs already checked by ``kernels.validation`` (slots and block ids in range, no slot
-or destination block written twice), so every store lands inside the tensor it targets.
+Both take inputs already checked by ``pagedserve_kernels.validation`` (slots and block ids in range,
+no slot or destination block written twice), so every store lands inside the tensor it targets.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Triton kernels of batched multi-LoRA (see `kernels.lora`): shrink and expand, each program
-reading its token's own slot (punica's BGMV shape: one token per program row, so a batch mixing
-adapters costs what one adapter costs).
+"""Triton kernels of batched multi-LoRA (see `pagedserve_kernels.lora`): shrink and expand, each
+program reading its token's own slot (punica's BGMV shape: one token per program row, so a batch
+mixing adapters costs what one adapter costs).
 
 Shrink: program (token, tile of N = P*R) computes `h[t, n] = sum_k A[slot_t, n, k] x[t, k]` in
 float32 (zeros for slot -1). Expand: program (token, tile of w) adds
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from kernels.lora import LoRAIndices, Reduce
+    from pagedserve_kernels.lora import LoRAIndices, Reduce
 
 BLOCK_N = 32
 BLOCK_K = 64
@@ -123,8 +123,8 @@ def add_lora(
     indices: LoRAIndices,
     reduce: Reduce | None,
 ) -> None:
-    """`kernels.lora.add_lora` on CUDA (or the interpreter): one shrink, then one expand per
-    projection reading only its diagonal block of `b`."""
+    """`pagedserve_kernels.lora.add_lora` on CUDA (or the interpreter): one shrink, then one expand
+    per projection reading only its diagonal block of `b`."""
     rank = a.shape[1] // len(widths)
     slots = indices.slots.to(device=x.device, dtype=torch.int64).contiguous()
     h = shrink(x, a, slots)

@@ -1,6 +1,6 @@
 """A decode step's whole decoder stack in one native call on the CPU
-(`kernels/csrc/decoder_stack_cpu.cpp`): every layer's norms, 4-bit products, rotary embeddings
-with the KV write, paged decode attention and silu, then the final norm.
+(`pagedserve_kernels/csrc/decoder_stack_cpu.cpp`): every layer's norms, 4-bit products, rotary
+embeddings with the KV write, paged decode attention and silu, then the final norm.
 
 The per-operator path (`workers.model` with `NativeCpuLayerOps` and the 4-bit `DenseMatmul`)
 makes ~20 Python-level calls per layer; at decode batch sizes on a few cores those cost as much
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_cpu import MAX_GROUP, MAX_HEAD_DIM, DecodeRows
-from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
-from kernels.q4_cpu import Q4Weight
+from pagedserve_kernels.attention_cpu import MAX_GROUP, MAX_HEAD_DIM, DecodeRows
+from pagedserve_kernels.native import FLAG, POINTER, SIZE, NativeLibrary
+from pagedserve_kernels.q4_cpu import Q4Weight
 
 STACK_DTYPES = (torch.float32, torch.bfloat16)
 """The activations' dtypes it takes (the norms' weights and the KV cache share it)."""
@@ -34,7 +34,7 @@ STACK_DTYPES = (torch.float32, torch.bfloat16)
 
 @functools.cache
 def _native() -> NativeLibrary:
-    """The library as this process loaded it (`kernels.native.NativeLibrary`)."""
+    """The library as this process loaded it (`pagedserve_kernels.native.NativeLibrary`)."""
     stack = [
         FLAG,  # instruction set
         POINTER, SIZE, FLAG,  # layer table, layers, bfloat16
@@ -46,7 +46,7 @@ def _native() -> NativeLibrary:
         POINTER, POINTER, POINTER, SIZE, SIZE,  # rows, context_lens, tables, stride, block_size
         POINTER, POINTER,  # final norm weight, out
     ]  # fmt: skip
-    native = NativeLibrary.load("kernels._decoder_stack_cpu", "decoder_stack_supported",
+    native = NativeLibrary.load("pagedserve_kernels._decoder_stack_cpu", "decoder_stack_supported",
                                {"decoder_stack": stack}, "decoder_stack_isa_supported")  # fmt: skip
     if native.handle is not None:
         native.handle.decoder_stack_fields.restype = SIZE
@@ -59,8 +59,8 @@ def available() -> bool:
 
 
 def supported_isas() -> tuple[str, ...]:
-    """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the library with, fastest
-    first."""
+    """The instruction sets (`pagedserve_kernels.native.VECTOR_ISAS`) this CPU runs the library
+    with, fastest first."""
     return _native().isas
 
 
@@ -186,7 +186,7 @@ class DecoderStack:
         `residual` float32 `[rows, hidden]` (the embeddings), `cos` / `sin` float32
         `[rows, head_dim]`, `slots` int64 `[rows]` (-1: no write), `kv_pool`
         `[layers, 2, blocks, block_size, num_kv, head_dim]` (as `accepts` requires), `decodes`
-        validated against it (`kernels.prepare_attention`)."""
+        validated against it (`pagedserve_kernels.prepare_attention`)."""
         library = _native().handle
         assert library is not None, "a DecoderStack exists only where the library loads"
         if not self.accepts(residual, kv_pool):

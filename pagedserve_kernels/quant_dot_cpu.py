@@ -1,10 +1,11 @@
 """Products with int8-quantized activations against 4- and 8-bit block weights on the CPU (the
-native kernel in `kernels/csrc/quant_dot_cpu.cpp`), the way llama.cpp multiplies GGUF weights.
+native kernel in `pagedserve_kernels/csrc/quant_dot_cpu.cpp`), the way llama.cpp multiplies GGUF
+weights.
 
 Weights are unsigned codes `u` with a float32 scale and minimum per block of 32 of a row (per
 16 for 6-bit codes), `w = scale * u + min`: GGUF's Q4_1 as it is, Q4_0 and Q8_0 with
-`min = -8 * scale` and `u = q + 128, min = -128 * scale`, the K-quants as `kernels.gguf_panels`
-maps them. `PanelWeight` holds them in the kernel's streamed layout
+`min = -8 * scale` and `u = q + 128, min = -128 * scale`, the K-quants as
+`pagedserve_kernels.gguf_panels` maps them. `PanelWeight` holds them in the kernel's streamed layout
 (columns in panels of 16; see the C++ file), repacked once at load. Activations are quantized
 per row and block of 32 to int8 (`d = max|x| / 127`, codes `round(x / d)`), every block's
 integer dot product is exact, and the float32 result accumulates
@@ -30,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.exact_blocks import BLOCK
-from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
-from kernels.q4_cpu import Q4Weight
-from kernels.q8_cpu import Q8Weight
+from pagedserve_kernels.exact_blocks import BLOCK
+from pagedserve_kernels.native import FLAG, POINTER, SIZE, NativeLibrary
+from pagedserve_kernels.q4_cpu import Q4Weight
+from pagedserve_kernels.q8_cpu import Q8Weight
 
 ISAS: dict[str, int] = {"avx512_vnni": 4, "avx512bw": 3, "avx_vnni": 2, "avx2": 1}
 """The kernel's instruction sets by name, fastest first, with the C ABI's numbers."""
@@ -113,9 +114,9 @@ class PanelWeight:
 
     @staticmethod
     def from_q4(weight: Q4Weight) -> PanelWeight:
-        """GGUF Q4_1 blocks (`kernels.q4_cpu`): the same codes, scales and minimums. GGUF's byte
-        i of a block holds codes i and i + 16, which is the layout's byte order within a chunk,
-        so the repack only moves whole bytes."""
+        """GGUF Q4_1 blocks (`pagedserve_kernels.q4_cpu`): the same codes, scales and minimums.
+        GGUF's byte i of a block holds codes i and i + 16, which is the layout's byte order within a
+        chunk, so the repack only moves whole bytes."""
         rows, cols = weight.shape
         padded = -(-rows // PANEL_PAIR) * PANEL_PAIR
         blocks = cols // BLOCK
@@ -134,7 +135,8 @@ class PanelWeight:
 
     @staticmethod
     def from_q8(weight: Q8Weight) -> PanelWeight:
-        """GGUF Q8_0 blocks (`kernels.q8_cpu`): codes q + 128, minimums -128 * scale (exact)."""
+        """GGUF Q8_0 blocks (`pagedserve_kernels.q8_cpu`): codes q + 128, minimums -128 * scale
+        (exact)."""
         codes = (weight.codes.to(torch.int16) + 128).to(torch.uint8)
         return PanelWeight.pack(codes, weight.scales, -128.0 * weight.scales, 8)
 
@@ -172,13 +174,17 @@ def _panel_floats(values: torch.Tensor, padded: int) -> torch.Tensor:
 
 @functools.cache
 def _native() -> NativeLibrary:
-    """The kernel library as this process loaded it (`kernels.native.NativeLibrary`)."""
+    """The kernel library as this process loaded it (`pagedserve_kernels.native.NativeLibrary`)."""
     quantize = [POINTER, FLAG, SIZE, SIZE, POINTER, POINTER, POINTER]
     matmul = [FLAG, POINTER, FLAG, SIZE, SIZE, POINTER, FLAG, POINTER, POINTER, SIZE, POINTER]
     matmul += [FLAG]
     signatures = {"quant_dot_quantize": quantize, "quant_dot_matmul": matmul}
     return NativeLibrary.load(
-        "kernels._quant_dot_cpu", "quant_dot_supported", signatures, "quant_dot_isa_supported", ISAS
+        "pagedserve_kernels._quant_dot_cpu",
+        "quant_dot_supported",
+        signatures,
+        "quant_dot_isa_supported",
+        ISAS,
     )
 
 

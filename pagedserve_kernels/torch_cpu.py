@@ -1,14 +1,14 @@
 """The CPU path: the native decode kernel where it applies, plain torch for the rest.
 
-Decodes of a float32 or bfloat16 cache go to ``kernels.attention_cpu`` (one native call per
-layer reading the blocks in place) when it is built; what follows describes the torch path, used
+Decodes of a float32 or bfloat16 cache go to ``pagedserve_kernels.attention_cpu`` (one native call
+per layer reading the blocks in place) when it is built; what follows describes the torch path, used
 for prefill chunks and for the decodes the native kernel does not take.
 
-Works from a ``PreparedAttention`` (``kernels.metadata``): the per-step gather indices, masks and
-write slots are computed once and every layer reuses them. Decodes are attended in a handful of
-batched calls: the decode sequences, sorted by context length, are cut into groups whose padded
-gather stays bounded (``DECODE_GROUP_TOKENS``); one ``index_select`` per cache gathers a group's
-blocks into a reused ``[seqs, width * block_size, H_kv, D]`` buffer; then either two ``bmm``
+Works from a ``PreparedAttention`` (``pagedserve_kernels.metadata``): the per-step gather indices,
+masks and write slots are computed once and every layer reuses them. Decodes are attended in a
+handful of batched calls: the decode sequences, sorted by context length, are cut into groups whose
+padded gather stays bounded (``DECODE_GROUP_TOKENS``); one ``index_select`` per cache gathers a
+group's blocks into a reused ``[seqs, width * block_size, H_kv, D]`` buffer; then either two ``bmm``
 calls over that buffer as it lies (``_all_heads``: bfloat16, few KV heads, at least
 ``FOLDED_MIN_SEQS`` sequences) or one ``scaled_dot_product_attention`` call with a key mask, GQA
 folded into the query rows (``[seqs, H_kv, group, D]``). Neither repeats or copies a K/V head.
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import attention_cpu
-from kernels.metadata import DecodeGroup, PreparedAttention
+from pagedserve_kernels import attention_cpu
+from pagedserve_kernels.metadata import DecodeGroup, PreparedAttention
 
 
 def write_kv(
@@ -234,7 +234,7 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention over validated, prepared metadata; writes into ``out`` and returns it
-    (``softcap``: see ``kernels.paged_attention``)."""
+    (``softcap``: see ``pagedserve_kernels.paged_attention``)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group_size = query.shape[1] // num_kv_heads
     geometry = (block_size, num_kv_heads, group_size, head_dim)

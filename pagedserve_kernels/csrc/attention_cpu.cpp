@@ -3,7 +3,7 @@
 // mask).
 //
 // Built by pip at install time (setup.py) as a plain shared library with a C ABI, loaded by
-// kernels/attention_cpu.py through ctypes after torch. Compiled for generic x86-64: the body
+// pagedserve_kernels/attention_cpu.py through ctypes after torch. Compiled for generic x86-64: the body
 // (attention_body.inc, over vec16.inc's Vec16) is compiled once per instruction set in its own
 // `#pragma GCC target` region, and the caller names the set (`decode_attention_isa_supported`);
 // both give the same bits except for the order of their lane sums (the dot products, the
@@ -14,7 +14,7 @@
 // (max subtracted, a vector exp within a few ulp of expf), the values summed with float32 weights
 // and the result scaled once by the reciprocal of the weights' sum, then stored in the query's
 // dtype (bfloat16 rounded to nearest even, as torch rounds). That is the computation of
-// kernels.reference up to float32 summation order and the exp's last bits.
+// pagedserve_kernels.reference up to float32 summation order and the exp's last bits.
 //
 // Work split: one item per sequence (every KV head, reading each key and value row once for all
 // the sequence's query heads), or per (sequence, KV head) when there are fewer sequences than

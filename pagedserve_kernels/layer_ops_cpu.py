@@ -1,6 +1,6 @@
 """A decoder layer's elementwise work on the CPU by the small native library in
-`kernels/csrc/layer_ops_cpu.cpp`: the residual add and RMS norm, rotary embeddings with the KV
-write, and silu(gate) * up, one call each instead of 3-20 torch operator calls.
+`pagedserve_kernels/csrc/layer_ops_cpu.cpp`: the residual add and RMS norm, rotary embeddings with
+the KV write, and silu(gate) * up, one call each instead of 3-20 torch operator calls.
 
 Invariants: each function computes in float32 and rounds once to its output's dtype (float32, or
 bfloat16 to nearest even), so it is at least as exact as the same steps in plain torch, which in
@@ -19,14 +19,14 @@ import functools
 
 import torch
 
-from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
+from pagedserve_kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
 def _native() -> NativeLibrary:
-    """The library as this process loaded it (`kernels.native.NativeLibrary`)."""
+    """The library as this process loaded it (`pagedserve_kernels.native.NativeLibrary`)."""
     signatures = {
         "add_rms_norm": [FLAG, POINTER, POINTER, FLAG, POINTER, FLAG, ctypes.c_float, SIZE, SIZE,
                          POINTER, FLAG],
@@ -35,7 +35,10 @@ def _native() -> NativeLibrary:
         "silu_mul": [FLAG, POINTER, FLAG, SIZE, SIZE, POINTER],
     }  # fmt: skip
     return NativeLibrary.load(
-        "kernels._layer_ops_cpu", "layer_ops_supported", signatures, "layer_ops_isa_supported"
+        "pagedserve_kernels._layer_ops_cpu",
+        "layer_ops_supported",
+        signatures,
+        "layer_ops_isa_supported",
     )
 
 
@@ -45,8 +48,8 @@ def available() -> bool:
 
 
 def supported_isas() -> tuple[str, ...]:
-    """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the library with, fastest
-    first."""
+    """The instruction sets (`pagedserve_kernels.native.VECTOR_ISAS`) this CPU runs the library
+    with, fastest first."""
     return _native().isas
 
 

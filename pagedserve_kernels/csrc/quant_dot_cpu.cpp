@@ -3,7 +3,7 @@
 // products, the way llama.cpp multiplies GGUF weights (its Q8_1 activations against Q4_x/Q8_0).
 //
 // Built by pip at install time (setup.py) as a plain shared library with a C ABI, loaded by
-// kernels/quant_dot_cpu.py through ctypes after torch. Compiled for generic x86-64: each
+// pagedserve_kernels/quant_dot_cpu.py through ctypes after torch. Compiled for generic x86-64: each
 // instruction set's kernel is its own `#pragma GCC target` region, chosen at run time
 // (`quant_dot_isa_supported`); a CPU without AVX2 runs none of them.
 //
@@ -17,7 +17,7 @@
 // the float32 product over the dequantized weights: each activation is rounded to its block's
 // 8-bit grid (an error of at most d / 2 per element).
 //
-// Weight layout (`kernels/quant_dot_cpu.py` repacks to it once): columns in panels of 16
+// Weight layout (`pagedserve_kernels/quant_dot_cpu.py` repacks to it once): columns in panels of 16
 // (padded to an even number of panels); per panel and block, 4-bit codes as 4 chunks of 64
 // bytes, byte 4c + j of chunk t holding column c's codes k = 4t + j (low nibble) and
 // k = 16 + 4t + j (high nibble); byte codes (`bits` 5, 6 or 8: codes below 2^bits) as 8 steps

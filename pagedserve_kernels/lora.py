@@ -12,9 +12,9 @@ output columns (the projections' outputs concatenated, `widths` giving each one'
 zeros elsewhere, so one product applies every projection of the target (scaling folded in).
 `LoRAIndices` is prepared once per step from the token -> slot map (-1: no adapter).
 
-Dispatch: Triton (`kernels.triton_lora`) for CUDA tensors: a shrink and an expand kernel that
-read each token's own slot (punica's BGMV shape). Plain torch for CPU tensors, gather-based: the
-tokens with an adapter are gathered by slot into `[G, n, K]` (G slot groups, each padded to the
+Dispatch: Triton (`pagedserve_kernels.triton_lora`) for CUDA tensors: a shrink and an expand kernel
+that read each token's own slot (punica's BGMV shape). Plain torch for CPU tensors, gather-based:
+the tokens with an adapter are gathered by slot into `[G, n, K]` (G slot groups, each padded to the
 largest group's n), and two batched products (`bmm` with each group's own A, then its own B)
 give the deltas, scattered back with one `index_add_`. The op count per target is constant
 whatever the number of adapters (on a CPU the small products' dispatch, not their flops,
@@ -118,7 +118,7 @@ def add_lora(
 ) -> None:
     """`y[T, O] += delta` in place (see the module docstring); `x` is `[T, K]`."""
     if y.is_cuda:
-        from kernels import triton_lora
+        from pagedserve_kernels import triton_lora
 
         triton_lora.add_lora(y, x, a, b, widths, indices, reduce)
         return

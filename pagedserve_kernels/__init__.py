@@ -1,12 +1,13 @@
 """Device code for the paged KV cache: KV writes, paged attention, block copies and swaps.
 
 Functions over tensors only: no requests, no block objects, no Ray. Every function validates its
-input (``kernels.validation``) and raises ``ValueError`` before any launch. Dispatch: Triton
-kernels for CUDA tensors, the plain-torch path (``kernels.torch_cpu``) for CPU tensors.
-``kernels.reference`` holds the simplest correct version of each function, the tests' oracle.
+input (``pagedserve_kernels.validation``) and raises ``ValueError`` before any launch. Dispatch:
+Triton kernels for CUDA tensors, the plain-torch path (``pagedserve_kernels.torch_cpu``) for CPU
+tensors. ``pagedserve_kernels.reference`` holds the simplest correct version of each function, the
+tests' oracle.
 
 A model attends through an ``AttentionStep``, one step's prepared metadata whatever the KV layout:
-``PagedAttentionStep`` (block tables) or ``kernels.range_attention.RangeAttention`` (one
+``PagedAttentionStep`` (block tables) or ``pagedserve_kernels.range_attention.RangeAttention`` (one
 contiguous run per sequence). Both write KV through ``step.prepared`` and attend with
 ``step.attend(...)``.
 
@@ -21,10 +22,10 @@ from typing import Protocol
 
 import torch
 
-from kernels import metadata as _metadata
-from kernels import swap, torch_cpu, validation
-from kernels.kv_pool import allocate_kv_pool
-from kernels.metadata import PreparedAttention, prepare_attention
+from pagedserve_kernels import metadata as _metadata
+from pagedserve_kernels import swap, torch_cpu, validation
+from pagedserve_kernels.kv_pool import allocate_kv_pool
+from pagedserve_kernels.metadata import PreparedAttention, prepare_attention
 
 __all__ = [
     "AttentionStep",
@@ -70,7 +71,7 @@ def write_kv(
         if not bool(keep.all()):
             slots, rows = host[keep].to(k_cache.device), torch.nonzero(keep).view(-1)
     if k_cache.is_cuda:
-        from kernels import triton_cache_ops
+        from pagedserve_kernels import triton_cache_ops
 
         triton_cache_ops.write_kv(key, value, k_cache, v_cache, all_slots)
     else:
@@ -127,7 +128,7 @@ def paged_attention(
     _metadata.check_prepared(metadata, query.shape[0], k_cache)
     result = torch.empty_like(query) if out is None else out
     if query.is_cuda:
-        from kernels import triton_attention
+        from pagedserve_kernels import triton_attention
 
         num_kv_heads = k_cache.shape[2]
         batch = metadata.attention_batch(
@@ -205,7 +206,7 @@ def copy_blocks(kv_pool: torch.Tensor, pairs: torch.Tensor) -> None:
     if pairs.shape[0] == 0:
         return
     if kv_pool.is_cuda:
-        from kernels import triton_cache_ops
+        from pagedserve_kernels import triton_cache_ops
 
         triton_cache_ops.copy_blocks(kv_pool, pairs)
     else:

@@ -1,5 +1,5 @@
 """4-bit weights with a float32 scale and minimum per block of 32 (GGUF's Q4_1), multiplied on
-the CPU by the small native kernel in `kernels/csrc/q4_cpu.cpp`.
+the CPU by the small native kernel in `pagedserve_kernels/csrc/q4_cpu.cpp`.
 
 A weight row of K values is K / 32 blocks; block b holds codes q in 0..15 and the weights are
 `scale[b] * q + min[b]`. `Q4Weight.recover` finds that form in a float32 matrix when it is there
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.exact_blocks import BLOCK, solve_exact_blocks
-from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
+from pagedserve_kernels.exact_blocks import BLOCK, solve_exact_blocks
+from pagedserve_kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 
 CODE_MAX = 15
 
@@ -108,11 +108,11 @@ def _solve_blocks(
 
 @functools.cache
 def _native() -> NativeLibrary:
-    """The kernel library as this process loaded it (`kernels.native.NativeLibrary`)."""
+    """The kernel library as this process loaded it (`pagedserve_kernels.native.NativeLibrary`)."""
     matmul = [FLAG, POINTER, FLAG, POINTER, SIZE, SIZE, POINTER, POINTER, POINTER, SIZE, POINTER]
     matmul += [FLAG]
     return NativeLibrary.load(
-        "kernels._q4_cpu", "q4_supported", {"q4_matmul": matmul}, "q4_isa_supported"
+        "pagedserve_kernels._q4_cpu", "q4_supported", {"q4_matmul": matmul}, "q4_isa_supported"
     )
 
 
@@ -122,7 +122,7 @@ def available() -> bool:
 
 
 def supported_isas() -> tuple[str, ...]:
-    """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the kernel with,
+    """The instruction sets (`pagedserve_kernels.native.VECTOR_ISAS`) this CPU runs the kernel with,
     fastest first."""
     return _native().isas
 

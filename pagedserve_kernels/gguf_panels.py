@@ -1,5 +1,5 @@
-"""GGUF block tensors repacked into `kernels.quant_dot_cpu.PanelWeight` straight from their raw
-bytes: Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K and Q6_K.
+"""GGUF block tensors repacked into `pagedserve_kernels.quant_dot_cpu.PanelWeight` straight from
+their raw bytes: Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K and Q6_K.
 
 Each format maps exactly onto the panels' form, unsigned codes with a float32 scale and minimum
 per block of 32 (`w = scale * u + min`):
@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 import torch
 
-from kernels.quant_dot_cpu import SCALE_GROUP, PanelWeight
+from pagedserve_kernels.quant_dot_cpu import SCALE_GROUP, PanelWeight
 
 SUPER = 256
 """Weights per K-quant super-block."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import validation
+from pagedserve_kernels import validation
 
 
 def allocate_kv_pool(

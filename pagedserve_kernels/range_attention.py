@@ -5,8 +5,9 @@ keys are a plain view of the cache, `k_cache[first : first + n].flatten(0, 1)[:c
 block table, no gather. Each sequence attends with one `scaled_dot_product_attention` call (GQA by
 `enable_gqa`, causal by an explicit mask over its chunk, sliding window honoured).
 
-`RangeAttention` is this layout's step metadata: it satisfies `kernels.AttentionStep` like the
-paged `PagedAttentionStep`, so the model calls `step.attend(...)` without asking which it holds.
+`RangeAttention` is this layout's step metadata: it satisfies `pagedserve_kernels.AttentionStep`
+like the paged `PagedAttentionStep`, so the model calls `step.attend(...)` without asking which it
+holds.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import PreparedAttention
-from kernels.torch_cpu import capped_attention
+from pagedserve_kernels.metadata import PreparedAttention
+from pagedserve_kernels.torch_cpu import capped_attention
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,8 @@ def range_attention(
     Caches are `[num_blocks, block_size, H_kv, D]`; sequence s has `query_lens[s]` query rows
     from `query_starts[s]`, and its query token j sits at position `context_len - q_len + j` and
     sees positions up to its own (and above its position minus `sliding_window`); `softcap`
-    caps the scaled scores as `kernels.paged_attention` does. Returns `[tokens, H_q, D]` in the
-    query's dtype.
+    caps the scaled scores as `pagedserve_kernels.paged_attention` does. Returns `[tokens, H_q, D]`
+    in the query's dtype.
     """
     block_size = k_cache.shape[1]
     out = torch.empty_like(query)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.validation import AttentionBatch
+from pagedserve_kernels.validation import AttentionBatch
 
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -238,7 +238,7 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Launch on a batch already checked by ``validation.check_paged_attention``; fills ``out``
-    (``softcap``: see ``kernels.paged_attention``)."""
+    (``softcap``: see ``pagedserve_kernels.paged_attention``)."""
     device = query.device
     plan = plan_launch(
         batch, num_programs_target=_default_program_target(device), num_splits=num_splits

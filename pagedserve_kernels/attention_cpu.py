@@ -1,13 +1,13 @@
 """Paged decode attention on the CPU by the small native kernel in
-`kernels/csrc/attention_cpu.cpp`: each decode's keys and values are read in place through its
-block table, in float32 after the loads, with one call per layer for every decode of the step.
+`pagedserve_kernels/csrc/attention_cpu.cpp`: each decode's keys and values are read in place through
+its block table, in float32 after the loads, with one call per layer for every decode of the step.
 
-The plain-torch path (`kernels.torch_cpu`) gathers each group of decodes into a padded buffer,
-then multiplies, masks and softmaxes it in a dozen torch calls per layer; this replaces all of
-that for the decodes of a float32 or bfloat16 cache. Prefill chunks keep the torch path.
+The plain-torch path (`pagedserve_kernels.torch_cpu`) gathers each group of decodes into a padded
+buffer, then multiplies, masks and softmaxes it in a dozen torch calls per layer; this replaces all
+of that for the decodes of a float32 or bfloat16 cache. Prefill chunks keep the torch path.
 
-Invariants: `decode_attention` equals `kernels.reference.paged_attention` on the rows it fills
-(float32 arithmetic throughout, the result rounded once to the query's dtype) up to float32
+Invariants: `decode_attention` equals `pagedserve_kernels.reference.paged_attention` on the rows it
+fills (float32 arithmetic throughout, the result rounded once to the query's dtype) up to float32
 summation order and the last bits of the exponential; it writes only those rows of `out`. The
 library is built by pip at install time for AVX-512 and for AVX2 with FMA (`supported_isas()`,
 fastest first; `decode_attention(..., isa=)` forces one, so tests run each this CPU has);
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
+from pagedserve_kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
@@ -61,7 +61,7 @@ class DecodeRows:
 
 @functools.cache
 def _native() -> NativeLibrary:
-    """The kernel library as this process loaded it (`kernels.native.NativeLibrary`)."""
+    """The kernel library as this process loaded it (`pagedserve_kernels.native.NativeLibrary`)."""
     attention = [
         FLAG,  # instruction set
         POINTER, SIZE, SIZE,  # query, its row and head strides
@@ -72,7 +72,7 @@ def _native() -> NativeLibrary:
         POINTER, SIZE, SIZE,  # out, its row and head strides
     ]  # fmt: skip
     return NativeLibrary.load(
-        "kernels._attention_cpu",
+        "pagedserve_kernels._attention_cpu",
         "decode_attention_supported",
         {"decode_attention": attention},
         "decode_attention_isa_supported",
@@ -85,8 +85,8 @@ def available() -> bool:
 
 
 def supported_isas() -> tuple[str, ...]:
-    """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the kernel with, fastest
-    first."""
+    """The instruction sets (`pagedserve_kernels.native.VECTOR_ISAS`) this CPU runs the kernel with,
+    fastest first."""
     return _native().isas
 
 

@@ -1,6 +1,6 @@
 """Finding a block-quantized form (GGUF's Q4_1, Q8_0, ...) in a float32 matrix exactly, shared by
-the native kernels' weight types (`kernels.q4_cpu.Q4Weight.recover`,
-`kernels.q8_cpu.Q8Weight.recover`).
+the native kernels' weight types (`pagedserve_kernels.q4_cpu.Q4Weight.recover`,
+`pagedserve_kernels.q8_cpu.Q8Weight.recover`).
 
 Invariant: `solve_exact_blocks` returns what `solve` returns for the whole matrix, or None; it
 never returns a form for a matrix some of whose blocks `solve` refuses.

@@ -4,7 +4,7 @@
 // step's few rows against a wide vocabulary.
 //
 // Built by pip at install time (setup.py) as a plain shared library with a C ABI, loaded by
-// kernels/q8_cpu.py through ctypes after torch. Compiled for generic x86-64: the body
+// pagedserve_kernels/q8_cpu.py through ctypes after torch. Compiled for generic x86-64: the body
 // (q8_tile.inc, over vec16.inc's Vec16) is compiled once per instruction set in its own
 // `#pragma GCC target` region, and the caller names the set (`q8_isa_supported`).
 //

@@ -4,7 +4,7 @@
 // operator calls a layer, which at decode sizes cost more in dispatch than in arithmetic.
 //
 // Built by pip at install time (setup.py) as a plain shared library with a C ABI, loaded by
-// kernels/layer_ops_cpu.py through ctypes after torch. Compiled for generic x86-64: the row
+// pagedserve_kernels/layer_ops_cpu.py through ctypes after torch. Compiled for generic x86-64: the row
 // functions (layer_ops_rows.inc, over vec16.inc's Vec16) are compiled once per instruction set
 // in its own `#pragma GCC target` region, and the caller names the set
 // (`layer_ops_isa_supported`); both give the same bits except for the norm's sum of squares

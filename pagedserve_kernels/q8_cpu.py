@@ -1,6 +1,6 @@
 """8-bit weights with a float32 scale per block of 32 (GGUF's Q8_0), multiplied on the CPU by
-the small native kernel in `kernels/csrc/q8_cpu.cpp`: the LM head of a model whose checkpoint
-stores it as Q8_0 (the default model's tied embedding), for decode-sized batches.
+the small native kernel in `pagedserve_kernels/csrc/q8_cpu.cpp`: the LM head of a model whose
+checkpoint stores it as Q8_0 (the default model's tied embedding), for decode-sized batches.
 
 A weight row of K values is K / 32 blocks; block b holds codes q in -128..127 and the weights
 are `scale[b] * q`, the scale a float16 value. `Q8Weight.recover` finds that form in a float32
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.exact_blocks import BLOCK, solve_exact_blocks
-from kernels.native import FLAG, POINTER, SIZE, NativeLibrary
+from pagedserve_kernels.exact_blocks import BLOCK, solve_exact_blocks
+from pagedserve_kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 
 CODE_MAX = 127
 """Q8_0 codes are `round(w / scale)` with `scale = max|w| / 127`, so they span -127..127."""
@@ -90,10 +90,10 @@ def _solve_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
 
 @functools.cache
 def _native() -> NativeLibrary:
-    """The kernel library as this process loaded it (`kernels.native.NativeLibrary`)."""
+    """The kernel library as this process loaded it (`pagedserve_kernels.native.NativeLibrary`)."""
     matmul = [FLAG, POINTER, SIZE, SIZE, POINTER, POINTER, SIZE, POINTER]
     return NativeLibrary.load(
-        "kernels._q8_cpu", "q8_supported", {"q8_matmul": matmul}, "q8_isa_supported"
+        "pagedserve_kernels._q8_cpu", "q8_supported", {"q8_matmul": matmul}, "q8_isa_supported"
     )
 
 
@@ -103,8 +103,8 @@ def available() -> bool:
 
 
 def supported_isas() -> tuple[str, ...]:
-    """The instruction sets (`kernels.native.VECTOR_ISAS`) this CPU runs the kernel with, fastest
-    first."""
+    """The instruction sets (`pagedserve_kernels.native.VECTOR_ISAS`) this CPU runs the kernel with,
+    fastest first."""
     return _native().isas
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import validation
-from kernels.attention_cpu import DecodeRows
+from pagedserve_kernels import validation
+from pagedserve_kernels.attention_cpu import DecodeRows
 
 DECODE_GROUP_TOKENS = 2048
 """Padded key positions a decode group may gather at most (bounds the gather buffer)."""
@@ -117,7 +117,8 @@ class PreparedAttention:
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillChunk, ...]
     decode_rows: DecodeRows | None
-    """The same decodes for the native kernel (`kernels.attention_cpu`); None when none."""
+    """The same decodes for the native kernel (`pagedserve_kernels.attention_cpu`); None when
+    none."""
     workspace: GatherWorkspace = field(compare=False, repr=False)
 
     @property
@@ -293,7 +294,8 @@ def check_prepared(
     """Per-layer facts of a prepared call: same token count, cache geometry and device."""
     if not isinstance(metadata, PreparedAttention):
         raise ValueError(
-            f"metadata must come from kernels.prepare_attention, got {type(metadata).__name__}"
+            "metadata must come from pagedserve_kernels.prepare_attention, "
+            f"got {type(metadata).__name__}"
         )
     if num_tokens != metadata.num_tokens:
         raise ValueError(f"{num_tokens} tokens but the metadata was prepared for "

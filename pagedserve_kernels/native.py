@@ -1,4 +1,4 @@
-"""Loading the project's native CPU libraries (`kernels/csrc/*.cpp`, built by pip through
+"""Loading the project's native CPU libraries (`pagedserve_kernels/csrc/*.cpp`, built by pip through
 `setup.py`) with ctypes.
 
 Each library has a plain C ABI: a `*_supported()` function that says whether this CPU runs it,
@@ -37,7 +37,7 @@ log = logging.getLogger("pagedserve.native")
 def load_library(
     module: str, supported: str, signatures: dict[str, list[type]]
 ) -> ctypes.CDLL | None:
-    """The built extension `module` (e.g. "kernels._q4_cpu") with each function of
+    """The built extension `module` (e.g. "pagedserve_kernels._q4_cpu") with each function of
     `signatures` given its argument types and an int status result, or None where it was not
     built, cannot be loaded, or its `supported` function says this CPU cannot run it; each of
     those says so in the log (once per library: callers cache the answer), naming the torch

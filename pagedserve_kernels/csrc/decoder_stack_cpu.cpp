@@ -10,7 +10,7 @@
 // same bits for the same rows. Every linear layer goes through the 4-bit kernel, whatever the
 // row count, and each row's result does not depend on the other rows of the batch.
 //
-// Built by pip at install time (setup.py), loaded by kernels/decoder_stack_cpu.py via ctypes.
+// Built by pip at install time (setup.py), loaded by pagedserve_kernels/decoder_stack_cpu.py via ctypes.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 

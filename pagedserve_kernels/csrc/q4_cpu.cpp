@@ -3,7 +3,7 @@
 // or AVX-512.
 //
 // Built by pip at install time (setup.py) as a plain shared library with a C ABI, loaded by
-// kernels/q4_cpu.py through ctypes after torch. Compiled for generic x86-64: the body
+// pagedserve_kernels/q4_cpu.py through ctypes after torch. Compiled for generic x86-64: the body
 // (q4_tile.inc, over vec16.inc's Vec16) is compiled once per instruction set in its own
 // `#pragma GCC target` region, and the caller names the set (`q4_isa_supported`); a CPU without
 // AVX2 and FMA runs none.

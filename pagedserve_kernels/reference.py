@@ -1,15 +1,15 @@
 """The simplest correct version of every kernel: the oracle the fast paths are tested against.
 
-Same signatures and semantics as the public API in ``kernels/__init__.py``. Loops over tokens,
-sequences and pairs on purpose: clarity over speed. Attention is computed in fp32 and returned in
-the query's dtype.
+Same signatures and semantics as the public API in ``pagedserve_kernels/__init__.py``. Loops over
+tokens, sequences and pairs on purpose: clarity over speed. Attention is computed in fp32 and
+returned in the query's dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import validation
+from pagedserve_kernels import validation
 
 
 def write_kv(
