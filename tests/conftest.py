@@ -7,10 +7,17 @@ so by that alone. `--fast` (`make test-fast`) deselects both kinds; under it a t
 leaves Ray initialized in this process fails, naming the marker it lacks.
 
 Under pytest-xdist (`-n 2 --dist loadgroup`, as `make test` runs) every `ray` test is in the one
-`xdist_group` `RAY_GROUP`, so they all run on one worker, one after another: two Ray or Serve
-instances on one machine kill each other's proxies. The other `smollm2` tests are in
-`SMOLLM2_GROUP`, so SmolLM2's weights and HF references (session fixtures) are built on one
-worker only.
+`xdist_group` `RAY_GROUP`, so they all run on one worker, one after another: two Ray Serve
+instances on one machine kill each other's proxies. The exception is a test marked `plain_ray`
+(Ray core only: actors on the shared cluster or on a cluster of its own, no Serve app): those
+are in `PLAIN_RAY_GROUP`, which runs on another worker beside the Serve tests with Ray clusters
+of that worker's own (plain local clusters do not collide); a `plain_ray` test that leaves Serve
+running fails. The other `smollm2` tests are in `SMOLLM2_GROUP`, so SmolLM2's weights and HF
+references (session fixtures) are built on one worker only. xdist hands each group to one worker
+whole, the two largest (`RAY_GROUP`, then `SMOLLM2_GROUP` or `PLAIN_RAY_GROUP`) first, then the
+next to whichever worker is nearly out of work: the `RAY_GROUP` worker only at its group's end,
+long after the other has taken `PLAIN_RAY_GROUP` (were it otherwise, the `own_ray` check below
+fails the run rather than letting it flake).
 
 The in-process Ray cluster (`ray_cluster`) is one per session: started by the first test that
 needs it, kept until the session ends. Tests marked `own_ray` start a Ray cluster of their own
@@ -30,6 +37,7 @@ import pytest
 RAY_FIXTURES = frozenset({"ray_cluster", "served"})
 SMOLLM2_FIXTURES = frozenset({"smollm2_hf"})
 RAY_GROUP = "ray"
+PLAIN_RAY_GROUP = "plain_ray"
 SMOLLM2_GROUP = "smollm2"
 OWN_RAY_MARK = "own_ray"
 
@@ -59,7 +67,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if fixtures & SMOLLM2_FIXTURES:
             item.add_marker(pytest.mark.smollm2)
         if item.get_closest_marker("ray") is not None:
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+            plain = item.get_closest_marker("plain_ray") is not None
+            item.add_marker(pytest.mark.xdist_group(PLAIN_RAY_GROUP if plain else RAY_GROUP))
         elif item.get_closest_marker("smollm2") is not None:
             item.add_marker(pytest.mark.xdist_group(SMOLLM2_GROUP))
     # stable: within each part the collection order holds (a module's tests stay together)
@@ -111,6 +120,27 @@ def _ray_only_in_ray_tests(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.config.getoption("fast") or not initialized_before:
         sys.modules["ray"].shutdown()
         pytest.fail("this test starts Ray: mark it `pytest.mark.ray` (kept out of --fast)")
+
+
+def _serve_running() -> bool:
+    if "ray.serve" not in sys.modules or not _ray_initialized():
+        return False
+    import ray
+
+    try:
+        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _plain_ray_runs_no_serve(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A `plain_ray` test may run beside another worker's Serve app only because it starts no
+    Serve app itself: one that does fails."""
+    yield
+    if request.node.get_closest_marker("plain_ray") is not None and _serve_running():
+        pytest.fail("this `plain_ray` test left Ray Serve running: drop the mark (`ray` alone)")
 
 
 @pytest.fixture(autouse=True)

@@ -5,11 +5,16 @@ from __future__ import annotations
 import asyncio
 import pathlib
 
+import pytest
+
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from tests.engine.streams import block_hashes, cached_block_hashes, engine_outputs
 from tests.engine.tiny_engine import GREEDY, PROMPTS, greedy_ids, tiny_config
+
+# The Ray tests here run Ray core actors only (no Serve): beside the Serve tests under xdist.
+pytestmark = pytest.mark.plain_ray
 
 
 async def collect(stream: object) -> list[RequestOutput]:

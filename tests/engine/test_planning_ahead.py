@@ -28,6 +28,9 @@ from tests.engine.test_async_scheduling import serve, slot_config, slot_prompts,
 from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
 from workers.plan import PLACEHOLDER_TOKEN_ID, PlanRejected, StepOutput, StepPlan
 
+# The Ray tests here run Ray core actors only (no Serve): beside the Serve tests under xdist.
+pytestmark = pytest.mark.plain_ray
+
 
 class PlanLog:
     """A worker group that keeps every plan it is given (filled in place by the group)."""

@@ -22,6 +22,9 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.structured_outputs import ConstraintError, StructuredOutputsParams
 from tests.engine.tiny_engine import assert_all_free, tiny_config
 
+# The Ray tests here run Ray core actors only (no Serve): beside the Serve tests under xdist.
+pytestmark = pytest.mark.plain_ray
+
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {

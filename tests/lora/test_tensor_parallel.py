@@ -14,6 +14,9 @@ from tests.workers.paged_runner import greedy_generate
 from workers import StepPlan, WorkerConfig, WorkerGroup
 from workers.plan import LoRASlotLoad
 
+# The Ray tests here run Ray core actors only (no Serve): beside the Serve tests under xdist.
+pytestmark = pytest.mark.plain_ray
+
 LOGITS_ATOL = 1e-4
 PROMPTS = [[1, 5, 77, 300, 12, 9, 4000], [1, 42, 42, 7, 19], [1, 8, 1000, 3]]
 

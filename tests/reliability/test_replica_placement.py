@@ -24,7 +24,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.engine.config import EngineConfig
 from tests.engine.tiny_engine import tiny_config
 
-pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
+# No Serve: beside the Serve tests under xdist, its own cluster before the shared one there.
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray, pytest.mark.plain_ray]
 
 TP = 2
 NODES = 2

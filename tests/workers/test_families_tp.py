@@ -14,6 +14,9 @@ import pytest
 from tests.workers.family_parity import assert_greedy_matches_hf, family_group
 from tests.workers.tiny_families import FAMILY_CASES, write_family_model
 
+# The Ray tests here run Ray core actors only (no Serve): beside the Serve tests under xdist.
+pytestmark = pytest.mark.plain_ray
+
 PROMPTS = [list(range(3, 20)), [42, 7, 300]]
 NEW_TOKENS = 6
 

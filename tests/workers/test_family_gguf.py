@@ -27,6 +27,9 @@ from tests.workers.gguf_writer import llama_cpp_permute
 from tests.workers.tiny_families import COMMON, FAMILY_MODELS
 from workers.loader import read_spec
 
+# The Ray tests here run Ray core actors only (no Serve): beside the Serve tests under xdist.
+pytestmark = pytest.mark.plain_ray
+
 LLAMA_CPP_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",

@@ -21,6 +21,9 @@ from workers import SamplingSettings, SequenceWork, StepPlan, WorkerConfig, Work
 from workers.config import ModelSpec, RopeSpec
 from workers.parallel import HeadLayout, TensorParallel, check_tensor_parallel, head_layout
 
+# The Ray tests here run Ray core actors only (no Serve): beside the Serve tests under xdist.
+pytestmark = pytest.mark.plain_ray
+
 LOGITS_ATOL = 1e-4
 
 
