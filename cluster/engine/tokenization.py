@@ -11,11 +11,13 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
+from cluster.engine.detokenizer import TokenDecoder
 from cluster.engine.errors import RequestRejected
 
 NO_TEMPLATE = "none"
@@ -74,6 +76,7 @@ class PromptRenderer:
         self.vocab_size = vocab_size
         self.digest = tokenizer_digest(tokenizer)
         self._backend_decode = exact_backend_decode(tokenizer)
+        self._token_decoders: dict[bool, TokenDecoder] = {}
 
     def render(
         self,
@@ -107,6 +110,18 @@ class PromptRenderer:
         if self._backend_decode is not None:
             return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_decoder(self, skip_special_tokens: bool) -> TokenDecoder:
+        """The `TokenDecoder` every detokenizer of this renderer shares for the flag: `decode`
+        bound, the Rust tokenizer's own when `decode` calls it as it is (no Python frame per
+        call)."""
+        decoder = self._token_decoders.get(skip_special_tokens)
+        if decoder is None:
+            backend = self._backend_decode
+            decode = backend if backend is not None else self.decode
+            decoder = TokenDecoder(partial(decode, skip_special_tokens=skip_special_tokens))
+            self._token_decoders[skip_special_tokens] = decoder
+        return decoder
 
     def render_chat(
         self,
