@@ -148,15 +148,31 @@ class Scheduler:
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id, placeholders_of=base.plan.step_id)
         step = SchedulerStep(plan=plan, works=[])
-        for request, branch in decodes:
+        works, sequences, copy_pairs = step.works, plan.sequences, plan.copy_pairs
+        append_slot, take_delta = self._ahead.append, self.bm.take_table_delta
+        for request, branch in decodes:  # `_sequence_work` of a plain decode, inlined
+            seq_id = branch.seq_id
             position = len(branch.token_ids)
-            copy = self._ahead.append(branch.seq_id, position)
+            copy = append_slot(seq_id, position)
             if copy is not None:
-                plan.copy_pairs.append((copy.src, copy.dst))
-            step.works.append(ScheduledWork(request, branch, position, 1, 1))
-            plan.sequences.append(
-                self._sequence_work(request, branch, position, 1, 1, [], ahead=True)
+                copy_pairs.append((copy.src, copy.dst))
+            works.append(ScheduledWork(request, branch, position, 1, 1))
+            table_start, table_blocks = take_delta(seq_id)
+            sequences.append(
+                SequenceWork(
+                    seq_id,
+                    [PLACEHOLDER_TOKEN_ID],
+                    position,
+                    table_start,
+                    table_blocks,
+                    num_samples=1,
+                    branch_index=branch.index,
+                    output_index=len(branch.output_token_ids) + 1,
+                    sampling=None if branch.worker_knows else request.settings,
+                    placeholder=True,
+                )
             )
+            branch.worker_knows = True
         self._close_plan(step)
         return step
 
@@ -188,7 +204,8 @@ class Scheduler:
         was preempted. All appends come first so that drafts, which take blocks too, are only
         proposed from what the pending tokens left."""
         preemptions_before = self._num_preemptions()
-        index = 0
+        # all pending tokens fitted at once: nobody to preempt, the loop has nothing to do
+        index = len(self.running) if self._append_all_pending(step) else 0
         while index < len(self.running):
             if self._append_pending(self.running[index], step, may_preempt=True):
                 index += 1
@@ -197,6 +214,33 @@ class Scheduler:
         for request in self.running:
             self._schedule_chunks(request, step, budget, drafts)
         return self._num_preemptions() != preemptions_before
+
+    def _append_all_pending(self, step: SchedulerStep) -> bool:
+        """`_append_pending` of every running request at once when all their pending tokens
+        fit now (the decode steps' case); False, appending nothing, when they do not (the
+        requests then go one by one, preempting). One request's appends never change what
+        another's need (only forks share a partial tail), so when they fit together they fit
+        one after another, exactly as the loop would append them."""
+        bm = self.bm
+        num_tokens = bm.num_tokens
+        pending: list[Branch] = []
+        for request in self.running:
+            for branch in request.active_branches:
+                if len(branch.token_ids) > num_tokens(branch.seq_id):
+                    pending.append(branch)
+        if not pending:
+            return True
+        if not bm.can_append([branch.seq_id for branch in pending]):
+            return False
+        append_token, copy_pairs = bm.append_token, step.plan.copy_pairs
+        for branch in pending:
+            token_ids = branch.token_ids
+            if len(token_ids) - num_tokens(branch.seq_id) != 1:
+                raise RuntimeError(f"sequence {branch.seq_id}: more than one token pending")
+            copy = append_token(branch.seq_id, token_ids[-1])
+            if copy is not None:
+                copy_pairs.append((copy.src, copy.dst))
+        return True
 
     def _append_pending(self, request: Request, step: SchedulerStep, *, may_preempt: bool) -> bool:
         """Gives each active branch a table slot for its sampled token, all branches at once.
@@ -265,11 +309,9 @@ class Scheduler:
         chunk: int,
         num_samples: int,
         drafts: list[int],
-        *,
-        ahead: bool = False,
     ) -> SequenceWork:
-        """`ahead`: the one token is a placeholder for the token the step in flight samples
-        (its output index one past the branch's)."""
+        """The plan's share of one scheduled chunk (a step planned ahead builds its placeholder
+        decodes in `schedule_ahead`)."""
         table_start, table_blocks = self.bm.take_table_delta(branch.seq_id)
         bitmask = None
         if branch.grammar is not None and num_samples > 0:
@@ -278,17 +320,16 @@ class Scheduler:
         tokens = branch.token_ids[start : start + chunk] + drafts
         work = SequenceWork(
             seq_id=branch.seq_id,
-            token_ids=[PLACEHOLDER_TOKEN_ID] if ahead else tokens,
+            token_ids=tokens,
             start_pos=start,
             table_start=table_start,
             table_blocks=table_blocks,
             num_samples=num_samples,
             num_draft_tokens=len(drafts),
             branch_index=branch.index,
-            output_index=len(branch.output_token_ids) + ahead,
+            output_index=len(branch.output_token_ids),
             sampling=None if branch.worker_knows else request.settings,
             token_bitmask=bitmask,
-            placeholder=ahead,
         )
         branch.worker_knows = True
         return work
