@@ -53,8 +53,9 @@ class IncrementalDetokenizer:
     def __init__(
         self, decoder: Decoder, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool
     ) -> None:
-        self._token_decoder = token_decoder(decoder, skip_special_tokens)
-        self._decode = self._token_decoder.decode
+        shared = token_decoder(decoder, skip_special_tokens)
+        self._decode = shared.decode
+        self._single_texts = shared.single
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -71,7 +72,7 @@ class IncrementalDetokenizer:
         prefix, read = self._prefix_offset, self._read_offset
         decode = self._decode
         if read - prefix == 1:
-            single = self._token_decoder.single
+            single = self._single_texts
             prefix_token = ids[prefix]
             prefix_text = single.get(prefix_token)
             if prefix_text is None:

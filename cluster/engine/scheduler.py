@@ -150,7 +150,7 @@ class Scheduler:
         step = SchedulerStep(plan=plan, works=[])
         works, sequences, copy_pairs = step.works, plan.sequences, plan.copy_pairs
         append_slot, take_delta = self._ahead.append, self.bm.take_table_delta
-        for request, branch in decodes:  # `_sequence_work` of a plain decode, inlined
+        for request, branch in decodes:  # a plain decode of `_schedule_chunks`, inlined
             seq_id = branch.seq_id
             position = len(branch.token_ids)
             copy = append_slot(seq_id, position)
@@ -226,18 +226,18 @@ class Scheduler:
         pending: list[Branch] = []
         for request in self.running:
             for branch in request.active_branches:
-                if len(branch.token_ids) > num_tokens(branch.seq_id):
+                behind = len(branch.token_ids) - num_tokens(branch.seq_id)
+                if behind == 1:
                     pending.append(branch)
+                elif behind > 1:
+                    return False  # the one-by-one loop raises, at the request it always did
         if not pending:
             return True
         if not bm.can_append([branch.seq_id for branch in pending]):
             return False
         append_token, copy_pairs = bm.append_token, step.plan.copy_pairs
         for branch in pending:
-            token_ids = branch.token_ids
-            if len(token_ids) - num_tokens(branch.seq_id) != 1:
-                raise RuntimeError(f"sequence {branch.seq_id}: more than one token pending")
-            copy = append_token(branch.seq_id, token_ids[-1])
+            copy = append_token(branch.seq_id, branch.token_ids[-1])
             if copy is not None:
                 copy_pairs.append((copy.src, copy.dst))
         return True
@@ -275,10 +275,13 @@ class Scheduler:
         allowance: DraftAllowance | None = None,
     ) -> None:
         """Adds each active branch's uncomputed tokens (within the budget) to the plan; with an
-        `allowance`, a decode that samples one token also carries drafts."""
+        `allowance`, a decode that samples one token also carries drafts. (A step planned
+        ahead builds its placeholder decodes in `schedule_ahead`.)"""
+        bm = self.bm
         for branch in request.active_branches:
-            computed = self.bm.num_computed_tokens(branch.seq_id)
-            remaining = self.bm.num_tokens(branch.seq_id) - computed
+            seq_id = branch.seq_id
+            computed = bm.num_computed_tokens(seq_id)
+            remaining = bm.num_tokens(seq_id) - computed
             if remaining <= 0:
                 continue
             if not self.settings.enable_chunked_prefill and remaining > budget.room(remaining):
@@ -286,53 +289,39 @@ class Scheduler:
             chunk = budget.take(remaining)
             if chunk == 0:
                 continue
-            is_last = computed + chunk == len(branch.token_ids)
-            num_samples = (1 if request.forked else request.n) if is_last else 0
+            token_ids = branch.token_ids
+            end = computed + chunk
+            num_samples = (1 if request.forked else request.n) if end == len(token_ids) else 0
             drafts: list[int] = []
             if allowance is not None and chunk == 1 and num_samples == 1 and request.forked:
                 assert self.speculator is not None
                 drafts = self.speculator.draft_branch(
-                    self.bm, request, branch, budget, allowance.next(), self.max_model_len
+                    bm, request, branch, budget, allowance.next(), self.max_model_len
                 )
             step.works.append(
                 ScheduledWork(request, branch, computed, chunk + len(drafts), num_samples, drafts)
             )
+            table_start, table_blocks = bm.take_table_delta(seq_id)
+            bitmask = None
+            if branch.grammar is not None and num_samples > 0:
+                branch.grammar.sync(branch.output_token_ids)
+                bitmask = branch.grammar.bitmasks(drafts)
             step.plan.sequences.append(
-                self._sequence_work(request, branch, computed, chunk, num_samples, drafts)
+                SequenceWork(
+                    seq_id,
+                    token_ids[computed:end] + drafts if drafts else token_ids[computed:end],
+                    computed,
+                    table_start,
+                    table_blocks,
+                    num_samples=num_samples,
+                    num_draft_tokens=len(drafts),
+                    branch_index=branch.index,
+                    output_index=len(branch.output_token_ids),
+                    sampling=None if branch.worker_knows else request.settings,
+                    token_bitmask=bitmask,
+                )
             )
-
-    def _sequence_work(
-        self,
-        request: Request,
-        branch: Branch,
-        start: int,
-        chunk: int,
-        num_samples: int,
-        drafts: list[int],
-    ) -> SequenceWork:
-        """The plan's share of one scheduled chunk (a step planned ahead builds its placeholder
-        decodes in `schedule_ahead`)."""
-        table_start, table_blocks = self.bm.take_table_delta(branch.seq_id)
-        bitmask = None
-        if branch.grammar is not None and num_samples > 0:
-            branch.grammar.sync(branch.output_token_ids)
-            bitmask = branch.grammar.bitmasks(drafts)
-        tokens = branch.token_ids[start : start + chunk] + drafts
-        work = SequenceWork(
-            seq_id=branch.seq_id,
-            token_ids=tokens,
-            start_pos=start,
-            table_start=table_start,
-            table_blocks=table_blocks,
-            num_samples=num_samples,
-            num_draft_tokens=len(drafts),
-            branch_index=branch.index,
-            output_index=len(branch.output_token_ids),
-            sampling=None if branch.worker_knows else request.settings,
-            token_bitmask=bitmask,
-        )
-        branch.worker_knows = True
-        return work
+            branch.worker_knows = True
 
     # --- preemption ---------------------------------------------------------------------------
 

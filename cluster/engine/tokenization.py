@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -108,20 +108,30 @@ class PromptRenderer:
         """`tokenizer.decode`, straight from the Rust tokenizer when that is the same text
         (the incremental detokenizer calls this twice per generated token)."""
         if self._backend_decode is not None:
-            return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
+            return self._backend_decode(token_ids, skip_special_tokens)  # by position: cheaper
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_decoder(self, skip_special_tokens: bool) -> TokenDecoder:
         """The `TokenDecoder` every detokenizer of this renderer shares for the flag: `decode`
-        bound, the Rust tokenizer's own when `decode` calls it as it is (no Python frame per
-        call)."""
+        bound, the Rust tokenizer's own when `decode` calls it as it is, called with its
+        arguments by position (a keyword costs the Rust binding more than the decode)."""
         decoder = self._token_decoders.get(skip_special_tokens)
         if decoder is None:
-            backend = self._backend_decode
-            decode = backend if backend is not None else self.decode
-            decoder = TokenDecoder(partial(decode, skip_special_tokens=skip_special_tokens))
+            decoder = TokenDecoder(self._bound_decode(skip_special_tokens))
             self._token_decoders[skip_special_tokens] = decoder
         return decoder
+
+    def _bound_decode(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+        backend = self._backend_decode
+        if backend is None:
+            return partial(self.decode, skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens:  # the Rust tokenizer's default
+            return backend  # type: ignore[no-any-return]
+
+        def decode_keeping_special(token_ids: list[int]) -> str:
+            return backend(token_ids, False)  # type: ignore[no-any-return]
+
+        return decode_keeping_special
 
     def render_chat(
         self,
