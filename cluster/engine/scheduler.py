@@ -159,17 +159,20 @@ class Scheduler:
             works.append(ScheduledWork(request, branch, position, 1, 1))
             table_start, table_blocks = take_delta(seq_id)
             sequences.append(
-                SequenceWork(
+                SequenceWork(  # by position, in field order: keywords cost more than the rest
                     seq_id,
                     [PLACEHOLDER_TOKEN_ID],
-                    position,
+                    position,  # start_pos
                     table_start,
                     table_blocks,
-                    num_samples=1,
-                    branch_index=branch.index,
-                    output_index=len(branch.output_token_ids) + 1,
-                    sampling=None if branch.worker_knows else request.settings,
-                    placeholder=True,
+                    1,  # num_samples
+                    branch.index,  # branch_index
+                    len(branch.output_token_ids) + 1,  # output_index: the placeholder's
+                    None if branch.worker_knows else request.settings,  # sampling
+                    -1,  # lora_slot (LoRA is off)
+                    0,  # num_draft_tokens
+                    None,  # token_bitmask
+                    True,  # placeholder
                 )
             )
             branch.worker_knows = True
@@ -307,18 +310,19 @@ class Scheduler:
                 branch.grammar.sync(branch.output_token_ids)
                 bitmask = branch.grammar.bitmasks(drafts)
             step.plan.sequences.append(
-                SequenceWork(
+                SequenceWork(  # by position, in field order: keywords cost more than the rest
                     seq_id,
                     token_ids[computed:end] + drafts if drafts else token_ids[computed:end],
-                    computed,
+                    computed,  # start_pos
                     table_start,
                     table_blocks,
-                    num_samples=num_samples,
-                    num_draft_tokens=len(drafts),
-                    branch_index=branch.index,
-                    output_index=len(branch.output_token_ids),
-                    sampling=None if branch.worker_knows else request.settings,
-                    token_bitmask=bitmask,
+                    num_samples,
+                    branch.index,  # branch_index
+                    len(branch.output_token_ids),  # output_index
+                    None if branch.worker_knows else request.settings,  # sampling
+                    -1,  # lora_slot (the engine's adapters place it)
+                    len(drafts),  # num_draft_tokens
+                    bitmask,  # token_bitmask
                 )
             )
             branch.worker_knows = True
