@@ -114,7 +114,11 @@ class StopMatch:
 
 
 class TextTracker:
-    """The text of one branch, its stop-string handling and what was already streamed."""
+    """The text of one branch, its stop-string handling and what was already streamed.
+
+    Without stop strings nothing reads the text while tokens arrive, so their pieces are kept
+    as they come and joined when `text` is read (appending each to one growing string would
+    copy it whole once per token)."""
 
     def __init__(
         self,
@@ -127,8 +131,22 @@ class TextTracker:
         self._stop = tuple(stop)
         self._include_stop = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
-        self.text = ""
+        self._text = ""
+        self._pieces: list[str] = []
+        """Text after `_text`, not joined to it yet."""
         self.emitted_chars = 0
+
+    @property
+    def text(self) -> str:
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces.clear()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._pieces.clear()
+        self._text = value
 
     def add_tokens(self, token_ids: Sequence[int]) -> StopMatch | None:
         """Extend the text; on a stop string the text is cut there and the match returned."""
@@ -140,7 +158,7 @@ class TextTracker:
         if not new_text:
             return None
         if not self._stop:  # nothing to search for: the text only grows
-            self.text += new_text
+            self._pieces.append(new_text)
             return None
         return self._extend(new_text)
 

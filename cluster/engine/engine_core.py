@@ -349,7 +349,8 @@ class EngineCore:
         generated = 0
         for request, count in texts.new_tokens.values():
             generated += count
-            on_tokens(request, count)
+            if request.adapter_name is not None:  # counted per adapter
+                on_tokens(request, count)
             observe_tokens(request.metrics, now, count)
             reported.append(request)
         recorder.num_generated_tokens += generated
