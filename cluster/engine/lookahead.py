@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from block_manager import BlockCopy, KVManager
-from cluster.engine.request import Branch, Request
+from cluster.engine.request import Request
 from cluster.engine.scheduler_step import SchedulerStep
 from workers.plan import SampledToken
 
@@ -34,12 +34,10 @@ if TYPE_CHECKING:
     from cluster.engine.scheduler import Scheduler
 
 
-def lookahead_decodes(
-    scheduler: Scheduler, base: SchedulerStep
-) -> list[tuple[Request, Branch]] | None:
-    """The (request, branch) pairs step `base`'s successor decodes when it may be planned
-    before `base`'s output is known (see the module doc), in running order; None when it may
-    not be (the successor is then planned after `base`'s output, as usual)."""
+def lookahead_decodes(scheduler: Scheduler, base: SchedulerStep) -> list[Request] | None:
+    """The requests step `base`'s successor decodes (each its one branch) when it may be
+    planned before `base`'s output is known (see the module doc), in running order; None when
+    it may not be (the successor is then planned after `base`'s output, as usual)."""
     if scheduler.swapped or scheduler.speculator is not None or scheduler.max_loras is not None:
         return None
     if scheduler.waiting and not scheduler.seats_taken():
@@ -50,7 +48,7 @@ def lookahead_decodes(
     if plan.swap_in or plan.swap_out or plan.promote or plan.forks:
         return None
     decodes = {work.branch.seq_id: work for work in base.works}
-    chosen: list[tuple[Request, Branch]] = []
+    chosen: list[Request] = []
     for request in scheduler.running:
         if len(request.branches) != 1 or not request.forked or request.prefill_only:
             return None
@@ -72,8 +70,8 @@ def lookahead_decodes(
             len(branch.token_ids) + 1 >= scheduler.max_model_len
         ):
             continue
-        chosen.append((request, branch))
-    if not chosen or not scheduler.bm.can_append([branch.seq_id for _, branch in chosen]):
+        chosen.append(request)
+    if not chosen or not scheduler.bm.can_append([r.branches[0].seq_id for r in chosen]):
         return None
     return chosen
 

@@ -21,7 +21,7 @@ in a plan in the step it is released.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from block_manager import KVManager, NeverFits, NoFreeBlocks
 from cluster.engine.config import SchedulerSettings
@@ -150,7 +150,8 @@ class Scheduler:
         step = SchedulerStep(plan=plan, works=[])
         works, sequences, copy_pairs = step.works, plan.sequences, plan.copy_pairs
         append_slot, take_delta = self._ahead.append, self.bm.take_table_delta
-        for request, branch in decodes:  # a plain decode of `_schedule_chunks`, inlined
+        for request in decodes:  # a plain decode of `_schedule_chunks`, inlined
+            branch = request.branches[0]
             seq_id = branch.seq_id
             position = len(branch.token_ids)
             copy = append_slot(seq_id, position)
@@ -295,7 +296,7 @@ class Scheduler:
             token_ids = branch.token_ids
             end = computed + chunk
             num_samples = (1 if request.forked else request.n) if end == len(token_ids) else 0
-            drafts: list[int] = []
+            drafts: Sequence[int] = ()
             if allowance is not None and chunk == 1 and num_samples == 1 and request.forked:
                 assert self.speculator is not None
                 drafts = self.speculator.draft_branch(
@@ -312,7 +313,7 @@ class Scheduler:
             step.plan.sequences.append(
                 SequenceWork(  # by position, in field order: keywords cost more than the rest
                     seq_id,
-                    token_ids[computed:end] + drafts if drafts else token_ids[computed:end],
+                    token_ids[computed:end] + list(drafts) if drafts else token_ids[computed:end],
                     computed,  # start_pos
                     table_start,
                     table_blocks,
