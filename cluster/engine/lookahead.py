@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from block_manager import BlockCopy, KVManager
 from cluster.engine.request import Request
-from cluster.engine.scheduler_step import SchedulerStep
+from cluster.engine.scheduler_step import ScheduledWork, SchedulerStep
 from workers.plan import SampledToken
 
 if TYPE_CHECKING:
@@ -47,13 +47,27 @@ def lookahead_decodes(scheduler: Scheduler, base: SchedulerStep) -> list[Request
         return None
     if plan.swap_in or plan.swap_out or plan.promote or plan.forks:
         return None
-    decodes = {work.branch.seq_id: work for work in base.works}
+    works = base.works
+    num_works, next_work = len(works), 0
+    by_seq_id: dict[int, ScheduledWork] | None = None
+    max_model_len = scheduler.max_model_len
     chosen: list[Request] = []
     for request in scheduler.running:
         if len(request.branches) != 1 or not request.forked or request.prefill_only:
             return None
         branch = request.branches[0]
-        work = decodes.get(branch.seq_id)
+        # base's works mostly follow the running order: walk them, and look up the others
+        work = None
+        while next_work < num_works:
+            candidate = works[next_work]
+            next_work += 1
+            if candidate.branch is branch:
+                work = candidate
+                break
+        if work is None:
+            if by_seq_id is None:
+                by_seq_id = {w.branch.seq_id: w for w in works}
+            work = by_seq_id.get(branch.seq_id)
         if (
             work is None
             or work.request is not request
@@ -66,9 +80,7 @@ def lookahead_decodes(scheduler: Scheduler, base: SchedulerStep) -> list[Request
             return None
         if len(branch.output_token_ids) + 1 >= request.max_tokens:
             continue  # base's token is its last
-        if scheduler.max_model_len is not None and (
-            len(branch.token_ids) + 1 >= scheduler.max_model_len
-        ):
+        if max_model_len is not None and len(branch.token_ids) + 1 >= max_model_len:
             continue
         chosen.append(request)
     if not chosen or not scheduler.bm.can_append([r.branches[0].seq_id for r in chosen]):
