@@ -85,9 +85,11 @@ def waste_slots(tables: Iterable[BlockTable], block_size: int) -> int:
     """
     partial_tails: dict[int, int] = {}
     for table in tables:
-        if table.on_cpu is not None and table.on_cpu[-1]:
+        on_cpu = table.on_cpu
+        if on_cpu is not None and on_cpu[-1]:
             continue
-        fill = len(table.tokens) - (len(table.block_ids) - 1) * block_size
+        block_ids = table.block_ids
+        fill = len(table.tokens) - (len(block_ids) - 1) * block_size
         if fill < block_size:
-            partial_tails[table.block_ids[-1]] = fill
-    return sum(block_size - fill for fill in partial_tails.values())
+            partial_tails[block_ids[-1]] = fill
+    return block_size * len(partial_tails) - sum(partial_tails.values())

@@ -41,16 +41,17 @@ class PlaceholderFiller:
             return plan
         last = self._last
         samples = last.samples if last is not None and last.step_id == plan.placeholders_of else {}
-        kept = []
+        unfilled = False
         for work in plan.sequences:
             if work.placeholder:
                 tokens = samples.get(work.seq_id)
-                if not tokens:
-                    continue
-                work.token_ids = [tokens[-1].token_id]
-            kept.append(work)
-        if len(kept) == len(plan.sequences):
+                if tokens:
+                    work.token_ids = [tokens[-1].token_id]
+                else:
+                    unfilled = True
+        if not unfilled:
             return plan
+        kept = [w for w in plan.sequences if not w.placeholder or samples.get(w.seq_id)]
         return dataclasses.replace(plan, sequences=kept)
 
     def record(self, output: StepOutput | None) -> None:

@@ -53,7 +53,10 @@ class SamplingSettings:
 
 @dataclass
 class SequenceWork:
-    """One sequence's share of a step: a prefill chunk (several tokens) or a decode (one token)."""
+    """One sequence's share of a step: a prefill chunk (several tokens) or a decode (one token).
+
+    The scheduler builds one per sequence per step with its fields by position (keyword
+    arguments cost more than the rest of the construction): new fields go last."""
 
     seq_id: int
     token_ids: list[int]

@@ -10,8 +10,9 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -24,14 +25,37 @@ class Decoder(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+class TokenDecoder:
+    """A decoder's `decode` with `skip_special_tokens` bound, and the text of single tokens
+    remembered: the detokenizer's prefix window is usually the one token emitted last, so one
+    of its two decodes per token is a lookup. Shared by every branch decoding with the same
+    decoder and flag; holds at most one entry per token id of the vocabulary."""
+
+    __slots__ = ("decode", "single")
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.single: dict[int, str] = {}
+
+
+def token_decoder(decoder: Decoder, skip_special_tokens: bool) -> TokenDecoder:
+    """The decoder's shared `TokenDecoder` when it keeps them (the engine's `PromptRenderer`:
+    `token_decoder`), else a new one over `decoder.decode`."""
+    shared = getattr(decoder, "token_decoder", None)
+    if shared is not None:
+        return shared(skip_special_tokens)  # type: ignore[no-any-return]
+    return TokenDecoder(partial(decoder.decode, skip_special_tokens=skip_special_tokens))
+
+
 class IncrementalDetokenizer:
     """Turns one branch's generated tokens into text, a token (or several) at a time."""
 
     def __init__(
         self, decoder: Decoder, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool
     ) -> None:
-        self._decoder = decoder
-        self._skip_special = skip_special_tokens
+        shared = token_decoder(decoder, skip_special_tokens)
+        self._decode = shared.decode
+        self._single_texts = shared.single
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -40,6 +64,27 @@ class IncrementalDetokenizer:
         """New complete text produced by these tokens ("" while a character is incomplete)."""
         self._ids.extend(token_ids)
         return self._advance(final=False)
+
+    def add_token(self, token_id: int) -> str:
+        """`add_tokens([token_id])`, the decode step's case, without the list."""
+        ids = self._ids
+        ids.append(token_id)
+        prefix, read = self._prefix_offset, self._read_offset
+        decode = self._decode
+        if read - prefix == 1:
+            single = self._single_texts
+            prefix_token = ids[prefix]
+            prefix_text = single.get(prefix_token)
+            if prefix_text is None:
+                prefix_text = single[prefix_token] = decode([prefix_token])
+        else:
+            prefix_text = decode(ids[prefix:read])
+        full_text = decode(ids[prefix:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset = read
+        self._read_offset = len(ids)
+        return full_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character decodes to U+FFFD)."""
@@ -59,9 +104,6 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return new_text
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._decoder.decode(ids, skip_special_tokens=self._skip_special)
-
 
 @dataclass
 class StopMatch:
@@ -72,7 +114,11 @@ class StopMatch:
 
 
 class TextTracker:
-    """The text of one branch, its stop-string handling and what was already streamed."""
+    """The text of one branch, its stop-string handling and what was already streamed.
+
+    Without stop strings nothing reads the text while tokens arrive, so their pieces are kept
+    as they come and joined when `text` is read (appending each to one growing string would
+    copy it whole once per token)."""
 
     def __init__(
         self,
@@ -85,12 +131,36 @@ class TextTracker:
         self._stop = tuple(stop)
         self._include_stop = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
-        self.text = ""
+        self._text = ""
+        self._pieces: list[str] = []
+        """Text after `_text`, not joined to it yet."""
         self.emitted_chars = 0
+
+    @property
+    def text(self) -> str:
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces.clear()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._pieces.clear()
+        self._text = value
 
     def add_tokens(self, token_ids: Sequence[int]) -> StopMatch | None:
         """Extend the text; on a stop string the text is cut there and the match returned."""
         return self._extend(self._detokenizer.add_tokens(token_ids))
+
+    def add_token(self, token_id: int) -> StopMatch | None:
+        """`add_tokens([token_id])` (one decode step's token)."""
+        new_text = self._detokenizer.add_token(token_id)
+        if not new_text:
+            return None
+        if not self._stop:  # nothing to search for: the text only grows
+            self._pieces.append(new_text)
+            return None
+        return self._extend(new_text)
 
     def finish(self) -> StopMatch | None:
         """Decode what is held back (the branch ended for another reason)."""

@@ -344,11 +344,16 @@ class EngineCore:
             reported += self.endings.fail(
                 [request], f"the engine could not apply a token of this request: {reason}"
             )
+        recorder, now = self.recorder, progress.now
+        on_tokens, observe_tokens = self.adapters.on_tokens, recorder.observe_tokens
+        generated = 0
         for request, count in texts.new_tokens.values():
-            self.recorder.num_generated_tokens += count
-            self.adapters.on_tokens(request, count)
-            self.recorder.observe_tokens(request.metrics, progress.now, count)
+            generated += count
+            if request.adapter_name is not None:  # counted per adapter
+                on_tokens(request, count)
+            observe_tokens(request.metrics, now, count)
             reported.append(request)
+        recorder.num_generated_tokens += generated
         return reported
 
     def _append_output(self, progress: StepProgress, output: StepOutput) -> None:
@@ -357,24 +362,27 @@ class EngineCore:
             progress.reported += self.endings.fail_corrupt_swap_ins(step, output.corrupt_swap_ins)
         self.recorder.num_steps += 1
         for work in step.works:
-            if work.request.metrics.first_scheduled_time is None:
-                work.request.metrics.first_scheduled_time = now
+            metrics = work.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
         ended: dict[str, Request] = {}
         broken: dict[str, tuple[Request, str]] = {}
+        tokens, limits = progress.tokens, self.limits
         for request, branch, sampled in self.scheduler.on_step_done(step, output):
-            if request.request_id in broken or branch.finished:
+            if branch.finish_reason is not None or (broken and request.request_id in broken):
                 continue  # a speculative step's tokens after the branch's last are dropped
             try:
-                end = append_sampled_token(request, branch, sampled, self.limits)
+                end = append_sampled_token(request, branch, sampled, limits)
             except Exception as error:  # this request's token only: fail it alone
                 broken[request.request_id] = (request, f"{type(error).__name__}: {error}")
                 continue
             applied = AppliedToken(request, branch, sampled, end, len(branch.output_token_ids))
-            progress.tokens.append(applied)
+            tokens.append(applied)
             if request.prefill_only:  # its text decides between a stop and the hand-off
                 apply_token_text(request, branch, sampled, end)
                 applied.text_done = True
-            if branch.finished or hand_off(request, branch):
+                hand_off(request, branch)
+            if branch.finish_reason is not None:
                 self.scheduler.finish_branch(request, branch)
                 if request.finished:
                     ended[request.request_id] = request

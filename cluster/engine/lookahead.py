@@ -26,20 +26,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from block_manager import BlockCopy, KVManager
-from cluster.engine.request import Branch, Request
-from cluster.engine.scheduler_step import SchedulerStep
+from cluster.engine.request import Request
+from cluster.engine.scheduler_step import ScheduledWork, SchedulerStep
 from workers.plan import SampledToken
 
 if TYPE_CHECKING:
     from cluster.engine.scheduler import Scheduler
 
 
-def lookahead_decodes(
-    scheduler: Scheduler, base: SchedulerStep
-) -> list[tuple[Request, Branch]] | None:
-    """The (request, branch) pairs step `base`'s successor decodes when it may be planned
-    before `base`'s output is known (see the module doc), in running order; None when it may
-    not be (the successor is then planned after `base`'s output, as usual)."""
+def lookahead_decodes(scheduler: Scheduler, base: SchedulerStep) -> list[Request] | None:
+    """The requests step `base`'s successor decodes (each its one branch) when it may be
+    planned before `base`'s output is known (see the module doc), in running order; None when
+    it may not be (the successor is then planned after `base`'s output, as usual)."""
     if scheduler.swapped or scheduler.speculator is not None or scheduler.max_loras is not None:
         return None
     if scheduler.waiting and not scheduler.seats_taken():
@@ -49,13 +47,27 @@ def lookahead_decodes(
         return None
     if plan.swap_in or plan.swap_out or plan.promote or plan.forks:
         return None
-    decodes = {work.branch.seq_id: work for work in base.works}
-    chosen: list[tuple[Request, Branch]] = []
+    works = base.works
+    num_works, next_work = len(works), 0
+    by_seq_id: dict[int, ScheduledWork] | None = None
+    max_model_len = scheduler.max_model_len
+    chosen: list[Request] = []
     for request in scheduler.running:
         if len(request.branches) != 1 or not request.forked or request.prefill_only:
             return None
         branch = request.branches[0]
-        work = decodes.get(branch.seq_id)
+        # base's works mostly follow the running order: walk them, and look up the others
+        work = None
+        while next_work < num_works:
+            candidate = works[next_work]
+            next_work += 1
+            if candidate.branch is branch:
+                work = candidate
+                break
+        if work is None:
+            if by_seq_id is None:
+                by_seq_id = {w.branch.seq_id: w for w in works}
+            work = by_seq_id.get(branch.seq_id)
         if (
             work is None
             or work.request is not request
@@ -68,12 +80,10 @@ def lookahead_decodes(
             return None
         if len(branch.output_token_ids) + 1 >= request.max_tokens:
             continue  # base's token is its last
-        if scheduler.max_model_len is not None and (
-            len(branch.token_ids) + 1 >= scheduler.max_model_len
-        ):
+        if max_model_len is not None and len(branch.token_ids) + 1 >= max_model_len:
             continue
-        chosen.append((request, branch))
-    if not chosen or not scheduler.bm.can_append([branch.seq_id for _, branch in chosen]):
+        chosen.append(request)
+    if not chosen or not scheduler.bm.can_append([r.branches[0].seq_id for r in chosen]):
         return None
     return chosen
 

@@ -127,11 +127,13 @@ class MetricsRecorder:
             metrics.first_token_time = now
             self.ttft.observe(now - metrics.arrival_time)
             new_tokens -= 1
-        if metrics.last_token_time is not None and new_tokens > 0:
-            per_token = (now - metrics.last_token_time) / new_tokens
+        last = metrics.last_token_time
+        if last is not None and new_tokens > 0:
+            per_token = (now - last) / new_tokens
+            observe = self.tpot.observe
             for _ in range(new_tokens):
                 metrics.inter_token_times.append(per_token)
-                self.tpot.observe(per_token)
+                observe(per_token)
         metrics.last_token_time = now
 
 

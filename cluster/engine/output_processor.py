@@ -83,13 +83,16 @@ def apply_token_text(
 ) -> bool:
     """The token's log-probability and text, `end` being what `append_sampled_token` said;
     True when a stop string ended a branch that was still running (the caller finishes it)."""
-    _record_logprob(request, branch, sampled)
+    if request.params.logprobs is not None:
+        _record_logprob(branch, sampled)
     token = sampled.token_id
     if end is TokenEnd.STOP_TOKEN:
-        branch.text.add_tokens([token])
+        branch.text.add_token(token)
         branch.text.finish()
         return False
-    match = branch.text.add_tokens([token])
+    match = branch.text.add_token(token)
+    if match is None and end is None:  # the decode step's common case
+        return False
     if match is not None:
         branch.finish_reason = "stop"
         branch.stop_reason = match.stop
@@ -104,9 +107,8 @@ def apply_token_text(
     return False
 
 
-def _record_logprob(request: Request, branch: Branch, sampled: SampledToken) -> None:
-    if request.params.logprobs is None:
-        return
+def _record_logprob(branch: Branch, sampled: SampledToken) -> None:
+    """The request asked for log-probabilities: the token's go with the branch."""
     if branch.logprobs is None:
         branch.logprobs = []
     top = dict(sampled.top_logprobs or ())

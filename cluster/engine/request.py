@@ -99,9 +99,11 @@ class Request:
     @property
     def active_branches(self) -> list[Branch]:
         """Unfinished branches that own (or, once admitted, will own) a sequence."""
-        if not self.forked:
-            return [] if self.branches[0].finished else [self.branches[0]]
-        return [b for b in self.branches if not b.finished]
+        branches = self.branches
+        if not self.forked or len(branches) == 1:
+            first = branches[0]
+            return [] if first.finish_reason is not None else [first]
+        return [b for b in branches if b.finish_reason is None]
 
     @property
     def finished(self) -> bool:

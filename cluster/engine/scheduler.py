@@ -21,7 +21,7 @@ in a plan in the step it is released.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from block_manager import KVManager, NeverFits, NoFreeBlocks
 from cluster.engine.config import SchedulerSettings
@@ -148,15 +148,35 @@ class Scheduler:
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id, placeholders_of=base.plan.step_id)
         step = SchedulerStep(plan=plan, works=[])
-        for request, branch in decodes:
+        works, sequences, copy_pairs = step.works, plan.sequences, plan.copy_pairs
+        append_slot, take_delta = self._ahead.append, self.bm.take_table_delta
+        for request in decodes:  # a plain decode of `_schedule_chunks`, inlined
+            branch = request.branches[0]
+            seq_id = branch.seq_id
             position = len(branch.token_ids)
-            copy = self._ahead.append(branch.seq_id, position)
+            copy = append_slot(seq_id, position)
             if copy is not None:
-                plan.copy_pairs.append((copy.src, copy.dst))
-            step.works.append(ScheduledWork(request, branch, position, 1, 1))
-            plan.sequences.append(
-                self._sequence_work(request, branch, position, 1, 1, [], ahead=True)
+                copy_pairs.append((copy.src, copy.dst))
+            works.append(ScheduledWork(request, branch, position, 1, 1))
+            table_start, table_blocks = take_delta(seq_id)
+            sequences.append(
+                SequenceWork(  # by position, in field order: keywords cost more than the rest
+                    seq_id,
+                    [PLACEHOLDER_TOKEN_ID],
+                    position,  # start_pos
+                    table_start,
+                    table_blocks,
+                    1,  # num_samples
+                    branch.index,  # branch_index
+                    len(branch.output_token_ids) + 1,  # output_index: the placeholder's
+                    None if branch.worker_knows else request.settings,  # sampling
+                    -1,  # lora_slot (LoRA is off)
+                    0,  # num_draft_tokens
+                    None,  # token_bitmask
+                    True,  # placeholder
+                )
             )
+            branch.worker_knows = True
         self._close_plan(step)
         return step
 
@@ -188,7 +208,8 @@ class Scheduler:
         was preempted. All appends come first so that drafts, which take blocks too, are only
         proposed from what the pending tokens left."""
         preemptions_before = self._num_preemptions()
-        index = 0
+        # all pending tokens fitted at once: nobody to preempt, the loop has nothing to do
+        index = len(self.running) if self._append_all_pending(step) else 0
         while index < len(self.running):
             if self._append_pending(self.running[index], step, may_preempt=True):
                 index += 1
@@ -197,6 +218,33 @@ class Scheduler:
         for request in self.running:
             self._schedule_chunks(request, step, budget, drafts)
         return self._num_preemptions() != preemptions_before
+
+    def _append_all_pending(self, step: SchedulerStep) -> bool:
+        """`_append_pending` of every running request at once when all their pending tokens
+        fit now (the decode steps' case); False, appending nothing, when they do not (the
+        requests then go one by one, preempting). One request's appends never change what
+        another's need (only forks share a partial tail), so when they fit together they fit
+        one after another, exactly as the loop would append them."""
+        bm = self.bm
+        num_tokens = bm.num_tokens
+        pending: list[Branch] = []
+        for request in self.running:
+            for branch in request.active_branches:
+                behind = len(branch.token_ids) - num_tokens(branch.seq_id)
+                if behind == 1:
+                    pending.append(branch)
+                elif behind > 1:
+                    return False  # the one-by-one loop raises, at the request it always did
+        if not pending:
+            return True
+        if not bm.can_append([branch.seq_id for branch in pending]):
+            return False
+        append_token, copy_pairs = bm.append_token, step.plan.copy_pairs
+        for branch in pending:
+            copy = append_token(branch.seq_id, branch.token_ids[-1])
+            if copy is not None:
+                copy_pairs.append((copy.src, copy.dst))
+        return True
 
     def _append_pending(self, request: Request, step: SchedulerStep, *, may_preempt: bool) -> bool:
         """Gives each active branch a table slot for its sampled token, all branches at once.
@@ -231,10 +279,13 @@ class Scheduler:
         allowance: DraftAllowance | None = None,
     ) -> None:
         """Adds each active branch's uncomputed tokens (within the budget) to the plan; with an
-        `allowance`, a decode that samples one token also carries drafts."""
+        `allowance`, a decode that samples one token also carries drafts. (A step planned
+        ahead builds its placeholder decodes in `schedule_ahead`.)"""
+        bm = self.bm
         for branch in request.active_branches:
-            computed = self.bm.num_computed_tokens(branch.seq_id)
-            remaining = self.bm.num_tokens(branch.seq_id) - computed
+            seq_id = branch.seq_id
+            computed = bm.num_computed_tokens(seq_id)
+            remaining = bm.num_tokens(seq_id) - computed
             if remaining <= 0:
                 continue
             if not self.settings.enable_chunked_prefill and remaining > budget.room(remaining):
@@ -242,56 +293,40 @@ class Scheduler:
             chunk = budget.take(remaining)
             if chunk == 0:
                 continue
-            is_last = computed + chunk == len(branch.token_ids)
-            num_samples = (1 if request.forked else request.n) if is_last else 0
-            drafts: list[int] = []
+            token_ids = branch.token_ids
+            end = computed + chunk
+            num_samples = (1 if request.forked else request.n) if end == len(token_ids) else 0
+            drafts: Sequence[int] = ()
             if allowance is not None and chunk == 1 and num_samples == 1 and request.forked:
                 assert self.speculator is not None
                 drafts = self.speculator.draft_branch(
-                    self.bm, request, branch, budget, allowance.next(), self.max_model_len
+                    bm, request, branch, budget, allowance.next(), self.max_model_len
                 )
             step.works.append(
                 ScheduledWork(request, branch, computed, chunk + len(drafts), num_samples, drafts)
             )
+            table_start, table_blocks = bm.take_table_delta(seq_id)
+            bitmask = None
+            if branch.grammar is not None and num_samples > 0:
+                branch.grammar.sync(branch.output_token_ids)
+                bitmask = branch.grammar.bitmasks(drafts)
             step.plan.sequences.append(
-                self._sequence_work(request, branch, computed, chunk, num_samples, drafts)
+                SequenceWork(  # by position, in field order: keywords cost more than the rest
+                    seq_id,
+                    token_ids[computed:end] + list(drafts) if drafts else token_ids[computed:end],
+                    computed,  # start_pos
+                    table_start,
+                    table_blocks,
+                    num_samples,
+                    branch.index,  # branch_index
+                    len(branch.output_token_ids),  # output_index
+                    None if branch.worker_knows else request.settings,  # sampling
+                    -1,  # lora_slot (the engine's adapters place it)
+                    len(drafts),  # num_draft_tokens
+                    bitmask,  # token_bitmask
+                )
             )
-
-    def _sequence_work(
-        self,
-        request: Request,
-        branch: Branch,
-        start: int,
-        chunk: int,
-        num_samples: int,
-        drafts: list[int],
-        *,
-        ahead: bool = False,
-    ) -> SequenceWork:
-        """`ahead`: the one token is a placeholder for the token the step in flight samples
-        (its output index one past the branch's)."""
-        table_start, table_blocks = self.bm.take_table_delta(branch.seq_id)
-        bitmask = None
-        if branch.grammar is not None and num_samples > 0:
-            branch.grammar.sync(branch.output_token_ids)
-            bitmask = branch.grammar.bitmasks(drafts)
-        tokens = branch.token_ids[start : start + chunk] + drafts
-        work = SequenceWork(
-            seq_id=branch.seq_id,
-            token_ids=[PLACEHOLDER_TOKEN_ID] if ahead else tokens,
-            start_pos=start,
-            table_start=table_start,
-            table_blocks=table_blocks,
-            num_samples=num_samples,
-            num_draft_tokens=len(drafts),
-            branch_index=branch.index,
-            output_index=len(branch.output_token_ids) + ahead,
-            sampling=None if branch.worker_knows else request.settings,
-            token_bitmask=bitmask,
-            placeholder=ahead,
-        )
-        branch.worker_knows = True
-        return work
+            branch.worker_knows = True
 
     # --- preemption ---------------------------------------------------------------------------
 

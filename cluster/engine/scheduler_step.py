@@ -8,6 +8,7 @@ whose state depends on the plan running, so a refused plan is isolated to them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cluster.engine.request import Branch, Request
@@ -23,7 +24,7 @@ class ScheduledWork:
     start: int
     num_tokens: int
     num_samples: int
-    drafts: list[int] = field(default_factory=list)
+    drafts: Sequence[int] = ()
     """Speculative tokens after the pending one (`num_tokens == 1 + len(drafts)`), verified by
     the step's rows; the block manager holds them until `on_step_done` keeps the accepted."""
 

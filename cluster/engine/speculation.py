@@ -20,7 +20,7 @@ block the pool cannot spare is not proposed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -199,7 +199,7 @@ class NgramSpeculator:
         return drafts
 
     def keep_accepted(
-        self, bm: KVManager, seq_id: int, start: int, drafts: list[int], drawn: list[int]
+        self, bm: KVManager, seq_id: int, start: int, drafts: Sequence[int], drawn: list[int]
     ) -> int:
         """After the step: the rows from position `start` drew `drawn`. Keeps the rows up to and
         including the first that differs from its draft: the table is truncated to the pending
@@ -214,7 +214,7 @@ class NgramSpeculator:
     def new_index(self) -> NgramIndex:
         return NgramIndex(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
 
-    def accept(self, drafts: list[int], sampled: list[int]) -> int:
+    def accept(self, drafts: Sequence[int], sampled: list[int]) -> int:
         """How many leading drafts the rows' tokens confirm (`sampled[i]` is row i's token: the
         pending token's successor, then each draft's); counts them."""
         accepted = 0

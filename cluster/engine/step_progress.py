@@ -70,8 +70,8 @@ def apply_texts(tokens: list[AppliedToken]) -> TextResults:
         rid = request.request_id
         if rid in results.broken or branch.seq_id in cut:
             continue
-        _, count = results.new_tokens.get(rid, (request, 0))
-        results.new_tokens[rid] = (request, count + 1)
+        counted = results.new_tokens.get(rid)
+        results.new_tokens[rid] = (request, 1 if counted is None else counted[1] + 1)
         if applied.text_done:
             continue
         try:

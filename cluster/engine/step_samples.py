@@ -34,35 +34,41 @@ def take_samples(
     """Every token the step sampled, with its request and branch, its KV marked computed (see
     the module doc)."""
     sampled: list[tuple[Request, Branch, SampledToken]] = []
+    samples = output.samples
+    mark_computed = bm.mark_computed
+    fill = placeholders.fill if placeholders else None
+    running = RequestStatus.RUNNING
     for work in step.works:
-        if work.branch.finished or work.request.status is not RequestStatus.RUNNING:
-            continue
-        tokens = output.samples.get(work.branch.seq_id)
-        expected = work.num_samples + len(work.drafts)
-        if work.num_samples and (tokens is None or len(tokens) != expected):
+        branch, request = work.branch, work.request
+        if branch.finish_reason is not None or request.status is not running:
+            continue  # ended, or left the device, while the step ran
+        seq_id = branch.seq_id
+        tokens = samples.get(seq_id)
+        num_samples, drafts = work.num_samples, work.drafts
+        if num_samples and (tokens is None or len(tokens) != num_samples + len(drafts)):
             raise RuntimeError(
-                f"step {step.plan.step_id}: sequence {work.branch.seq_id} expected "
-                f"{expected} sampled tokens, got {tokens!r}"
+                f"step {step.plan.step_id}: sequence {seq_id} expected "
+                f"{num_samples + len(drafts)} sampled tokens, got {tokens!r}"
             )
-        if work.drafts:
+        if drafts:
             assert tokens is not None and speculator is not None
             tokens = _keep_accepted(bm, speculator, work, tokens)
         else:
-            bm.mark_computed(work.branch.seq_id, work.start + work.num_tokens)
-        if work.num_samples == 0:
+            mark_computed(seq_id, work.start + work.num_tokens)
+        if num_samples == 0:
             continue
         assert tokens is not None
-        if placeholders:
-            placeholders.fill(work.branch.seq_id, work.start + work.num_tokens, tokens[-1])
-        if work.drafts:  # one branch, several tokens in order
-            sampled.extend((work.request, work.branch, t) for t in tokens)
+        if fill is not None:
+            fill(seq_id, work.start + work.num_tokens, tokens[-1])
+        if drafts:  # one branch, several tokens in order
+            sampled.extend((request, branch, t) for t in tokens)
             continue
-        if work.request.forked:  # a decode: one branch, one token
-            sampled.append((work.request, work.branch, tokens[0]))
+        if request.forked:  # a decode: one branch, one token
+            sampled.append((request, branch, tokens[0]))
             continue
-        _fork(bm, work.request)
-        branches = work.request.branches
-        sampled.extend((work.request, b, t) for b, t in zip(branches, tokens, strict=True))
+        _fork(bm, request)
+        branches = request.branches
+        sampled.extend((request, b, t) for b, t in zip(branches, tokens, strict=True))
     return sampled
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
+from cluster.engine.detokenizer import TokenDecoder
 from cluster.engine.errors import RequestRejected
 
 NO_TEMPLATE = "none"
@@ -74,6 +76,7 @@ class PromptRenderer:
         self.vocab_size = vocab_size
         self.digest = tokenizer_digest(tokenizer)
         self._backend_decode = exact_backend_decode(tokenizer)
+        self._token_decoders: dict[bool, TokenDecoder] = {}
 
     def render(
         self,
@@ -105,8 +108,30 @@ class PromptRenderer:
         """`tokenizer.decode`, straight from the Rust tokenizer when that is the same text
         (the incremental detokenizer calls this twice per generated token)."""
         if self._backend_decode is not None:
-            return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
+            return self._backend_decode(token_ids, skip_special_tokens)  # by position: cheaper
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_decoder(self, skip_special_tokens: bool) -> TokenDecoder:
+        """The `TokenDecoder` every detokenizer of this renderer shares for the flag: `decode`
+        bound, the Rust tokenizer's own when `decode` calls it as it is, called with its
+        arguments by position (a keyword costs the Rust binding more than the decode)."""
+        decoder = self._token_decoders.get(skip_special_tokens)
+        if decoder is None:
+            decoder = TokenDecoder(self._bound_decode(skip_special_tokens))
+            self._token_decoders[skip_special_tokens] = decoder
+        return decoder
+
+    def _bound_decode(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+        backend = self._backend_decode
+        if backend is None:
+            return partial(self.decode, skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens:  # the Rust tokenizer's default
+            return backend  # type: ignore[no-any-return]
+
+        def decode_keeping_special(token_ids: list[int]) -> str:
+            return backend(token_ids, False)  # type: ignore[no-any-return]
+
+        return decode_keeping_special
 
     def render_chat(
         self,
