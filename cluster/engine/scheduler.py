@@ -149,8 +149,8 @@ class Scheduler:
         plan = StepPlan(step_id=self._step_id, placeholders_of=base.plan.step_id)
         step = SchedulerStep(plan=plan, works=[])
         works, sequences, copy_pairs = step.works, plan.sequences, plan.copy_pairs
-        append_slot, take_delta = self._ahead.append, self.bm.take_table_delta
-        for request in decodes:  # a plain decode of `_schedule_chunks`, inlined
+        append_slot = self._ahead.append
+        for request in decodes:  # a plain decode of `_schedule_chunks`, its token a placeholder
             branch = request.branches[0]
             seq_id = branch.seq_id
             position = len(branch.token_ids)
@@ -158,25 +158,11 @@ class Scheduler:
             if copy is not None:
                 copy_pairs.append((copy.src, copy.dst))
             works.append(ScheduledWork(request, branch, position, 1, 1))
-            table_start, table_blocks = take_delta(seq_id)
             sequences.append(
-                SequenceWork(  # by position, in field order: keywords cost more than the rest
-                    seq_id,
-                    [PLACEHOLDER_TOKEN_ID],
-                    position,  # start_pos
-                    table_start,
-                    table_blocks,
-                    1,  # num_samples
-                    branch.index,  # branch_index
-                    len(branch.output_token_ids) + 1,  # output_index: the placeholder's
-                    None if branch.worker_knows else request.settings,  # sampling
-                    -1,  # lora_slot (LoRA is off)
-                    0,  # num_draft_tokens
-                    None,  # token_bitmask
-                    True,  # placeholder
+                self._sequence_work(
+                    request, branch, [PLACEHOLDER_TOKEN_ID], position, 1, 0, None, True
                 )
             )
-            branch.worker_knows = True
         self._close_plan(step)
         return step
 
@@ -305,28 +291,57 @@ class Scheduler:
             step.works.append(
                 ScheduledWork(request, branch, computed, chunk + len(drafts), num_samples, drafts)
             )
-            table_start, table_blocks = bm.take_table_delta(seq_id)
             bitmask = None
             if branch.grammar is not None and num_samples > 0:
                 branch.grammar.sync(branch.output_token_ids)
                 bitmask = branch.grammar.bitmasks(drafts)
+            tokens = token_ids[computed:end]
             step.plan.sequences.append(
-                SequenceWork(  # by position, in field order: keywords cost more than the rest
-                    seq_id,
-                    token_ids[computed:end] + list(drafts) if drafts else token_ids[computed:end],
-                    computed,  # start_pos
-                    table_start,
-                    table_blocks,
+                self._sequence_work(
+                    request,
+                    branch,
+                    tokens + list(drafts) if drafts else tokens,
+                    computed,
                     num_samples,
-                    branch.index,  # branch_index
-                    len(branch.output_token_ids),  # output_index
-                    None if branch.worker_knows else request.settings,  # sampling
-                    -1,  # lora_slot (the engine's adapters place it)
-                    len(drafts),  # num_draft_tokens
-                    bitmask,  # token_bitmask
+                    len(drafts),
+                    bitmask,
+                    False,
                 )
             )
-            branch.worker_knows = True
+
+    def _sequence_work(
+        self,
+        request: Request,
+        branch: Branch,
+        token_ids: list[int],
+        start: int,
+        num_samples: int,
+        num_drafts: int,
+        bitmask: object,
+        placeholder: bool,
+    ) -> SequenceWork:
+        """The branch's `SequenceWork` for tokens from `start` (the table delta taken now).
+        A placeholder (async scheduling's one token for the token in flight) has its output
+        index one past the branch's. The dataclass is built by position: keyword arguments cost
+        more than the rest of the construction, once per sequence per step."""
+        table_start, table_blocks = self.bm.take_table_delta(branch.seq_id)
+        work = SequenceWork(
+            branch.seq_id,
+            token_ids,
+            start,  # start_pos
+            table_start,
+            table_blocks,
+            num_samples,
+            branch.index,  # branch_index
+            len(branch.output_token_ids) + placeholder,  # output_index
+            None if branch.worker_knows else request.settings,  # sampling
+            -1,  # lora_slot (the engine's adapters place it)
+            num_drafts,  # num_draft_tokens
+            bitmask,  # token_bitmask
+            placeholder,
+        )
+        branch.worker_knows = True
+        return work
 
     # --- preemption ---------------------------------------------------------------------------
 
