@@ -137,9 +137,11 @@ def _serve_running() -> bool:
 @pytest.fixture(autouse=True)
 def _plain_ray_runs_no_serve(request: pytest.FixtureRequest) -> Iterator[None]:
     """A `plain_ray` test may run beside another worker's Serve app only because it starts no
-    Serve app itself: one that does fails."""
+    Serve app itself: one that leaves Serve running where it was not fails."""
+    plain = request.node.get_closest_marker("plain_ray") is not None
+    serve_before = plain and _serve_running()
     yield
-    if request.node.get_closest_marker("plain_ray") is not None and _serve_running():
+    if plain and not serve_before and _serve_running():
         pytest.fail("this `plain_ray` test left Ray Serve running: drop the mark (`ray` alone)")
 
 
