@@ -2,8 +2,9 @@
 `_all_heads` (two bmm calls on gathered groups) and SDPA on gathered groups.
 
 `python -m benchmarks.decode_attention_ab --json [--rounds 15] [--threads 1] [--seqs 1,4,16,32]
-[--dtype bfloat16|float32]` builds, per batch size, one decode step shaped like SmolLM2-135M
-(9 query heads, 3 KV heads, head dim 64, blocks of 16) with contexts drawn from 128..256 and
+[--dtype bfloat16|float32] [--context 128,256]` builds, per batch size, one decode step shaped
+like SmolLM2-135M (9 query heads, 3 KV heads, head dim 64, blocks of 16) with contexts drawn
+uniformly from `--context`'s inclusive range (default 128..256) and
 blocks shuffled over the pool, with 30 layers' caches (so the K/V reads are not all cache hits),
 metadata prepared once per step as the model does. Each variant runs
 `pagedserve_kernels.torch_cpu.paged_attention` over the 30 layers; `folded` turns the native kernel
@@ -36,10 +37,13 @@ KV_HEADS, GROUP, HEAD_DIM = 3, 3, 64
 VARIANTS = ("native", "folded", "sdpa")
 
 
-def _step(num_seqs: int, seed: int, dtype: torch.dtype) -> Callable[[str], torch.Tensor]:
-    """A decode step over LAYERS caches; the returned call runs it as one of `VARIANTS`."""
+def _step(
+    num_seqs: int, seed: int, dtype: torch.dtype, context: tuple[int, int]
+) -> Callable[[str], torch.Tensor]:
+    """A decode step over LAYERS caches with contexts drawn from the inclusive range `context`;
+    the returned call runs it as one of `VARIANTS`."""
     rng = random.Random(seed)
-    contexts = [rng.randint(128, 256) for _ in range(num_seqs)]
+    contexts = [rng.randint(*context) for _ in range(num_seqs)]
     blocks = [-(-c // BLOCK_SIZE) for c in contexts]
     num_blocks = sum(blocks) + 4
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
@@ -88,11 +92,13 @@ def _step(num_seqs: int, seed: int, dtype: torch.dtype) -> Callable[[str], torch
     return run
 
 
-def report(rounds: int, batches: list[int], dtype: torch.dtype) -> dict[str, object]:
+def report(
+    rounds: int, batches: list[int], dtype: torch.dtype, context: tuple[int, int]
+) -> dict[str, object]:
     variants = VARIANTS + tuple(f"native_{isa}" for isa in attention_cpu.supported_isas()[1:])
     results: dict[str, object] = {}
     for num_seqs in batches:
-        run = _step(num_seqs, seed=num_seqs, dtype=dtype)
+        run = _step(num_seqs, seed=num_seqs, dtype=dtype, context=context)
         native = run("native").float()
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(rounds):
@@ -118,13 +124,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--seqs", default="1,4,16,32", help="batch sizes, comma-separated")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--context", default="128,256", help="LOW,HIGH: the inclusive range contexts are drawn from"
+    )
     args = parser.parse_args()
+    low, high = (int(bound) for bound in args.context.split(","))
     torch.set_num_threads(args.threads)
     batches = [int(seqs) for seqs in args.seqs.split(",")]
-    results = report(args.rounds, batches, getattr(torch, args.dtype))
+    results = report(args.rounds, batches, getattr(torch, args.dtype), (low, high))
     out = {
         "torch_threads": torch.get_num_threads(),
         "dtype": args.dtype,
+        "context": [low, high],
         "isas": list(attention_cpu.supported_isas()),
         "results": results,
     }

@@ -3,18 +3,27 @@
 // mask).
 //
 // Built by pip at install time (setup.py) as a plain shared library with a C ABI, loaded by
-// pagedserve_kernels/attention_cpu.py through ctypes after torch. Compiled for generic x86-64: the body
-// (attention_body.inc, over vec16.inc's Vec16) is compiled once per instruction set in its own
-// `#pragma GCC target` region, and the caller names the set (`decode_attention_isa_supported`);
-// both give the same bits except for the order of their lane sums (the dot products, the
-// softmax total).
+// pagedserve_kernels/attention_cpu.py through ctypes after torch. Compiled for generic x86-64:
+// the body (attention_body.inc, over vec16.inc's Vec16) is compiled once per instruction set in
+// its own `#pragma GCC target` region, and the caller names the set
+// (`decode_attention_isa_supported`). Both add in the orders below, so they give the same bits
+// wherever the compiler's 512-bit lane sum (reduce_add, the softmax total) halves as the AVX2
+// one does, as GCC's does.
 //
 // Numerics: everything after the loads is float32. Keys and values (float32 or bfloat16, widened
 // exactly) are multiplied with the float32 query, the scores scaled, the softmax taken in float32
 // (max subtracted, a vector exp within a few ulp of expf), the values summed with float32 weights
 // and the result scaled once by the reciprocal of the weights' sum, then stored in the query's
 // dtype (bfloat16 rounded to nearest even, as torch rounds). That is the computation of
-// pagedserve_kernels.reference up to float32 summation order and the exp's last bits.
+// pagedserve_kernels.reference up to float32 summation order and the exp's last bits. The orders:
+//   score of head h, key t: lane i (of 16) is the fused multiply-add chain q[c] * k_t[c] + ...
+//     over the columns c = i mod 16 in increasing order, from zero; the 16 lanes are then added
+//     as a halving tree (lane i + lane i + 8, of those i + i + 4, then i + i + 2, then i + i + 1:
+//     reduce_add's order, taken for 16 keys at once by vec16.inc's folds), and scaled.
+//   softmax total: lane i sums the numerators of the keys t = i mod 16 in key order, then the
+//     same tree; its reciprocal is taken once.
+//   output column c: the fused multiply-add chain p_t * v_t[c] + ... over the keys in order,
+//     from zero, times that reciprocal.
 //
 // Work split: one item per sequence (every KV head, reading each key and value row once for all
 // the sequence's query heads), or per (sequence, KV head) when there are fewer sequences than
@@ -47,15 +56,6 @@ struct Geometry {
   float scale;
   int64_t window;  // 0: none
 };
-
-// The row of key or value `position` of a sequence: every KV head's vector, contiguous.
-template <typename Element>
-inline const Element* token_row(const void* cache, const int32_t* table, int64_t position,
-                                const Geometry& g) {
-  const int64_t slot =
-      static_cast<int64_t>(table[position / g.block_size]) * g.block_size + position % g.block_size;
-  return static_cast<const Element*>(cache) + slot * g.num_kv_heads * g.head_dim;
-}
 
 }  // namespace
 
