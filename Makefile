@@ -6,7 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_PIN ?= torch==2.13.0
-# pytest-xdist workers; every Ray/Serve test runs on one of them (tests/conftest.py, RAY_GROUP).
+# pytest-xdist workers; every Ray Serve test runs on one of them, the Ray tests without Serve on
+# another (tests/conftest.py, RAY_GROUP and PLAIN_RAY_GROUP).
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 STAMP := $(VENV)/.installed
