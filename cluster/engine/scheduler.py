@@ -28,11 +28,16 @@ from cluster.engine.config import SchedulerSettings
 from cluster.engine.lookahead import Placeholders, lookahead_decodes
 from cluster.engine.preemption import PreemptionCostModel, choose_swap
 from cluster.engine.request import Branch, Request, RequestStatus
-from cluster.engine.scheduler_step import PreemptionCounts, ScheduledWork, SchedulerStep
+from cluster.engine.scheduler_step import (
+    PreemptionCounts,
+    ScheduledWork,
+    SchedulerStep,
+    sequence_work,
+)
 from cluster.engine.speculation import DraftAllowance, NgramSpeculator, SpeculationCounters
 from cluster.engine.step_budget import StepBudget, prefill_cap
 from cluster.engine.step_samples import take_samples
-from workers.plan import PLACEHOLDER_TOKEN_ID, SampledToken, SequenceWork, StepOutput, StepPlan
+from workers.plan import PLACEHOLDER_TOKEN_ID, SampledToken, StepOutput, StepPlan
 
 
 class Scheduler:
@@ -159,8 +164,8 @@ class Scheduler:
                 copy_pairs.append((copy.src, copy.dst))
             works.append(ScheduledWork(request, branch, position, 1, 1))
             sequences.append(
-                self._sequence_work(
-                    request, branch, [PLACEHOLDER_TOKEN_ID], position, 1, 0, None, True
+                sequence_work(
+                    self.bm, request, branch, [PLACEHOLDER_TOKEN_ID], position, 1, 0, None, True
                 )
             )
         self._close_plan(step)
@@ -297,7 +302,8 @@ class Scheduler:
                 bitmask = branch.grammar.bitmasks(drafts)
             tokens = token_ids[computed:end]
             step.plan.sequences.append(
-                self._sequence_work(
+                sequence_work(
+                    bm,
                     request,
                     branch,
                     tokens + list(drafts) if drafts else tokens,
@@ -308,40 +314,6 @@ class Scheduler:
                     False,
                 )
             )
-
-    def _sequence_work(
-        self,
-        request: Request,
-        branch: Branch,
-        token_ids: list[int],
-        start: int,
-        num_samples: int,
-        num_drafts: int,
-        bitmask: object,
-        placeholder: bool,
-    ) -> SequenceWork:
-        """The branch's `SequenceWork` for tokens from `start` (the table delta taken now).
-        A placeholder (async scheduling's one token for the token in flight) has its output
-        index one past the branch's. The dataclass is built by position: keyword arguments cost
-        more than the rest of the construction, once per sequence per step."""
-        table_start, table_blocks = self.bm.take_table_delta(branch.seq_id)
-        work = SequenceWork(
-            branch.seq_id,
-            token_ids,
-            start,  # start_pos
-            table_start,
-            table_blocks,
-            num_samples,
-            branch.index,  # branch_index
-            len(branch.output_token_ids) + placeholder,  # output_index
-            None if branch.worker_knows else request.settings,  # sampling
-            -1,  # lora_slot (the engine's adapters place it)
-            num_drafts,  # num_draft_tokens
-            bitmask,  # token_bitmask
-            placeholder,
-        )
-        branch.worker_knows = True
-        return work
 
     # --- preemption ---------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """What one scheduling step produced: the plan for the workers and, beside it, what the
 engine needs to apply its result (each sequence's share, the requests it rejected, preempted
-or swapped, whether the queues are stuck).
+or swapped, whether the queues are stuck); `sequence_work` builds a sequence's share of the plan.
 
 Invariant: every request named here is one the scheduler holds; `requests()` is exactly the set
 whose state depends on the plan running, so a refused plan is isolated to them.
@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from block_manager import KVManager
 from cluster.engine.request import Branch, Request
-from workers.plan import StepPlan
+from workers.plan import SequenceWork, StepPlan
 
 
 @dataclass
@@ -79,3 +80,38 @@ class SchedulerStep:
 class PreemptionCounts:
     recompute: int = 0
     swap: int = 0
+
+
+def sequence_work(
+    bm: KVManager,
+    request: Request,
+    branch: Branch,
+    token_ids: list[int],
+    start: int,
+    num_samples: int,
+    num_drafts: int,
+    bitmask: object,
+    placeholder: bool,
+) -> SequenceWork:
+    """The branch's `SequenceWork` for tokens from `start` (the table delta taken now).
+    A placeholder (async scheduling's one token for the token in flight) has its output
+    index one past the branch's. The dataclass is built by position: keyword arguments cost
+    more than the rest of the construction, once per sequence per step."""
+    table_start, table_blocks = bm.take_table_delta(branch.seq_id)
+    work = SequenceWork(
+        branch.seq_id,
+        token_ids,
+        start,  # start_pos
+        table_start,
+        table_blocks,
+        num_samples,
+        branch.index,  # branch_index
+        len(branch.output_token_ids) + placeholder,  # output_index
+        None if branch.worker_knows else request.settings,  # sampling
+        -1,  # lora_slot (the engine's adapters place it)
+        num_drafts,  # num_draft_tokens
+        bitmask,  # token_bitmask
+        placeholder,
+    )
+    branch.worker_knows = True
+    return work
