@@ -7,9 +7,11 @@ scheduler's own work per decode step with `--seqs` sequences running: building t
 computed). `engine_us_per_step` adds the rest of the engine's step (detokenizing, stop checks,
 outputs, metrics); `engine_cpu_us_per_step` is the engine thread's CPU time per step.
 
-With `--stub-ms`, the stand-in's forward pass takes that long without using the CPU (a sleep,
-as a GPU's step leaves the host free), and `step_over_stub` is the step's wall time over the
-stub's: what the engine's own work adds at a GPU's step rate (1.0 = none; the goal is <= 1.05).
+With `--stub-ms`, the stand-in's whole `execute` (filling placeholders, the forward pass, building
+the sampled tokens: a worker's step) takes that long, sleeping for what its own work leaves (as a
+GPU's step leaves the host free), and `step_over_stub` is the step's wall time over the stub's:
+what the engine's own work adds at a GPU's step rate (1.0 = none; the goal is <= 1.05).
+`stand_in_us_per_step` is the stand-in's own work inside that window (not the engine's).
 `--async-scheduling on` (or `both`, each `--seqs` without then with it) sets
 `scheduler.async_scheduling`: the next step is planned while the current one executes (its
 decodes' tokens placeholders the stand-in fills from its previous output), so the engine's work
@@ -45,6 +47,7 @@ class EchoWorkers:
         self, *, num_device_blocks: int, block_size: int, max_model_len: int, stub_s: float = 0.0
     ) -> None:
         self.stub_s = stub_s
+        self.own_seconds: list[float] = []
         self.placeholders = PlaceholderFiller()
         self.num_device_blocks = num_device_blocks
         self.num_cpu_blocks = 0
@@ -56,9 +59,10 @@ class EchoWorkers:
         )  # fmt: skip
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        """The plan's output, returned `stub_s` after the call began (at once without a stub):
+        the stand-in's own work (placeholders, tokens) is part of the worker's step."""
+        began = time.perf_counter()
         plan = self.placeholders.fill(plan)  # async scheduling's, between two forward passes
-        if self.stub_s:
-            time.sleep(self.stub_s)
         output = StepOutput(step_id=plan.step_id)
         for work in plan.sequences:
             if work.num_samples:
@@ -66,6 +70,10 @@ class EchoWorkers:
                 token = SampledToken(FIRST_TOKEN + (position * 7 + work.seq_id) % 20000)
                 output.samples[work.seq_id] = [token] * work.num_samples
         self.placeholders.record(output)
+        own = time.perf_counter() - began
+        self.own_seconds.append(own)
+        if self.stub_s > own:
+            time.sleep(self.stub_s - own)
         return output
 
     def shutdown(self) -> None:
@@ -134,6 +142,7 @@ def measure(
         one_step()
     for _ in range(5):  # every prompt is computed: steady decode from here
         one_step()
+    workers.own_seconds.clear()
     scheduler_us: list[float] = []
     engine_us: list[float] = []
     cpu_us: list[float] = []
@@ -160,6 +169,7 @@ def measure(
         "engine_steps_per_s": round(1e6 / statistics.median(engine_us), 1),
         "engine_cpu_us_per_step_p50": round(statistics.median(cpu_us), 1),
         "stub_ms": stub_s * 1e3,
+        "stand_in_us_per_step_p50": round(statistics.median(workers.own_seconds) * 1e6, 1),
         "step_over_stub": (
             round(statistics.median(engine_us) / (stub_s * 1e6), 3) if stub_s else None
         ),
