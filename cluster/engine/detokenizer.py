@@ -29,7 +29,8 @@ class TokenDecoder:
     """A decoder's `decode` with `skip_special_tokens` bound, and the text of single tokens
     remembered: the detokenizer's prefix window is usually the one token emitted last, so one
     of its two decodes per token is a lookup. Shared by every branch decoding with the same
-    decoder and flag; holds at most one entry per token id of the vocabulary."""
+    decoder and flag (the engine's `PromptRenderer.token_decoder` keeps one per flag); holds at
+    most one entry per token id of the vocabulary."""
 
     __slots__ = ("decode", "single")
 
@@ -37,25 +38,18 @@ class TokenDecoder:
         self.decode = decode
         self.single: dict[int, str] = {}
 
-
-def token_decoder(decoder: Decoder, skip_special_tokens: bool) -> TokenDecoder:
-    """The decoder's shared `TokenDecoder` when it keeps them (the engine's `PromptRenderer`:
-    `token_decoder`), else a new one over `decoder.decode`."""
-    shared = getattr(decoder, "token_decoder", None)
-    if shared is not None:
-        return shared(skip_special_tokens)  # type: ignore[no-any-return]
-    return TokenDecoder(partial(decoder.decode, skip_special_tokens=skip_special_tokens))
+    @classmethod
+    def over(cls, decoder: Decoder, skip_special_tokens: bool) -> TokenDecoder:
+        """A new, unshared one over any `decoder.decode` (a tokenizer)."""
+        return cls(partial(decoder.decode, skip_special_tokens=skip_special_tokens))
 
 
 class IncrementalDetokenizer:
     """Turns one branch's generated tokens into text, a token (or several) at a time."""
 
-    def __init__(
-        self, decoder: Decoder, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool
-    ) -> None:
-        shared = token_decoder(decoder, skip_special_tokens)
-        self._decode = shared.decode
-        self._single_texts = shared.single
+    def __init__(self, token_decoder: TokenDecoder, prompt_token_ids: Sequence[int]) -> None:
+        self._decode = token_decoder.decode
+        self._single_texts = token_decoder.single
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)

@@ -420,7 +420,7 @@ class EngineCore:
         constraint: CompiledConstraint | None,
     ) -> Branch:
         detokenizer = IncrementalDetokenizer(
-            self.renderer, prompt_ids, skip_special_tokens=params.skip_special_tokens
+            self.renderer.token_decoder(params.skip_special_tokens), prompt_ids
         )
         return Branch(
             seq_id=next(self._seq_ids),

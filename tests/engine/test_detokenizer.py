@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
+from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker, TokenDecoder
 from cluster.engine.tokenization import PromptRenderer, exact_backend_decode
 
 TEXTS = [
@@ -22,7 +22,7 @@ TEXTS = [
 def stream(tokenizer: Any, token_ids: list[int], stop: list[str], include: bool) -> tuple[str, Any]:
     """Feeds tokens one by one, like the engine; returns the concatenated deltas and the match."""
     tracker = TextTracker(
-        IncrementalDetokenizer(tokenizer, [1], skip_special_tokens=True),
+        IncrementalDetokenizer(TokenDecoder.over(tokenizer, True), [1]),
         stop,
         include_stop_str_in_output=include,
     )
