@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from workers.config import ModelSpec, RopeSpec
 from workers.families import Family, family_named, gguf_family
+from workers.gguf_header import GgufMetadata
 
 GLOBAL_TENSOR_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -38,12 +39,12 @@ def open_gguf(path: pathlib.Path) -> gguf.GGUFReader:
         raise ValueError(f"GGUF file {path} is truncated or corrupt: {error}") from error
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def _field(reader: GgufMetadata, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
-def _rope_from_gguf(reader: gguf.GGUFReader, arch: str) -> RopeSpec:
+def _rope_from_gguf(reader: GgufMetadata, arch: str) -> RopeSpec:
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     if any(tensor.name == "rope_freqs.weight" for tensor in reader.tensors):
         raise ValueError(
@@ -71,7 +72,7 @@ def _rope_from_gguf(reader: gguf.GGUFReader, arch: str) -> RopeSpec:
 
 
 def _longrope_from_gguf(
-    reader: gguf.GGUFReader, arch: str, theta: float, original: int, factors: dict[str, Any]
+    reader: GgufMetadata, arch: str, theta: float, original: int, factors: dict[str, Any]
 ) -> RopeSpec:
     """LongRoPE as llama.cpp writes it (Phi-3): `rope_factors_short` / `rope_factors_long`
     tensors, `rope.scaling.attn_factor` and the original context length."""
@@ -100,7 +101,7 @@ def _longrope_from_gguf(
     )
 
 
-def spec_from_gguf(reader: gguf.GGUFReader) -> ModelSpec:
+def spec_from_gguf(reader: GgufMetadata) -> ModelSpec:
     """The model description of a GGUF file's metadata."""
     arch_name = str(_field(reader, "general.architecture", ""))
 
@@ -166,7 +167,7 @@ READABLE_TYPES = (
 mixes of these."""
 
 
-def check_tensor_types(reader: gguf.GGUFReader) -> None:
+def check_tensor_types(reader: GgufMetadata) -> None:
     """Raise a ValueError naming the first tensor whose type is not in `READABLE_TYPES`."""
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in READABLE_TYPES:
@@ -176,7 +177,7 @@ def check_tensor_types(reader: gguf.GGUFReader) -> None:
             )
 
 
-def quantization_name(reader: gguf.GGUFReader) -> str:
+def quantization_name(reader: GgufMetadata) -> str:
     """`gguf:<type>` of the most common tensor type among the matrices (e.g. `gguf:Q4_1`)."""
     counts = collections.Counter(
         tensor.tensor_type.name for tensor in reader.tensors if len(tensor.shape) > 1
