@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 import sys
 
 import pytest
@@ -25,6 +26,21 @@ def test_tokenizer_and_chat_template_come_with_the_model(tiny_model_dir: pathlib
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
     assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_tokenizer_is_parsed_once_until_its_files_change(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    first = load_tokenizer(str(model))
+    assert load_tokenizer(str(model)) is first
+    template = model / "chat_template.jinja"
+    assert template.is_file()  # where transformers saves it (it wins over tokenizer_config)
+    template.write_text("{{ messages[0]['content'] }}!")
+    changed = load_tokenizer(str(model))
+    assert changed is not first
+    assert changed.chat_template == "{{ messages[0]['content'] }}!" != first.chat_template
 
 
 def test_weights_digest_follows_the_bytes(tmp_path: pathlib.Path) -> None:
