@@ -1,7 +1,8 @@
-"""`read_gguf_header` against the `gguf` package's own `GGUFReader` (the oracle): every field's
-contents and every tensor's name, dims and type equal, float tensors' data equal, on the default
-model's file and on files the `gguf` writer makes (quantized matrices, alignment, arrays of each kind);
-a cut or corrupt file is a ValueError, and the model spec read through it names the file."""
+"""`read_gguf_header` against the `gguf` package's own `GGUFReader` (the oracle): every
+field's contents and every tensor's name, dims and type equal, float tensors' data equal, on
+the default model's file and on files the `gguf` writer makes (quantized matrices, alignment,
+arrays of each kind); a cut or corrupt file is a ValueError, and the model spec read through
+it names the file."""
 
 from __future__ import annotations
 
