@@ -87,7 +87,6 @@ class HeaderTensor:
 class GgufHeader:
     """What `read_gguf_header` read (see the module doc)."""
 
-    path: pathlib.Path
     fields: dict[str, HeaderField] = field(default_factory=dict)
     tensors: list[HeaderTensor] = field(default_factory=list)
 
@@ -141,7 +140,7 @@ def read_gguf_header(path: pathlib.Path) -> GgufHeader:
     with path.open("rb") as file:
         buffer = memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
     cursor = _Cursor(buffer)
-    header = GgufHeader(path)
+    header = GgufHeader()
     try:
         if bytes(buffer[:4]) != GGUF_MAGIC:
             raise ValueError("not a GGUF file (bad magic)")
@@ -150,9 +149,9 @@ def read_gguf_header(path: pathlib.Path) -> GgufHeader:
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} is not supported")
         num_tensors, num_fields = cursor.unpack("<Q"), cursor.unpack("<Q")
-        for key, value in (("version", version), ("tensor_count", num_tensors)):
+        counts = {"version": version, "tensor_count": num_tensors, "kv_count": num_fields}
+        for key, value in counts.items():  # the pseudo-fields `GGUFReader` adds
             header.fields[f"GGUF.{key}"] = HeaderField(buffer, value)
-        header.fields["GGUF.kv_count"] = HeaderField(buffer, num_fields)
         for _ in range(num_fields):
             key = cursor.string()
             header.fields[key] = cursor.value(cursor.unpack("<I"))
