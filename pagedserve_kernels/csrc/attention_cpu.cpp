@@ -1,6 +1,6 @@
-// Paged decode attention on x86-64 with AVX2 and FMA or AVX-512: one query token per sequence,
-// its keys and values read in place from the block table (no gather into a padded buffer, no
-// mask).
+// Paged decode attention on x86-64 with AVX2 and FMA or AVX-512: one query token per row (a
+// decode, or one position of a prefill chunk attending as a decode of that position), its keys
+// and values read in place from the block table (no gather into a padded buffer, no mask).
 //
 // Built by pip at install time (setup.py) as a plain shared library with a C ABI, loaded by
 // pagedserve_kernels/attention_cpu.py through ctypes after torch. Compiled for generic x86-64:
@@ -27,9 +27,13 @@
 //
 // Work split: one item per sequence (every KV head, reading each key and value row once for all
 // the sequence's query heads), or per (sequence, KV head) when there are fewer sequences than
-// twice the threads, so one long decode still uses the team. Items are spread over the calling
-// thread's OpenMP team (the libgomp.so.1 torch loaded, shared by soname), or run on the calling
-// thread alone when the whole call reads fewer keys than it takes to wake a team.
+// twice the threads, so one long decode still uses the team. Items are handed out one at a time
+// to the calling thread's OpenMP team (the libgomp.so.1 torch loaded, shared by soname) as its
+// threads come free: rows differ in length (a prefill chunk's query rows, each a decode of its own
+// position, grow by one key per row), and a thread the OS deschedules for a while leaves its share
+// to the others instead of holding every thread at the region's end. Which thread takes an item
+// never changes its bits. A call that reads fewer keys than it takes to wake a team runs on the
+// calling thread alone.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
