@@ -21,8 +21,10 @@ def test_smollm2_default_model_answers_through_the_facade() -> None:
         assert "Paris" in text_result.outputs[0].text
         assert text_result.outputs[0].finish_reason == "length"
         assert ids_result.outputs[0].token_ids == text_result.outputs[0].token_ids
+        # The bare question is a near-tie in float32 ("The" over "L" by 0.08 logits), so its
+        # answer would follow the rounding of the dtype the CPU picks, not the model.
         chat = llm.chat(
-            [{"role": "user", "content": "What is the capital of France?"}],
+            [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
             SamplingParams(temperature=0.0, max_tokens=12),
         )[0]
         assert "Paris" in chat.outputs[0].text

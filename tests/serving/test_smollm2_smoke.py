@@ -39,7 +39,10 @@ def test_smollm2_knows_the_capital_of_france(smollm2: tuple[openai.OpenAI, str])
     client, model = smollm2
     response = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        # Not the bare question: its first token is a near-tie (0.08 logits in float32).
+        messages=[
+            {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+        ],
         max_tokens=24,
         temperature=0,
     )
