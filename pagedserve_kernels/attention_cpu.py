@@ -1,10 +1,13 @@
 """Paged decode attention on the CPU by the small native kernel in
-`pagedserve_kernels/csrc/attention_cpu.cpp`: each decode's keys and values are read in place through
-its block table, in float32 after the loads, with one call per layer for every decode of the step.
+`pagedserve_kernels/csrc/attention_cpu.cpp`: each query row's keys and values are read in place
+through its block table, in float32 after the loads, with one call per layer for every row of the
+step.
 
 The plain-torch path (`pagedserve_kernels.torch_cpu`) gathers each group of decodes into a padded
 buffer, then multiplies, masks and softmaxes it in a dozen torch calls per layer; this replaces all
-of that for the decodes of a float32 or bfloat16 cache. Prefill chunks keep the torch path.
+of that for the decodes of a float32 or bfloat16 cache. A prefill chunk's query rows run through
+the same kernel, each as the decode of its own position (`DecodeRows.of_queries`): about twice
+SDPA's speed on the chunks of a chat prompt, and no mask to build (benchmarks/README.md).
 
 Invariants: `decode_attention` equals `pagedserve_kernels.reference.paged_attention` on the rows it
 fills (float32 arithmetic throughout, the result rounded once to the query's dtype) up to float32
@@ -34,9 +37,11 @@ MAX_GROUP = 16
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """The decodes (one query token each) of one step, as the kernel reads them: token row
-    `rows[i]` (int64) attends over `context_lens[i]` keys (int32) whose blocks are listed by
-    `block_tables[i]` (int32, contiguous). All CPU tensors; ids and lengths validated."""
+    """Query rows of one step, each attending as a decode (one query token) does, as the kernel
+    reads them: token row `rows[i]` (int64) attends over `context_lens[i]` keys (int32) whose
+    blocks are listed by `block_tables[i]` (int32, contiguous). All CPU tensors; ids and lengths
+    validated. Row j of a prefill chunk whose first query sits at position p is the decode of
+    position p + j: it sees p + j + 1 keys, which is the chunk's causal mask."""
 
     rows: torch.Tensor
     context_lens: torch.Tensor
@@ -56,6 +61,27 @@ class DecodeRows:
             rows=cu_query_lens.index_select(0, index).to(torch.int64).contiguous(),
             context_lens=lens.contiguous(),
             block_tables=block_tables.index_select(0, index).to(torch.int32).contiguous(),
+        )
+
+    @staticmethod
+    def of_queries(
+        seqs: list[int],
+        cu_query_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> DecodeRows:
+        """Every query row of sequences `seqs` (decodes and prefill chunks alike) from validated
+        CPU metadata, in the sequences' order; each row gets its sequence's block table."""
+        index = torch.tensor(seqs, dtype=torch.int64)
+        starts = cu_query_lens.index_select(0, index).to(torch.int64)
+        q_lens = (cu_query_lens.index_select(0, index + 1) - starts).to(torch.int64)
+        last = context_lens.index_select(0, index).to(torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
+        offset = torch.arange(owner.shape[0]) - (torch.cumsum(q_lens, 0) - q_lens)[owner]
+        return DecodeRows(
+            rows=(starts[owner] + offset).contiguous(),
+            context_lens=(last - q_lens + 1)[owner].add_(offset).to(torch.int32).contiguous(),
+            block_tables=block_tables.index_select(0, index[owner]).to(torch.int32).contiguous(),
         )
 
 

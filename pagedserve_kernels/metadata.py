@@ -11,7 +11,7 @@ block id in ``decode_groups`` and ``prefills`` lies in ``[0, num_blocks)``; ever
 ``write_slots`` lies in ``[0, num_blocks * block_size)`` and appears once (``slot_mapping``: all
 slots, -1 kept, ``write_rows``: the rows of the slots >= 0 when some are -1); every token row of a
 sequence with one query token is in exactly one decode group and in ``decode_rows``, every other
-sequence with query tokens is one prefill entry.
+sequence with query tokens is one prefill entry; every query row is in ``query_rows`` once.
 """
 
 from __future__ import annotations
@@ -119,6 +119,9 @@ class PreparedAttention:
     decode_rows: DecodeRows | None
     """The same decodes for the native kernel (`pagedserve_kernels.attention_cpu`); None when
     none."""
+    query_rows: DecodeRows | None
+    """Every query row of the step (decodes and prefill chunks) for one native kernel call per
+    layer, each row as the decode of its own position; None when there is none."""
     workspace: GatherWorkspace = field(compare=False, repr=False)
 
     @property
@@ -254,13 +257,18 @@ def prepare_attention(
     groups: list[DecodeGroup] = []
     prefills: list[PrefillChunk] = []
     gather_rows = 0
-    decode_rows = None
+    decode_rows = query_rows = None
     if target.type == "cpu":
         decodes = [seq for seq, q_len in enumerate(q_lens) if q_len == 1]
         groups = _decode_groups(decodes, checked, block_size, group_tokens, target)
         if decodes:
             decode_rows = DecodeRows.of(
                 decodes, checked.cu_query_lens, checked.context_lens, checked.block_tables
+            )
+        queried = [seq for seq, q_len in enumerate(q_lens) if q_len > 0]
+        if queried:
+            query_rows = DecodeRows.of_queries(
+                queried, checked.cu_query_lens, checked.context_lens, checked.block_tables
             )
         for seq, q_len in enumerate(q_lens):
             if q_len > 1:
@@ -284,6 +292,7 @@ def prepare_attention(
         decode_groups=tuple(groups),
         prefills=tuple(prefills),
         decode_rows=decode_rows,
+        query_rows=query_rows,
         workspace=GatherWorkspace(gather_rows),
     )
 

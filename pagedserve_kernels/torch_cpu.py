@@ -1,8 +1,9 @@
-"""The CPU path: the native decode kernel where it applies, plain torch for the rest.
+"""The CPU path: the native kernel where it applies, plain torch for the rest.
 
-Decodes of a float32 or bfloat16 cache go to ``pagedserve_kernels.attention_cpu`` (one native call
-per layer reading the blocks in place) when it is built; what follows describes the torch path, used
-for prefill chunks and for the decodes the native kernel does not take.
+Every query row of a float32 or bfloat16 cache (decodes and prefill chunks alike) goes to
+``pagedserve_kernels.attention_cpu`` (one native call per layer reading the blocks in place) when
+it is built; what follows describes the torch path, used for the operands the native kernel does
+not take (float16, head sizes not a multiple of 16, a soft cap) and where it is not built.
 
 Works from a ``PreparedAttention`` (``pagedserve_kernels.metadata``): the per-step gather indices,
 masks and write slots are computed once and every layer reuses them. Decodes are attended in a
@@ -234,7 +235,19 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention over validated, prepared metadata; writes into ``out`` and returns it
-    (``softcap``: see ``pagedserve_kernels.paged_attention``)."""
+    (``softcap``: see ``pagedserve_kernels.paged_attention``).
+
+    Where the native kernel takes the operands, every query row (decodes and prefill chunks
+    alike) runs in one call of it; otherwise decodes attend in padded groups and each prefill
+    chunk through SDPA."""
+    rows = metadata.query_rows
+    if (
+        rows is not None
+        and softcap is None  # the native kernel has no soft cap
+        and attention_cpu.accepts(query, k_cache, v_cache, out)
+    ):
+        attention_cpu.decode_attention(query, k_cache, v_cache, rows, scale, sliding_window, out)
+        return out
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group_size = query.shape[1] // num_kv_heads
     geometry = (block_size, num_kv_heads, group_size, head_dim)
@@ -242,15 +255,7 @@ def paged_attention(
     v_flat = v_cache.reshape(v_cache.shape[0], -1)
     workspace = metadata.workspace
     buffers = workspace.buffers(k_cache)
-    decodes, decode_groups = metadata.decode_rows, metadata.decode_groups
-    if (
-        decodes is not None
-        and softcap is None  # the native kernel has no soft cap
-        and attention_cpu.accepts(query, k_cache, v_cache, out)
-    ):
-        attention_cpu.decode_attention(query, k_cache, v_cache, decodes, scale, sliding_window, out)
-        decode_groups = ()
-    for index, group in enumerate(decode_groups):
+    for index, group in enumerate(metadata.decode_groups):
         folded = _folds(k_cache.dtype, num_kv_heads, group.num_seqs) and softcap is None
         bias = workspace.key_bias(index, group, torch.float32 if folded else query.dtype)
         _attend_decodes(

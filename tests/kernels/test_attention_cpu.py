@@ -1,6 +1,6 @@
 """The native CPU decode attention (`pagedserve_kernels.attention_cpu`) against the plain-torch
-oracle (`pagedserve_kernels.reference`, float32 throughout): shapes, windows, strides, threads, and
-what it must leave alone."""
+oracle (`pagedserve_kernels.reference`, float32 throughout): decodes and prefill chunks' query
+rows, shapes, windows, strides, threads, and what it must leave alone."""
 
 from __future__ import annotations
 
@@ -177,10 +177,56 @@ def test_writes_only_decode_rows_of_strided_operands(isa: str) -> None:
     assert (out[:9] == 7.0).all() and (wide_out[:, 0] == 7).all() and (wide_out[:, -1] == 7).all()
 
 
+def test_query_rows_are_each_row_as_the_decode_of_its_position() -> None:
+    """`DecodeRows.of_queries`: every query row of the sequences with query tokens, in order;
+    row j of a chunk of q tokens ending at context c sees c - q + 1 + j keys, with its
+    sequence's block table (a plain loop over the metadata is the oracle)."""
+    lengths = [(41, 41), (33, 1), (16, 0), (70, 1), (65, 5), (3, 1)]
+    case = make_case(lengths, block_size=16, head_dim=64, group=3, dtype=torch.bfloat16)
+    queried = [seq for seq, (_, q_len) in enumerate(lengths) if q_len > 0]
+    rows = DecodeRows.of_queries(queried, case.cu_query_lens, case.context_lens, case.block_tables)
+    expected_rows, expected_lens, expected_tables = [], [], []
+    for seq in queried:
+        context_len, q_len = lengths[seq]
+        start = int(case.cu_query_lens[seq])
+        for j in range(q_len):
+            expected_rows.append(start + j)
+            expected_lens.append(context_len - q_len + 1 + j)
+            expected_tables.append(case.block_tables[seq].tolist())
+    assert rows.rows.dtype == torch.int64 and rows.rows.tolist() == expected_rows
+    assert rows.context_lens.dtype == torch.int32 and rows.context_lens.tolist() == expected_lens
+    assert rows.block_tables.dtype == torch.int32
+    assert rows.block_tables.tolist() == expected_tables
+
+
+PREFILLS = [(41, 41), (33, 1), (16, 0), (70, 1), (65, 5), (300, 17), (3, 1), (129, 128)]
+"""Whole prompts, chunks after a cached prefix, decodes and an idle sequence in one step."""
+
+
 @needs_kernel
-def test_public_path_mixes_native_decodes_with_torch_prefills() -> None:
-    """pagedserve_kernels.paged_attention on the CPU: decodes through the kernel, prefills through
-    torch, every row as the oracle gives it."""
+@each_isa
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 1, 9, 40])
+def test_prefill_chunks_as_query_rows_match_the_oracle(
+    isa: str, dtype: torch.dtype, window: int | None
+) -> None:
+    """Every query row of a mixed step through the kernel, each as the decode of its own
+    position: the causal mask (and the window) of the oracle, row for row."""
+    case = make_case(PREFILLS, block_size=16, head_dim=64, group=3, dtype=dtype, num_kv_heads=3)
+    queried = [seq for seq, (_, q_len) in enumerate(PREFILLS) if q_len > 0]
+    rows = DecodeRows.of_queries(queried, case.cu_query_lens, case.context_lens, case.block_tables)
+    out = torch.full_like(case.query, float("nan"))
+    attention_cpu.decode_attention(
+        case.query, case.k_cache, case.v_cache, rows, case.scale, window, out, isa
+    )
+    _assert_matches(out, _oracle(case, window), torch.arange(case.query.shape[0]))
+    assert not out.isnan().any()
+
+
+@needs_kernel
+def test_public_path_runs_every_query_row_through_the_kernel() -> None:
+    """pagedserve_kernels.paged_attention on the CPU: decodes and prefill chunks in one kernel
+    call (prepared once as `query_rows`), every row as the oracle gives it."""
     lengths = [(41, 41), (33, 1), (16, 0), (70, 1), (65, 5), (3, 1)]
     case = make_case(lengths, block_size=16, head_dim=64, group=3, dtype=torch.bfloat16)
     prepared = prepare_attention(
@@ -192,6 +238,8 @@ def test_public_path_mixes_native_decodes_with_torch_prefills() -> None:
     )
     assert prepared.decode_rows is not None
     assert prepared.decode_rows.rows.tolist() == [41, 42, 48]
+    assert prepared.query_rows is not None
+    assert prepared.query_rows.rows.tolist() == list(range(49))
     got = pagedserve_kernels.paged_attention(
         case.query, case.k_cache, case.v_cache, **case.kwargs()
     )

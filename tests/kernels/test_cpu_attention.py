@@ -1,4 +1,6 @@
-"""The public CPU path of paged_attention against the oracle over the issue's grid."""
+"""The public CPU path of paged_attention against the oracle over the grid: with the native
+kernel taking every query row where it runs, and with the torch path it falls back to (padded
+decode groups, SDPA prefill chunks) forced, so both hold on every CPU."""
 
 from __future__ import annotations
 
@@ -19,6 +21,15 @@ from tests.kernels.cases import (
     lengths_for,
     make_case,
 )
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test twice: as the model runs it (the native kernel where it is built and takes the
+    operands), and on the torch path alone (what runs where the kernel does not)."""
+    if request.param == "torch":
+        monkeypatch.setattr(torch_cpu.attention_cpu, "accepts", lambda *operands: False)
+    return str(request.param)
 
 
 def _both(case: AttentionCase, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
