@@ -114,8 +114,15 @@ def sample_rows(
 ) -> list[list[SampledToken]]:
     """One list of drawn tokens per request; `logits` is `[len(requests), vocab]` float32."""
     logits = apply_token_bitmasks(logits.to(device="cpu", dtype=torch.float32), requests)
+    # Every greedy row's token from one reduction over the batch (the first maximal index,
+    # as a row's own argmax gives), not one call per row.
+    greedy = (
+        torch.argmax(logits, dim=-1).tolist()
+        if any(request.settings.temperature == 0 for request in requests)
+        else []
+    )
     results: list[list[SampledToken]] = []
-    for row, request in zip(logits, requests, strict=True):
+    for index, (row, request) in enumerate(zip(logits, requests, strict=True)):
         settings = request.settings
         check_settings(settings)
         logprobs = torch.log_softmax(row, dim=-1) if settings.logprobs is not None else None
@@ -123,7 +130,7 @@ def sample_rows(
         tokens: list[SampledToken] = []
         for i in range(request.num_samples):
             if probs is None:
-                token = int(torch.argmax(row))
+                token = greedy[index]
             else:
                 generator = torch.Generator().manual_seed(
                     draw_seed(

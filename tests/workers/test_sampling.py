@@ -35,6 +35,24 @@ def test_greedy_is_argmax_for_every_sample() -> None:
     assert [t.token_id for t in tokens] == [0, 0, 0]
 
 
+def test_greedy_rows_of_a_mixed_batch_take_each_rows_first_maximum() -> None:
+    """Greedy rows beside sampled ones, ties and a masked-out row maximum included: each
+    greedy row gets the first index of its own maximum (plain Python's oracle)."""
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randint(-4, 4, (9, 300), generator=generator).float()  # many exact ties
+    rows[4, 17] = float("-inf")
+    requests = [
+        _request(temperature=0.0) if index % 3 else _request(temperature=1.0, seed=index)
+        for index in range(9)
+    ]
+    results = sample_rows(rows.clone(), requests, worker_seed=0)
+    for index, (values, tokens) in enumerate(zip(rows.tolist(), results, strict=True)):
+        if index % 3:
+            assert [t.token_id for t in tokens] == [values.index(max(values))]
+        else:
+            assert 0 <= tokens[0].token_id < 300
+
+
 def test_frequencies_follow_the_tempered_softmax() -> None:
     draws = 3000
     counts = _draws(draws, temperature=0.7)
