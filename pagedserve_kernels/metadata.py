@@ -1,10 +1,12 @@
 """Per-step attention metadata, validated once and shared by every layer of the step.
 
 ``prepare_attention`` runs the value checks of ``paged_attention`` and ``write_kv`` (packing,
-lengths, block ids, slots) once, and precomputes what the CPU path needs every layer: the decode
-groups (which sequences are attended together, their gather indices and key masks), the prefill
-chunks' block ids and the slots to write. A call with ``metadata=`` then checks only cheap shape,
-dtype and device facts, so a model with L layers pays the value checks once per step, not L times.
+lengths, block ids, slots) once, and precomputes what the CPU path needs every layer: the query
+rows of the native kernel and the slots to write; the torch path's decode groups (which
+sequences are attended together, their gather indices and key masks) and prefill chunks' block
+ids are built on the first layer that asks for them. A call with ``metadata=`` then checks only
+cheap shape, dtype and device facts, so a model with L layers pays the value checks once per
+step, not L times.
 
 Invariants of a ``PreparedAttention`` (established by ``prepare_attention``, never changed): every
 block id in ``decode_groups`` and ``prefills`` lies in ``[0, num_blocks)``; every slot in
@@ -16,6 +18,7 @@ sequence with query tokens is one prefill entry; every query row is in ``query_r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -100,8 +103,40 @@ class GatherWorkspace:
 
 
 @dataclass(frozen=True)
+class TorchPathPlan:
+    """What the plain-torch CPU path reads: the decode groups, the prefill chunks and the gather
+    buffers every layer of the step reuses."""
+
+    decode_groups: tuple[DecodeGroup, ...]
+    prefills: tuple[PrefillChunk, ...]
+    workspace: GatherWorkspace = field(compare=False, repr=False)
+
+    @staticmethod
+    def of(
+        checked: validation.CheckedLengths, block_size: int, group_tokens: int, device: torch.device
+    ) -> TorchPathPlan:
+        """The plan of a step on the CPU from its validated lengths."""
+        q_lens, ctx = checked.query_lens.tolist(), checked.context_lens.tolist()
+        starts = checked.cu_query_lens[:-1].tolist()
+        decodes = [seq for seq, q_len in enumerate(q_lens) if q_len == 1]
+        groups = _decode_groups(decodes, checked, block_size, group_tokens, device)
+        prefills: list[PrefillChunk] = []
+        gather_rows = max([0, *(g.block_ids.shape[0] for g in groups)])
+        for seq, q_len in enumerate(q_lens):
+            if q_len > 1:
+                blocks = -(-ctx[seq] // block_size)
+                ids = checked.block_tables[seq, :blocks].clone()
+                prefills.append(PrefillChunk(starts[seq], q_len, ctx[seq], ids))
+                gather_rows = max(gather_rows, blocks)
+        return TorchPathPlan(tuple(groups), tuple(prefills), GatherWorkspace(gather_rows))
+
+
+@dataclass(frozen=True)
 class PreparedAttention:
-    """Validated metadata of one step; build with ``prepare_attention``."""
+    """Validated metadata of one step; build with ``prepare_attention``.
+
+    The torch path's plan (``decode_groups``, ``prefills``, ``workspace``) is built on first
+    use, once per step: a step whose every row the native kernel takes never builds it."""
 
     num_tokens: int
     num_blocks: int
@@ -114,15 +149,38 @@ class PreparedAttention:
     slot_mapping: torch.Tensor | None
     write_rows: torch.Tensor | None
     write_slots: torch.Tensor | None
-    decode_groups: tuple[DecodeGroup, ...]
-    prefills: tuple[PrefillChunk, ...]
     decode_rows: DecodeRows | None
-    """The same decodes for the native kernel (`pagedserve_kernels.attention_cpu`); None when
-    none."""
+    """The step's decodes (one query token each) for the native kernels
+    (`pagedserve_kernels.attention_cpu`, the decoder stack); None when none."""
     query_rows: DecodeRows | None
     """Every query row of the step (decodes and prefill chunks) for one native kernel call per
     layer, each row as the decode of its own position; None when there is none."""
-    workspace: GatherWorkspace = field(compare=False, repr=False)
+    checked: validation.CheckedLengths | None = field(compare=False, repr=False)
+    """The validated lengths the torch path's plan is built from (CPU steps; else None)."""
+    decode_group_tokens: int = DECODE_GROUP_TOKENS
+
+    @functools.cached_property
+    def torch_path(self) -> TorchPathPlan:
+        """The plain-torch path's plan of this step (empty off the CPU)."""
+        if self.checked is None:
+            return TorchPathPlan((), (), GatherWorkspace(0))
+        return TorchPathPlan.of(
+            self.checked, self.block_size, self.decode_group_tokens, self.device
+        )
+
+    @property
+    def decode_groups(self) -> tuple[DecodeGroup, ...]:
+        """Every decode in exactly one group (the torch path's)."""
+        return self.torch_path.decode_groups
+
+    @property
+    def prefills(self) -> tuple[PrefillChunk, ...]:
+        """One entry per sequence with several query tokens (the torch path's)."""
+        return self.torch_path.prefills
+
+    @property
+    def workspace(self) -> GatherWorkspace:
+        return self.torch_path.workspace
 
     @property
     def has_slots(self) -> bool:
@@ -254,13 +312,10 @@ def prepare_attention(
         write_slots = slots.to(target)
     q_lens, ctx = checked.query_lens.tolist(), checked.context_lens.tolist()
     starts = checked.cu_query_lens[:-1].tolist()
-    groups: list[DecodeGroup] = []
-    prefills: list[PrefillChunk] = []
-    gather_rows = 0
     decode_rows = query_rows = None
-    if target.type == "cpu":
+    on_cpu = target.type == "cpu"
+    if on_cpu:
         decodes = [seq for seq, q_len in enumerate(q_lens) if q_len == 1]
-        groups = _decode_groups(decodes, checked, block_size, group_tokens, target)
         if decodes:
             decode_rows = DecodeRows.of(
                 decodes, checked.cu_query_lens, checked.context_lens, checked.block_tables
@@ -270,13 +325,6 @@ def prepare_attention(
             query_rows = DecodeRows.of_queries(
                 queried, checked.cu_query_lens, checked.context_lens, checked.block_tables
             )
-        for seq, q_len in enumerate(q_lens):
-            if q_len > 1:
-                blocks = -(-ctx[seq] // block_size)
-                ids = checked.block_tables[seq, :blocks].clone()
-                prefills.append(PrefillChunk(starts[seq], q_len, ctx[seq], ids))
-                gather_rows = max(gather_rows, blocks)
-        gather_rows = max([gather_rows, *(g.block_ids.shape[0] for g in groups)])
     return PreparedAttention(
         num_tokens=num_tokens,
         num_blocks=num_blocks,
@@ -289,11 +337,10 @@ def prepare_attention(
         slot_mapping=all_slots,
         write_rows=write_rows,
         write_slots=write_slots,
-        decode_groups=tuple(groups),
-        prefills=tuple(prefills),
         decode_rows=decode_rows,
         query_rows=query_rows,
-        workspace=GatherWorkspace(gather_rows),
+        checked=checked if on_cpu else None,
+        decode_group_tokens=group_tokens,
     )
 
 
