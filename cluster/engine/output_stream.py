@@ -121,13 +121,15 @@ class OutputMailbox:
     `fail` is raised by `get` after the pending delta was taken; `get` returns deltas in order
     and never loses one; `get(min_tokens)` holds a delta back only while it has fewer than
     `min_tokens` new tokens, is not final, and the stream's first token went out already (so
-    the time to the first token and to the end never wait on it). Use from one event loop
-    only."""
+    the time to the first token and to the end never wait on it), and a reader waiting for
+    `min_tokens` is woken only once they are there (not once per step). Use from one event
+    loop only."""
 
     def __init__(self) -> None:
         self._pending: _Coalesced | None = None
         self._error: BaseException | None = None
         self._tokens_taken = 0
+        self._wanted = 1  # the waiting reader's min_tokens: a put below it does not wake it
         self._ready = asyncio.Event()
         self.merged = 0
         """How many deltas were merged into a pending one (the reader was behind)."""
@@ -138,7 +140,8 @@ class OutputMailbox:
         else:
             self._pending.merge(delta)
             self.merged += 1
-        self._ready.set()
+        if self._deliverable(self._wanted):
+            self._ready.set()
 
     def fail(self, error: BaseException) -> None:
         """Ends the stream with `error` (after what is pending); the first error wins."""
@@ -168,6 +171,7 @@ class OutputMailbox:
     async def get(self, min_tokens: int = 1) -> RequestDelta:
         """The next (coalesced) delta: one with at least `min_tokens` new tokens, unless it is
         the final one or no token was taken yet (see the class doc)."""
+        self._wanted = min_tokens
         while not self._deliverable(min_tokens):
             self._ready.clear()
             await self._ready.wait()

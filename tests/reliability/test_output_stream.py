@@ -159,6 +159,33 @@ def test_a_stream_interval_holds_deltas_back_but_never_the_first_token_or_the_en
     asyncio.run(scenario())
 
 
+def test_a_reader_waiting_for_n_tokens_is_woken_once_they_are_there() -> None:
+    """A stream interval must not cost the event loop one wake-up per step per request."""
+
+    class CountingEvent(asyncio.Event):
+        waits = 0
+
+        async def wait(self) -> bool:
+            CountingEvent.waits += 1
+            return await super().wait()
+
+    async def scenario() -> None:
+        mailbox = OutputMailbox()
+        mailbox._ready = CountingEvent()
+        mailbox.put(delta(0, "a", [1]))
+        assert (await mailbox.get(4)).branches[0].token_ids == [1]  # the first token: at once
+        reader = asyncio.ensure_future(mailbox.get(4))
+        for step in range(1, 5):
+            await asyncio.sleep(0)
+            mailbox.put(delta(step, "x", [step + 1]))
+            await asyncio.sleep(0)
+        chunk = await reader
+        assert chunk.branches[0].token_ids == [2, 3, 4, 5]
+        assert CountingEvent.waits == 1  # one wait, woken by the fourth token only
+
+    asyncio.run(scenario())
+
+
 def test_an_engine_stream_interval_sends_chunks_of_n_tokens_with_the_same_result(
     tiny_model_dir: pathlib.Path,
 ) -> None:
