@@ -5,6 +5,9 @@
 each (greedy, ``ignore_eos``) twice, with the engine settings of the shipped Serve config:
 
 - in process: ``LLM(config=...)`` with every request submitted at once;
+- the replica's engine in process: ``AsyncEngine`` (what an engine replica runs) with every
+  request streamed at once at the shipped ``stream_interval``, timed as a client would time its
+  chunks, without Ray, Serve or HTTP;
 - served: ``pagedserve serve`` as shipped (proxy, ingress and one engine replica on this
   machine), every request sent at once as a streaming ``/v1/completions`` call with the same
   token ids.
@@ -12,7 +15,9 @@ each (greedy, ``ignore_eos``) twice, with the engine settings of the shipped Ser
 Both sides are saturated the same way (the burst exceeds ``max_num_seqs``), so a request's
 TPOT is the decode step time of a full batch plus what its side adds per token. It prints each
 side's output tok/s and TPOT p50 and ``served_tpot_over_in_process`` (the served step over the
-same step in process; the goal is <= 1.15) and ``served_tok_s_over_in_process``.
+same step in process; the goal is <= 1.15) and ``served_tok_s_over_in_process``, split in two:
+``async_engine_tpot_over_in_process`` (the asyncio engine and its streams) and
+``served_tpot_over_async_engine`` (the processes around it: Ray, Serve, the ingress, HTTP).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import yaml
 
 from benchmarks import llama_server
 from benchmarks.chat_corpus import chat_prompts
-from benchmarks.load import Job, run_workload
+from benchmarks.load import Job, Result, run_workload
 from benchmarks.ports import free_port
 from benchmarks.serving import ratio
 from cluster.engine.config import EngineConfig
@@ -42,10 +47,15 @@ from cluster.serving.cli_serve import shipped_serve_config
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+def shipped_app_args() -> dict[str, Any]:
+    """The arguments of the shipped Serve config's first application."""
+    config = yaml.safe_load(shipped_serve_config().read_text())
+    return config["applications"][0]["args"]
+
+
 def shipped_engine_config() -> EngineConfig:
     """The engine section of the shipped Serve config's first application."""
-    config = yaml.safe_load(shipped_serve_config().read_text())
-    return EngineConfig.build(config["applications"][0]["args"]["engine"])
+    return EngineConfig.build(shipped_app_args()["engine"])
 
 
 def rounded(value: float | None) -> float | None:
@@ -94,6 +104,48 @@ def run_in_process(
         }
 
 
+def run_async_engine(
+    config: EngineConfig, prompts: list[list[int]], max_tokens: int, stream_interval: int
+) -> dict[str, Any]:
+    """The burst through `AsyncEngine.generate` in this process, each stream read as it comes
+    (TTFT and TPOT from when its deltas arrive, as the HTTP client times its chunks)."""
+    from cluster.engine.async_engine import AsyncEngine
+    from pagedserve import SamplingParams
+
+    async def one(engine: AsyncEngine, ids: list[int], params: SamplingParams) -> Result:
+        request = engine.request_builder.build({"prompt_token_ids": ids}, params)
+        began = time.perf_counter()
+        result = Result(ok=True)
+        async for delta in engine.generate(request, stream_interval):
+            new = max((len(branch.token_ids) for branch in delta.branches), default=0)
+            if new and not result.output_tokens:
+                result.ttft = time.perf_counter() - began
+            result.output_tokens += new
+        result.latency = time.perf_counter() - began
+        return result
+
+    async def burst() -> tuple[list[Result], float]:
+        engine = await AsyncEngine.create(config)
+        try:
+            warm = SamplingParams(max_tokens=8)
+            await asyncio.gather(*(one(engine, ids, warm) for ids in prompts[:4]))
+            greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            began = time.perf_counter()
+            results = await asyncio.gather(*(one(engine, ids, greedy) for ids in prompts))
+            return results, time.perf_counter() - began
+        finally:
+            await engine.shutdown()
+
+    results, elapsed = asyncio.run(burst())
+    tpots = [r.tpot for r in results if r.tpot is not None]
+    return {
+        "stream_interval": stream_interval,
+        "elapsed_s": round(elapsed, 2),
+        "output_tok_s": round(sum(r.output_tokens for r in results) / elapsed, 1),
+        "tpot_p50_ms": round(p50(tpots) * 1e3, 2) if tpots else None,
+    }
+
+
 def run_served(
     prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -129,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument(
-        "--served-only", action="store_true", help="skip the in-process side (A/B of serve flags)"
+        "--served-only", action="store_true", help="skip the in-process sides (A/B of serve flags)"
+    )
+    parser.add_argument(
+        "--in-process-only", action="store_true", help="skip the served side (no server started)"
     )
     parser.add_argument(
         "--serve-args", nargs=argparse.REMAINDER, default=[], help="extra `serve` flags (last)"
@@ -139,20 +194,32 @@ def main(argv: list[str] | None = None) -> int:
     chats = chat_prompts(args.requests, args.seed)
     prompts = render_chats(config, chats)
     in_process: dict[str, Any] = {"tpot_p50_ms": None, "output_tok_s": None}
+    async_engine: dict[str, Any] = {"tpot_p50_ms": None, "output_tok_s": None}
     if not args.served_only:
         in_process = run_in_process(config, prompts, args.max_tokens)
-    served = run_served(prompts, args.max_tokens, args)
+        interval = shipped_app_args().get("stream_interval", 1)
+        async_engine = run_async_engine(config, prompts, args.max_tokens, interval)
+    served: dict[str, Any] = {"tpot_p50_ms": None, "output_tok_s": None}
+    if not args.in_process_only:
+        served = run_served(prompts, args.max_tokens, args)
     out = {
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "max_num_seqs": config.scheduler.max_num_seqs,
         "in_process": in_process,
+        "async_engine": async_engine,
         "served": served,
         "served_tpot_over_in_process": rounded(
             ratio(served["tpot_p50_ms"], in_process["tpot_p50_ms"])
         ),
         "served_tok_s_over_in_process": rounded(
             ratio(served["output_tok_s"], in_process["output_tok_s"])
+        ),
+        "async_engine_tpot_over_in_process": rounded(
+            ratio(async_engine["tpot_p50_ms"], in_process["tpot_p50_ms"])
+        ),
+        "served_tpot_over_async_engine": rounded(
+            ratio(served["tpot_p50_ms"], async_engine["tpot_p50_ms"])
         ),
     }
     print(json.dumps(out, indent=None if args.json else 2))
