@@ -33,16 +33,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from benchmarks.vs_llamacpp import random_workload
 from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.config import EngineConfig
 from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenization import RenderedPrompt
-from cluster.serving.app_args import ServeAppArgs
-from cluster.serving.cli_serve import shipped_serve_config
+from cluster.serving.cli_serve import shipped_app_args
 from workers.group import WorkerGroup
 from workers.plan import StepOutput, StepPlan
 
@@ -58,12 +54,6 @@ class StepLog:
     def record(self, plan: StepPlan, output: StepOutput) -> None:
         if plan.sequences and all(len(work.token_ids) == 1 for work in plan.sequences):
             self.by_batch[len(plan.sequences)].append(output.forward_seconds)
-
-
-def shipped_engine_config() -> EngineConfig:
-    """The engine a replica of the shipped config builds (its first application's args)."""
-    config = yaml.safe_load(shipped_serve_config().read_text())
-    return ServeAppArgs.model_validate(config["applications"][0]["args"]).engine_config()
 
 
 def step_caller(
@@ -128,7 +118,7 @@ async def replay(engine: AsyncEngine, args: argparse.Namespace) -> dict[str, Any
 
 async def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """One variant in this process: warm up, replay the load once, report."""
-    engine = await AsyncEngine.create(shipped_engine_config())
+    engine = await AsyncEngine.create(shipped_app_args().engine_config())
     group = engine.core.workers
     log = StepLog()
     try:

@@ -34,28 +34,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from benchmarks import llama_server
 from benchmarks.chat_corpus import chat_prompts
 from benchmarks.load import Job, Result, run_workload
 from benchmarks.ports import free_port
 from benchmarks.serving import ratio
 from cluster.engine.config import EngineConfig
-from cluster.serving.cli_serve import shipped_serve_config
+from cluster.serving.cli_serve import shipped_app_args
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def shipped_app_args() -> dict[str, Any]:
-    """The arguments of the shipped Serve config's first application."""
-    config = yaml.safe_load(shipped_serve_config().read_text())
-    return config["applications"][0]["args"]
-
-
-def shipped_engine_config() -> EngineConfig:
-    """The engine section of the shipped Serve config's first application."""
-    return EngineConfig.build(shipped_app_args()["engine"])
+NOT_RUN: dict[str, Any] = {"tpot_p50_ms": None, "output_tok_s": None}
+"""What a side skipped by `--served-only` / `--in-process-only` reports (read, never changed)."""
 
 
 def rounded(value: float | None) -> float | None:
@@ -180,26 +169,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ready-timeout", type=float, default=300.0)
-    parser.add_argument(
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
         "--served-only", action="store_true", help="skip the in-process sides (A/B of serve flags)"
     )
-    parser.add_argument(
+    only.add_argument(
         "--in-process-only", action="store_true", help="skip the served side (no server started)"
     )
     parser.add_argument(
         "--serve-args", nargs=argparse.REMAINDER, default=[], help="extra `serve` flags (last)"
     )
     args = parser.parse_args(argv)
-    config = shipped_engine_config()
+    app = shipped_app_args()
+    config = app.engine_config()
     chats = chat_prompts(args.requests, args.seed)
     prompts = render_chats(config, chats)
-    in_process: dict[str, Any] = {"tpot_p50_ms": None, "output_tok_s": None}
-    async_engine: dict[str, Any] = {"tpot_p50_ms": None, "output_tok_s": None}
+    in_process = async_engine = served = NOT_RUN
     if not args.served_only:
         in_process = run_in_process(config, prompts, args.max_tokens)
-        interval = shipped_app_args().get("stream_interval", 1)
-        async_engine = run_async_engine(config, prompts, args.max_tokens, interval)
-    served: dict[str, Any] = {"tpot_p50_ms": None, "output_tok_s": None}
+        async_engine = run_async_engine(config, prompts, args.max_tokens, app.stream_interval)
     if not args.in_process_only:
         served = run_served(prompts, args.max_tokens, args)
     out = {

@@ -23,7 +23,7 @@ import yaml
 from cluster.engine.config import LoRASettings, SpeculativeSettings
 from cluster.engine.config_flags import add_section_flags, section_values
 from cluster.engine.errors import ConfigError
-from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S
+from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S, ServeAppArgs
 from cluster.serving.engine_flags import add_model_arguments, apply_engine_flags
 from cluster.serving.lora_args import parse_module_item
 from cluster.serving.pd_config import ENGINE_DEPLOYMENTS, disaggregated
@@ -50,6 +50,13 @@ APP_IMPORT_PATH = "cluster.serving.serve_app:build_app"
 def shipped_serve_config() -> Path:
     """The Serve config YAML shipped with the package (`cluster/serving/serve_config.yaml`)."""
     return Path(str(resources.files("cluster.serving") / "serve_config.yaml"))
+
+
+def shipped_app_args() -> ServeAppArgs:
+    """The shipped Serve config's first application's arguments, validated as a replica
+    validates them (its engine: `.engine_config()`)."""
+    config = yaml.safe_load(shipped_serve_config().read_text())
+    return ServeAppArgs.model_validate(config["applications"][0]["args"])
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
