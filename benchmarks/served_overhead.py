@@ -6,8 +6,8 @@ each (greedy, ``ignore_eos``) twice, with the engine settings of the shipped Ser
 
 - in process: ``LLM(config=...)`` with every request submitted at once;
 - the replica's engine in process: ``AsyncEngine`` (what an engine replica runs) with every
-  request streamed at once at the shipped ``stream_interval``, timed as a client would time its
-  chunks, without Ray, Serve or HTTP;
+  request streamed at once at the shipped ``stream_interval`` and ``stream_chunks_per_step``,
+  timed as a client would time its chunks, without Ray, Serve or HTTP;
 - served: ``pagedserve serve`` as shipped (proxy, ingress and one engine replica on this
   machine), every request sent at once as a streaming ``/v1/completions`` call with the same
   token ids.
@@ -40,6 +40,7 @@ from benchmarks.load import Job, Result, run_workload
 from benchmarks.ports import free_port
 from benchmarks.serving import ratio
 from cluster.engine.config import EngineConfig
+from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.cli_serve import shipped_app_args
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -94,7 +95,7 @@ def run_in_process(
 
 
 def run_async_engine(
-    config: EngineConfig, prompts: list[list[int]], max_tokens: int, stream_interval: int
+    config: EngineConfig, prompts: list[list[int]], max_tokens: int, app: ServeAppArgs
 ) -> dict[str, Any]:
     """The burst through `AsyncEngine.generate` in this process, each stream read as it comes
     (TTFT and TPOT from when its deltas arrive, as the HTTP client times its chunks)."""
@@ -105,7 +106,9 @@ def run_async_engine(
         request = engine.request_builder.build({"prompt_token_ids": ids}, params)
         began = time.perf_counter()
         result = Result(ok=True)
-        async for delta in engine.generate(request, stream_interval):
+        async for delta in engine.generate(
+            request, app.stream_interval, app.stream_chunks_per_step
+        ):
             new = max((len(branch.token_ids) for branch in delta.branches), default=0)
             if new and not result.output_tokens:
                 result.ttft = time.perf_counter() - began
@@ -128,7 +131,8 @@ def run_async_engine(
     results, elapsed = asyncio.run(burst())
     tpots = [r.tpot for r in results if r.tpot is not None]
     return {
-        "stream_interval": stream_interval,
+        "stream_interval": app.stream_interval,
+        "stream_chunks_per_step": app.stream_chunks_per_step,
         "elapsed_s": round(elapsed, 2),
         "output_tok_s": round(sum(r.output_tokens for r in results) / elapsed, 1),
         "tpot_p50_ms": round(p50(tpots) * 1e3, 2) if tpots else None,
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     in_process = async_engine = served = NOT_RUN
     if not args.served_only:
         in_process = run_in_process(config, prompts, args.max_tokens)
-        async_engine = run_async_engine(config, prompts, args.max_tokens, app.stream_interval)
+        async_engine = run_async_engine(config, prompts, args.max_tokens, app)
     if not args.in_process_only:
         served = run_served(prompts, args.max_tokens, args)
     out = {

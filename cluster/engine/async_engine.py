@@ -38,7 +38,7 @@ from cluster.engine.errors import EngineDead, RequestFailed, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics
-from cluster.engine.output_stream import OutputMailbox, RequestDelta
+from cluster.engine.output_stream import OutputMailbox, RequestDelta, chunk_tokens
 from cluster.engine.request import Request
 from cluster.engine.scheduler_step import SchedulerStep
 from cluster.engine.step_pipeline import StepPipeline
@@ -101,16 +101,20 @@ class AsyncEngine:
     # --- public API ---------------------------------------------------------------------
 
     async def generate(
-        self, request: GenerateRequest, stream_interval: int = 1
+        self,
+        request: GenerateRequest,
+        stream_interval: int = 1,
+        chunks_per_step: int | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Streams the request's `RequestDelta`s until it finishes (O(new tokens) each, what a
         replica sends over a deployment handle; fold them with an `OutputAccumulator` for a
         whole answer). Raises RequestRejected / EngineOverloaded before the first delta when it
         cannot queue, RequestFailed / EngineDead when a step fails; leaving the iteration early
         aborts the request. With `stream_interval` N > 1 each delta after the first token
-        carries at least N new tokens unless it is the last (`OutputMailbox.get`)."""
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        carries at least N new tokens unless it is the last (`OutputMailbox.get`); with
+        `chunks_per_step` C, at least ceil(running sequences / C) too, read when each chunk
+        is waited for (`output_stream.chunk_tokens`)."""
+        chunk_tokens(stream_interval, chunks_per_step, 0)  # bad pacing fails before queueing
         if self._dead is not None:
             raise EngineDead(f"the engine stopped: {self._dead!r}")
         self._ensure_loop()
@@ -142,7 +146,8 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                delta = await mailbox.get(stream_interval)
+                wanted = chunk_tokens(stream_interval, chunks_per_step, self.core.num_running())
+                delta = await mailbox.get(wanted)
                 if pulled is not None:  # its first output: the request holds its blocks
                     pulled.release()
                 finished = delta.finished

@@ -246,6 +246,10 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished() > 0
 
+    def num_running(self) -> int:
+        """Requests in the running batch now (each gains a token per decode step)."""
+        return len(self.scheduler.running)
+
     def has_work(self) -> bool:
         """A step has something to give the workers: an unfinished request, or releases and
         decommits of ended ones that no plan has carried yet (without them the workers would

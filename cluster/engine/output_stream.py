@@ -10,6 +10,9 @@ most one pending item, never a queue of snapshots. A reader may also ask for at 
 tokens per delta (`get(min_tokens)`, a server's `stream_interval`): fewer, larger items where
 each item costs more than the step that made it (a hop between processes).
 
+`chunk_tokens` is how many a reader asks for: a server's `stream_interval`, raised with the
+number of running sequences when a replica bounds its chunks per decode step.
+
 `OutputAccumulator` is the reader's side: it folds deltas into the public cumulative
 `RequestOutput`. It appends to its own running lists instead of copying them, so each output
 costs O(new tokens) (the cumulative `text` is a `str`, so it is the one thing re-built, a
@@ -56,6 +59,22 @@ class RequestDelta:
     prompt_token_ids: list[int] | None = None
     metrics: RequestMetrics | None = None
     served_by: str | None = None
+
+
+def chunk_tokens(stream_interval: int, chunks_per_step: int | None, running: int) -> int:
+    """New tokens a stream's next chunk waits for: at least `stream_interval`, and with
+    `chunks_per_step` set at least ceil(running / chunks_per_step), so the engine's streams send
+    about `chunks_per_step` chunks per decode step however many sequences run (each running
+    sequence gains one token per step). Light load keeps `stream_interval`; a saturated batch
+    gets larger chunks, so the CPU the chunks cost in the processes that carry them (taken from
+    the forward pass on a small CPU machine) stays a bounded share of a step."""
+    if stream_interval < 1:
+        raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+    if chunks_per_step is None:
+        return stream_interval
+    if chunks_per_step < 1:
+        raise ValueError(f"chunks_per_step must be >= 1 or None, got {chunks_per_step}")
+    return max(stream_interval, -(-running // chunks_per_step))
 
 
 def _extend(into: BranchDelta | _BranchState, later: BranchDelta) -> None:

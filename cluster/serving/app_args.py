@@ -131,6 +131,15 @@ class ServeAppArgs(BaseModel):
         "chunks, each crossing from the engine replica to the client once; the first token "
         "and the final chunk are never held back",
     )
+    stream_chunks_per_step: int | None = Field(
+        None,
+        ge=1,
+        description="with C set, a chunk also waits for ceil(running sequences / C) new tokens, "
+        "so an engine replica sends about C chunks per decode step however full its batch is: "
+        "light load streams every stream_interval tokens, a saturated batch in larger chunks "
+        "(each chunk's hops cost CPU beside the forward pass on a small machine); unset: "
+        "stream_interval alone",
+    )
 
     enable_auto_tool_choice: bool = Field(
         False,

@@ -96,6 +96,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "stream_interval; 1 streams every token)",
     )
     parser.add_argument(
+        "--stream-chunks-per-step",
+        default=None,
+        help="chunks an engine replica sends per decode step at most, about: a chunk also "
+        "waits for ceil(running sequences / N) tokens; 'none' turns it off (default: the "
+        "app's stream_chunks_per_step)",
+    )
+    parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         default=None,
@@ -194,6 +201,10 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"--stream-interval must be >= 1, got {args.stream_interval}")
         for app in config.get("applications", []):
             app.setdefault("args", {})["stream_interval"] = args.stream_interval
+    if args.stream_chunks_per_step is not None:
+        chunks = stream_chunks_flag(args.stream_chunks_per_step)
+        for app in config.get("applications", []):
+            app.setdefault("args", {})["stream_chunks_per_step"] = chunks
     for flag in ("enable_auto_tool_choice", "tool_call_parser"):
         if getattr(args, flag) is not None:
             for app in config.get("applications", []):
@@ -211,6 +222,19 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as error:  # pydantic's ValidationError, named by Ray's schema
         raise ConfigError(f"{path}: not a valid Ray Serve config: {error}") from error
     return config
+
+
+def stream_chunks_flag(flag: str) -> int | None:
+    """`--stream-chunks-per-step`'s value: a positive count, or None for 'none'."""
+    if flag.strip().lower() == "none":
+        return None
+    try:
+        chunks = int(flag)
+    except ValueError:
+        chunks = 0
+    if chunks < 1:
+        raise ConfigError(f"--stream-chunks-per-step must be a count >= 1 or 'none', got {flag!r}")
+    return chunks
 
 
 def apply_speculative_flag(config: dict[str, Any], flag: str | None) -> None:

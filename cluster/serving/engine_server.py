@@ -182,7 +182,9 @@ class GenerationServer:
         the request on, e.g. a decode replica named by a disaggregated proxy) are read by the
         router only. Raises RequestRejected,
         EngineOverloaded, EngineDead like the engine, before the first delta."""
-        stream = self.engine.generate(request, self.args.stream_interval)
+        stream = self.engine.generate(
+            request, self.args.stream_interval, self.args.stream_chunks_per_step
+        )
         try:
             async for delta in stream:
                 delta.served_by = self.replica_id

@@ -17,6 +17,7 @@ from cluster.engine.output_stream import (
     OutputAccumulator,
     OutputMailbox,
     RequestDelta,
+    chunk_tokens,
 )
 from cluster.engine.sampling_params import SamplingParams
 from tests.engine.streams import engine_outputs
@@ -209,6 +210,55 @@ def test_an_engine_stream_interval_sends_chunks_of_n_tokens_with_the_same_result
         assert ids(chunked) == ids(every) and text(chunked) == text(every)
         with pytest.raises(ValueError, match="stream_interval"):
             await anext(engine.generate(build({"prompt_token_ids": [5]}, PARAMS), 0))
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_chunk_tokens_grow_with_the_running_batch_past_the_stream_interval() -> None:
+    assert [chunk_tokens(4, 2, running) for running in (0, 1, 8, 9, 16, 64)] == [4, 4, 4, 5, 8, 32]
+    assert [chunk_tokens(1, 3, running) for running in (1, 3, 4, 7)] == [1, 1, 2, 3]
+    assert chunk_tokens(4, None, 256) == 4  # unset: the interval alone
+    with pytest.raises(ValueError, match="chunks_per_step"):
+        chunk_tokens(1, 0, 8)
+    with pytest.raises(ValueError, match="stream_interval"):
+        chunk_tokens(0, 2, 8)
+
+
+def test_an_engine_bounding_chunks_per_step_streams_a_full_batch_in_larger_chunks(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    """Eight sequences running together with 2 chunks per step: every chunk between the first
+    token and the last carries >= 4 tokens; a lone request still streams every token; the
+    tokens and text are those of unpaced streams."""
+
+    async def scenario() -> None:
+        engine = await AsyncEngine.create(tiny_config(tiny_model_dir))
+        build = engine.request_builder.build
+        prompts = [{"prompt_token_ids": [5, 6 + i]} for i in range(8)]
+
+        async def stream(prompt: dict, rid: str, chunks: int | None) -> list[RequestDelta]:
+            request = build(prompt, PARAMS, request_id=rid)
+            return [d async for d in engine.generate(request, 1, chunks)]
+
+        paced = await asyncio.gather(*(stream(p, f"paced-{i}", 2) for i, p in enumerate(prompts)))
+        unpaced = await asyncio.gather(
+            *(stream(p, f"unpaced-{i}", None) for i, p in enumerate(prompts))
+        )
+        for chunked, every in zip(paced, unpaced, strict=True):
+            tokens = [len(d.branches[0].token_ids) for d in chunked]
+            assert tokens[0] == 1 and all(count >= 4 for count in tokens[1:-1]), tokens
+            assert len(chunked) <= 2 + (PARAMS.max_tokens - 1) // 4
+            assert [t for d in chunked for t in d.branches[0].token_ids] == [
+                t for d in every for t in d.branches[0].token_ids
+            ]
+            assert "".join(d.branches[0].text for d in chunked) == "".join(
+                d.branches[0].text for d in every
+            )
+        alone = await stream(prompts[0], "alone", 2)
+        assert [len(d.branches[0].token_ids) for d in alone] == [1] * PARAMS.max_tokens
+        with pytest.raises(ValueError, match="chunks_per_step"):
+            await anext(engine.generate(build({"prompt_token_ids": [5]}, PARAMS), 1, 0))
         await engine.shutdown()
 
     asyncio.run(scenario())

@@ -52,6 +52,14 @@ def test_build_app_binds_the_ingress_over_the_engine_with_validated_args() -> No
     assert engine_args == args
 
 
+def test_stream_chunks_per_step_is_off_by_default_and_refuses_less_than_one() -> None:
+    assert ServeAppArgs.model_validate({}).stream_chunks_per_step is None
+    assert ServeAppArgs.model_validate({"stream_chunks_per_step": 2}).stream_chunks_per_step == 2
+    for bad in (0, -1, "x"):
+        with pytest.raises(ValidationError, match="stream_chunks_per_step"):
+            ServeAppArgs.model_validate({"stream_chunks_per_step": bad})
+
+
 def test_stream_interval_defaults_to_every_token_and_refuses_less_than_one() -> None:
     assert ServeAppArgs.model_validate({}).stream_interval == 1
     assert ServeAppArgs.model_validate({"stream_interval": 8}).stream_interval == 8

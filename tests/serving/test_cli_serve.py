@@ -198,6 +198,20 @@ def test_stream_interval_comes_from_the_flag_else_the_shipped_config() -> None:
         resolve_serve_config(_serve_args("--stream-interval", "0"))
 
 
+def test_stream_chunks_per_step_comes_from_the_flag_else_the_shipped_config() -> None:
+    from cluster.serving.app_args import ServeAppArgs
+
+    shipped = resolve_serve_config(_serve_args())
+    assert shipped["applications"][0]["args"]["stream_chunks_per_step"] == 2
+    for flag, expected in (("4", 4), ("none", None), ("None", None)):
+        config = resolve_serve_config(_serve_args("--stream-chunks-per-step", flag))
+        for app in config["applications"]:
+            assert ServeAppArgs.model_validate(app["args"]).stream_chunks_per_step == expected
+    for bad in ("0", "-2", "two", ""):
+        with pytest.raises(ConfigError, match="--stream-chunks-per-step"):
+            resolve_serve_config(_serve_args("--stream-chunks-per-step", bad))
+
+
 def test_tool_flags_reach_every_app_and_are_checked() -> None:
     from cluster.serving.app_args import ServeAppArgs
 
