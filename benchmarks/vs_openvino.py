@@ -74,6 +74,7 @@ def run_ours(
             "elapsed_s": elapsed,
             "outputs": [r.outputs[0].token_ids for r in results],
             "dtype": llm.engine.model_info.dtype,
+            "quantized_activations": llm.engine.model_info.quantized_activations,
             "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         }

@@ -75,12 +75,14 @@ class WorkerConfig:
     in float32; with AVX2 32 and 16) with them: the exact checkpoint weights, 0.75 bytes per
     weight read instead of 2 or 4. Off: every product uses the `dtype` weights
     (`workers.dense_matmul`)."""
-    quantized_activations: bool = False
-    """CPU ranks: every product on GGUF Q4_1 / Q8_0 weights quantizes its activations to int8
-    per row-block of 32 and multiplies the codes with integer dot products
-    (`pagedserve_kernels.quant_dot_cpu`, AVX2 or better), except decode steps the native decoder
-    stack takes (exact, as without it). Faster, not float32-exact
-    (docs/quantized_activations.md)."""
+    quantized_activations: bool | str = "auto"
+    """CPU ranks: every product on a GGUF file's codes (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+    quantizes its activations to int8 per row-block of 32 and multiplies the codes with integer
+    dot products (`pagedserve_kernels.quant_dot_cpu`, AVX2 or better), except decode steps the
+    native decoder stack takes (exact, as without it). Faster, not float32-exact
+    (docs/quantized_activations.md). "auto" follows `dtype: auto`
+    (`workers.cpu_features.auto_quantized_activations`: on where auto picks float32 on a CPU,
+    off with any dtype given); `WorkerGroup` resolves it, so ranks only ever see a bool."""
 
     max_loras: int = 0
     """LoRA device slots per rank (0: LoRA off, no slot memory allocated)."""
@@ -107,6 +109,12 @@ class WorkerConfig:
             yield (
                 "dtype",
                 f"dtype {self.dtype!r} is not 'auto' or one of {sorted(SUPPORTED_DTYPES)}",
+            )
+        if self.quantized_activations not in (True, False, "auto"):
+            yield (
+                "quantized_activations",
+                f"quantized_activations must be true, false or 'auto', got "
+                f"{self.quantized_activations!r}",
             )
         if self.device not in ("auto", "cpu", "cuda"):
             yield "device", f"device {self.device!r} is not 'auto', 'cpu' or 'cuda'"
@@ -325,3 +333,6 @@ class ModelInfo:
     rope: str
     quantization: str
     kv_bytes_per_block: int
+    quantized_activations: bool = False
+    """Whether the products take int8-quantized activations (it changes KV values, so it is in
+    the cache identity)."""

@@ -1,12 +1,15 @@
 """The x86 CPU features the precision defaults and native kernels depend on, read once.
 
 `CpuFeatures.detect()` reads the running CPU (Linux `/proc/cpuinfo` vendor and flags; torch's
-own checks elsewhere). `auto_dtype` is the one rule behind `dtype: auto`: bfloat16 where its
-products are native and faster than float32 (CUDA; AMX-BF16; AVX512-BF16 on AMD's cores),
-float32 everywhere else: where oneDNN only emulates bfloat16, and on Intel cores with
-AVX512-BF16 but no AMX (Cooper Lake, or a virtual machine that hides AMX), where its bfloat16
-products ran slower than float32 (benchmarks/README.md, "dtype: auto per CPU kind"). Tests pass a
-`CpuFeatures` of another CPU kind to force its path.
+own checks elsewhere). `auto_dtype` and `auto_quantized_activations` are the one rule behind
+`dtype: auto`: bfloat16 where its products are native and faster than float32 (CUDA; AMX-BF16;
+AVX512-BF16 on AMD's cores); everywhere else float32 (where oneDNN only emulates bfloat16, and
+on Intel cores with AVX512-BF16 but no AMX, Cooper Lake or a virtual machine that hides AMX,
+where its bfloat16 products ran slower than float32: benchmarks/README.md, "dtype: auto per CPU
+kind") with the products on a GGUF file's codes taking int8-quantized activations where the CPU
+has AVX2 (`quantized_activations`, 1.8x float32's output rate end to end: benchmarks/README.md,
+"Without native bfloat16: float32 with int8 products"). Tests pass a `CpuFeatures` of another
+CPU kind to force its path.
 """
 
 from __future__ import annotations
@@ -89,3 +92,14 @@ def auto_dtype(device: str, features: CpuFeatures | None = None) -> str:
         return "bfloat16"
     cpu = features if features is not None else CpuFeatures.detect()
     return "bfloat16" if cpu.bfloat16_is_faster else "float32"
+
+
+def auto_quantized_activations(device: str, features: CpuFeatures | None = None) -> bool:
+    """Whether `dtype: auto` on `device` also turns on `quantized_activations`: on a CPU where
+    `auto_dtype` is float32 and the int8 kernel runs (AVX2 or better). Where bfloat16 is
+    native and faster it stays off (bfloat16 keeps the tighter fast-mode rule and beat OpenVINO
+    GenAI without it); on CUDA the mode does not exist."""
+    if device == "cuda":
+        return False
+    cpu = features if features is not None else CpuFeatures.detect()
+    return auto_dtype(device, cpu) == "float32" and cpu.avx2

@@ -27,7 +27,7 @@ import torch
 
 from workers.block_io import BlockShard
 from workers.config import ModelInfo, ModelSpec, WorkerConfig
-from workers.cpu_features import auto_dtype
+from workers.cpu_features import auto_dtype, auto_quantized_activations
 from workers.kv_memory import KVShape
 from workers.loader import ModelDescription, describe_model, read_metadata
 from workers.lora import AdapterSummary
@@ -97,7 +97,19 @@ def _model_info(
         rope=spec.rope.canonical(),
         quantization=description.quantization,
         kv_bytes_per_block=full_shape.bytes_per_block,
+        quantized_activations=bool(config.quantized_activations),
     )
+
+
+def resolve_auto(config: WorkerConfig, device: str) -> WorkerConfig:
+    """`config` with `dtype` and `quantized_activations` concrete for the ranks' `device`:
+    `auto` resolved by the CPU rule (`workers.cpu_features`); `quantized_activations: auto`
+    is on only where `dtype` was `auto` too (a dtype given is a precision asked for)."""
+    quantized = config.quantized_activations
+    if quantized == "auto":
+        quantized = config.dtype == "auto" and auto_quantized_activations(device)
+    dtype = auto_dtype(device) if config.dtype == "auto" else config.dtype
+    return replace(config, dtype=dtype, quantized_activations=quantized)
 
 
 class WorkerGroup:
@@ -136,8 +148,7 @@ class WorkerGroup:
                 ray.init(include_dashboard=False)
             self.placement = place_ranks(config.tensor_parallel_size, config.device)
             device = self.placement.devices[0]
-        if config.dtype == "auto":
-            config = replace(config, dtype=auto_dtype(device))
+        config = resolve_auto(config, device)
         self.config = config
         self.model_info = _model_info(config, description, max_model_len)
         args = (config, description, str(cache_root))

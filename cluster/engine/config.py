@@ -33,7 +33,8 @@ class ModelSettings(_Section):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description="auto: bfloat16 on CUDA and on CPUs where it is native and faster (AMX, "
-        "AMD's AVX512-BF16), float32 elsewhere; float32 is the exact mode",
+        "AMD's AVX512-BF16), float32 with int8 products (quantized_activations) on other "
+        "CPUs; float32 is the exact mode",
     )
     max_model_len: int | None = Field(None, description="default: the model's context")
     seed: int = Field(0, ge=0, description="seed of requests that do not give one (with a counter)")
@@ -45,11 +46,12 @@ class ModelSettings(_Section):
         "0.75 bytes per weight read instead of 2 or 4); off: every product uses the dtype's "
         "dequantized weights",
     )
-    quantized_activations: bool = Field(
-        False,
-        description="CPU: products on GGUF Q4_1/Q8_0 weights quantize activations to int8 per "
+    quantized_activations: bool | Literal["auto"] = Field(
+        "auto",
+        description="CPU: products on a GGUF file's codes quantize activations to int8 per "
         "block of 32 and multiply the codes with integer dot products (AVX2 or better; decode "
-        "steps of the native decoder stack stay exact): faster, not float32-exact",
+        "steps of the native decoder stack stay exact): faster, not float32-exact; auto: on "
+        "where dtype auto picks float32 on a CPU, off with any dtype given",
     )
 
 

@@ -25,10 +25,11 @@ def add_section_flags(
     default_source: str | None = None,
 ) -> None:
     """One `--field-name` flag per field of a section, stored as `section.field` (None when not
-    given; a string for pydantic to coerce, 'none' meaning None: `section_values`); booleans take
-    `--no-field-name` too (vLLM's `--enable-X` / `--no-enable-X`). The help shows the field's
-    default, after `default_source` (e.g. "the config file") when the flag's default comes from
-    there."""
+    given; a string for pydantic to coerce, 'none' meaning None: `section_values`); booleans,
+    and booleans that may also be a word (`bool | Literal["auto"]`, the word set in a config
+    file), take `--no-field-name` too (vLLM's `--enable-X` / `--no-enable-X`). The help shows
+    the field's default, after `default_source` (e.g. "the config file") when the flag's default
+    comes from there."""
     for name, info in section_type.model_fields.items():
         flag = "--" + name.replace("_", "-")
         default = (
@@ -37,7 +38,7 @@ def add_section_flags(
             else (f"{default_source}, else {info.default!r}")
         )
         help_text = f"{info.description or ''} (default: {default})".strip()
-        if info.annotation is bool:
+        if _bool_or_literal(info.annotation):
             group.add_argument(
                 flag,
                 dest=f"{section_name}.{name}",
@@ -53,6 +54,14 @@ def add_section_flags(
                 metavar=_metavar(name, info.annotation),
                 help=help_text,
             )
+
+
+def _bool_or_literal(annotation: Any) -> bool:
+    """A bool field, or one that is a bool or a literal word (`bool | Literal["auto"]`)."""
+    if annotation is bool:
+        return True
+    members = get_args(annotation)
+    return bool in members and all(arg is bool or get_origin(arg) is Literal for arg in members)
 
 
 def _metavar(name: str, annotation: Any) -> str:

@@ -92,7 +92,8 @@ class EngineCore:
                 kv_cache_dtype="auto",
                 block_size=config.cache.block_size,
                 rope=info.rope,
-                quantization=info.quantization,
+                quantization=info.quantization
+                + (" int8-activations" if info.quantized_activations else ""),
             )
         )
         self.request_keys = RequestKeys(cache_keys, config.cache.block_size)

@@ -40,14 +40,21 @@ def test_quantized_decode_is_on_by_default_and_reaches_the_workers(tmp_path: pat
     assert parse(["--config", str(path)]).to_worker_config().quantized_decode is False
 
 
-def test_quantized_activations_is_off_by_default_and_reaches_the_workers(
+def test_quantized_activations_follows_auto_by_default_and_reaches_the_workers(
     tmp_path: pathlib.Path,
 ) -> None:
-    assert parse([]).to_worker_config().quantized_activations is False
+    assert parse([]).to_worker_config().quantized_activations == "auto"
     assert parse(["--quantized-activations"]).to_worker_config().quantized_activations is True
+    assert parse(["--no-quantized-activations"]).to_worker_config().quantized_activations is False
     path = tmp_path / "engine.yaml"
     path.write_text("model:\n  quantized_activations: true\n")
     assert parse(["--config", str(path)]).to_worker_config().quantized_activations is True
+    path.write_text("model:\n  quantized_activations: auto\n")
+    given = parse(["--config", str(path)]).to_worker_config()
+    assert given.quantized_activations == "auto"
+    path.write_text("model:\n  quantized_activations: sometimes\n")
+    with pytest.raises(ConfigError, match="quantized_activations"):
+        parse(["--config", str(path)])
 
 
 @pytest.mark.parametrize(
