@@ -51,12 +51,14 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def int8_group() -> Iterator[WorkerGroup]:
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def int8_group(request: pytest.FixtureRequest) -> Iterator[WorkerGroup]:
+    """The default model with int8 products, in float32 (what `dtype: auto` runs on a CPU
+    without fast native bfloat16) and in bfloat16 (the opt-in beside native bfloat16)."""
     group = WorkerGroup(
         WorkerConfig(
             model="default",
-            dtype="float32",
+            dtype=request.param,
             backend="local",
             block_size=16,
             num_device_blocks=128,
