@@ -8,7 +8,9 @@ dtype (float32 or bfloat16) and geometry. `NativeDecode.forward` then takes each
 all decodes (one token per sequence) of at most `max_rows` sequences (by default where the
 per-operator path multiplies on the 4-bit copy too: `Q4_MAX_ROWS`, with AVX-512 8 in
 bfloat16, 16 in float32; with AVX2 32 and 16), in the paged layout and without LoRA; it returns
-None for every other step, which keeps the per-operator path. (With AVX-512, beyond 8 bfloat16
+None for every other step, which keeps the per-operator path; with `quantized_activations`
+only single-sequence steps, where the per-operator path's int8 products are not faster
+(`INT8_MAX_ROWS`). (With AVX-512, beyond 8 bfloat16
 rows the 4-bit kernel's float32 arithmetic is slower than oneDNN's native bfloat16 product, so
 the stack stops paying there: benchmarks/README.md, "Figures behind choices in the code"; an
 AVX2 CPU has no native bfloat16 products, and the kernel still wins at 32 rows.)
@@ -27,6 +29,13 @@ import torch
 from pagedserve_kernels import AttentionStep, decoder_stack_cpu
 from pagedserve_kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
 from workers.dense_matmul import Q4_MAX_ROWS
+
+INT8_MAX_ROWS = 1
+"""With `quantized_activations`, the most decodes a step may have to go through the stack: from
+2 sequences the per-operator path's int8 products beat the stack's exact float32 4-bit kernel
+(offline, float32 with int8 products, 16 / 8 / 4 / 2 sequences: 1.13-1.30x / 1.31x / 1.28x /
+1.03x the output rate with the stack taking up to 16 rows; 1 sequence level: benchmarks/README.md,
+"The decoder stack beside int8 products")."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +57,12 @@ class NativeDecode:
     """The most decodes a step may have to go through the stack."""
 
     @staticmethod
-    def build(parts: NativeStack | None) -> NativeDecode | None:
+    def build(
+        parts: NativeStack | None, quantized_activations: bool = False
+    ) -> NativeDecode | None:
         """The native stack of a model's `parts`, or None where there are none or the
-        kernels cannot run them."""
+        kernels cannot run them. With `quantized_activations` it takes single-sequence steps
+        only (`INT8_MAX_ROWS`)."""
         if parts is None or not decoder_stack_cpu.available():
             return None
         dtype = parts.layers[0].input_norm.dtype
@@ -58,7 +70,8 @@ class NativeDecode:
             stack = DecoderStack(parts.layers, parts.shape, parts.final_norm, dtype)
         except ValueError:
             return None  # a dtype, geometry or norm the kernels do not take
-        return NativeDecode(stack, max_rows=Q4_MAX_ROWS[dtype])
+        max_rows = INT8_MAX_ROWS if quantized_activations else Q4_MAX_ROWS[dtype]
+        return NativeDecode(stack, max_rows=max_rows)
 
     def forward(
         self,

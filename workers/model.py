@@ -423,7 +423,7 @@ class CausalLM(torch.nn.Module):
             self.lm_head.head_matmul.pack()
         if self.quantized_decode or self.quantized_activations:
             self.lm_head.keep_exact_q8(self.quantized_decode, self.quantized_activations)
-        self.native_decode = NativeDecode.build(self.native_stack())
+        self.native_decode = NativeDecode.build(self.native_stack(), self.quantized_activations)
 
     def native_stack(self) -> NativeStack | None:
         """The whole stack as the native decoder stack takes it, or None where it cannot run

@@ -36,6 +36,7 @@ from tests.workers.paged_runner import (
 )
 from tests.workers.test_dense_matmul import q4_1_weights
 from workers import WorkerConfig, WorkerGroup
+from workers.decoder_stack import INT8_MAX_ROWS
 from workers.dense_matmul import Q4_MAX_ROWS, DenseMatmul
 from workers.model import CausalLM
 
@@ -100,6 +101,8 @@ def test_int8_activations_greedy_matches_hf_float32_except_near_ties(
     ]
     assert matmuls and all(matmul.panels is not None for matmul in matmuls)
     assert model.lm_head.int8_head is not None  # the tied head is exactly Q8_0
+    if model.native_decode is not None:  # one sequence: the exact stack; more: int8 products
+        assert model.native_decode.max_rows == INT8_MAX_ROWS == 1
     prompts, references = smollm2_chat_references.prompts, smollm2_chat_references.references
     forced = [tokens for tokens, _ in references]
     with every_product_on_int8(model) if everywhere else contextlib.nullcontext():
