@@ -26,7 +26,7 @@ handed over by `adopt_panels`: Q4_0, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K), an
 quantizes `x` to int8 per row-block of 32 and multiplies with integer dot products: not
 float32-exact
 (docs/quantized_activations.md). The 4-bit copy then serves only the native decoder stack
-(`workers.decoder_stack`), which keeps its exact decode steps.
+(`workers.decoder_stack`), which keeps its exact single-sequence decode steps.
 
 Invariants: `__call__` returns, in `x`'s dtype, what `F.linear(x, weight, bias)` returns (bitwise
 in bfloat16, to float32 rounding in float32), or for a call on the 4-bit copy what

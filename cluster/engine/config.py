@@ -49,8 +49,8 @@ class ModelSettings(_Section):
     quantized_activations: bool | Literal["auto"] = Field(
         "auto",
         description="CPU: products on a GGUF file's codes quantize activations to int8 per "
-        "block of 32 and multiply the codes with integer dot products (AVX2 or better; decode "
-        "steps of the native decoder stack stay exact): faster, not float32-exact; auto: on "
+        "block of 32 and multiply the codes with integer dot products (AVX2 or better; "
+        "single-sequence decode steps stay exact): faster, not float32-exact; auto: on "
         "where dtype auto picks float32 on a CPU, off with any dtype given",
     )
 
