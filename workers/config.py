@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 
@@ -75,7 +76,7 @@ class WorkerConfig:
     in float32; with AVX2 32 and 16) with them: the exact checkpoint weights, 0.75 bytes per
     weight read instead of 2 or 4. Off: every product uses the `dtype` weights
     (`workers.dense_matmul`)."""
-    quantized_activations: bool | str = "auto"
+    quantized_activations: bool | Literal["auto"] = "auto"
     """CPU ranks: every product on a GGUF file's codes (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
     quantizes its activations to int8 per row-block of 32 and multiplies the codes with integer
     dot products (`pagedserve_kernels.quant_dot_cpu`, AVX2 or better), except single-sequence

@@ -27,7 +27,7 @@ import torch
 
 from workers.block_io import BlockShard
 from workers.config import ModelInfo, ModelSpec, WorkerConfig
-from workers.cpu_features import auto_dtype, auto_quantized_activations
+from workers.cpu_features import CpuFeatures, auto_dtype, auto_quantized_activations
 from workers.kv_memory import KVShape
 from workers.loader import ModelDescription, describe_model, read_metadata
 from workers.lora import AdapterSummary
@@ -105,11 +105,14 @@ def resolve_auto(config: WorkerConfig, device: str) -> WorkerConfig:
     """`config` with `dtype` and `quantized_activations` concrete for the ranks' `device`:
     `auto` resolved by the CPU rule (`workers.cpu_features`); `quantized_activations: auto`
     is on only where `dtype` was `auto` too (a dtype given is a precision asked for)."""
+    if config.dtype != "auto":
+        quantized = config.quantized_activations is True
+        return replace(config, quantized_activations=quantized)
+    cpu = CpuFeatures.detect() if device == "cpu" else None  # read once for both choices
     quantized = config.quantized_activations
     if quantized == "auto":
-        quantized = config.dtype == "auto" and auto_quantized_activations(device)
-    dtype = auto_dtype(device) if config.dtype == "auto" else config.dtype
-    return replace(config, dtype=dtype, quantized_activations=quantized)
+        quantized = auto_quantized_activations(device, cpu)
+    return replace(config, dtype=auto_dtype(device, cpu), quantized_activations=quantized)
 
 
 class WorkerGroup:
