@@ -2,8 +2,9 @@
 4-bit and 8-bit matmuls (pagedserve_kernels/csrc/q4_cpu.cpp, q8_cpu.cpp), the int8-activation
 products over 4- and 8-bit weights (pagedserve_kernels/csrc/quant_dot_cpu.cpp), the CPU paged decode
 attention (pagedserve_kernels/csrc/attention_cpu.cpp), a decoder layer's elementwise work
-(pagedserve_kernels/csrc/layer_ops_cpu.cpp), and the three chained into a decode step's whole
-decoder stack (pagedserve_kernels/csrc/decoder_stack_cpu.cpp). Everything else is in pyproject.toml.
+(pagedserve_kernels/csrc/layer_ops_cpu.cpp), and all but the 8-bit matmul chained into a decode
+step's whole decoder stack (pagedserve_kernels/csrc/decoder_stack_cpu.cpp). Everything else is in
+pyproject.toml.
 
 Each library has a plain C ABI (no Python headers needed) and is loaded with ctypes. All are
 optional: where one cannot be built the install still succeeds and the plain-torch path is used
@@ -48,6 +49,6 @@ setup(
         *(native(name) for name in KERNELS),
         native("q8_cpu"),
         native("quant_dot_cpu"),
-        native("decoder_stack_cpu", linked=tuple(KERNELS)),
+        native("decoder_stack_cpu", linked=(*KERNELS, "quant_dot_cpu")),
     ]
 )

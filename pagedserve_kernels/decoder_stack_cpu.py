@@ -1,14 +1,17 @@
 """A decode step's whole decoder stack in one native call on the CPU
-(`pagedserve_kernels/csrc/decoder_stack_cpu.cpp`): every layer's norms, 4-bit products, rotary
-embeddings with the KV write, paged decode attention and silu, then the final norm.
+(`pagedserve_kernels/csrc/decoder_stack_cpu.cpp`): every layer's norms, products on quantized
+weights, rotary embeddings with the KV write, paged decode attention and silu, then the final
+norm.
 
 The per-operator path (`workers.model` with `NativeCpuLayerOps` and the 4-bit `DenseMatmul`)
 makes ~20 Python-level calls per layer; at decode batch sizes on a few cores those cost as much
 as the arithmetic. This library chains the same native kernels with no Python in between.
 
 Invariants: for the same rows, `DecoderStack.run` writes the same KV bits and returns the same
-hidden states as the per-operator path where every linear layer takes the 4-bit kernel (the
-same kernels in the same order, each rounding once to the activations' dtype); each row's
+hidden states as the per-operator path where every linear layer takes the kernel its weight is
+laid out for (a `Q4Weight`: the exact 4-bit kernel; a `PanelWeight`: int8-quantized
+activations, `pagedserve_kernels.quant_dot_cpu`; the same kernels in the same order, each rounding
+once to the activations' dtype); each row's
 result does not depend on the other rows. Weights are referenced, not copied: a `DecoderStack`
 keeps the tensors it was built from alive and must be rebuilt if any is replaced. The library
 is built by pip at install time for AVX-512 and for AVX2 with FMA (`supported_isas()`, fastest
@@ -24,9 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve_kernels import quant_dot_cpu
 from pagedserve_kernels.attention_cpu import MAX_GROUP, MAX_HEAD_DIM, DecodeRows
 from pagedserve_kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 from pagedserve_kernels.q4_cpu import Q4Weight
+from pagedserve_kernels.quant_dot_cpu import PanelWeight
+
+StackWeight = Q4Weight | PanelWeight
+"""A product's weights as the stack takes them: exact 4-bit codes, or panels for int8 products."""
 
 STACK_DTYPES = (torch.float32, torch.bfloat16)
 """The activations' dtypes it takes (the norms' weights and the KV cache share it)."""
@@ -36,7 +44,7 @@ STACK_DTYPES = (torch.float32, torch.bfloat16)
 def _native() -> NativeLibrary:
     """The library as this process loaded it (`pagedserve_kernels.native.NativeLibrary`)."""
     stack = [
-        FLAG,  # instruction set
+        FLAG, FLAG,  # instruction set, the int8 products' (quant_dot's numbering)
         POINTER, SIZE, FLAG,  # layer table, layers, bfloat16
         SIZE, SIZE, SIZE, SIZE, SIZE,  # hidden, query heads, kv heads, head_dim, intermediate
         ctypes.c_float, ctypes.c_float,  # eps, attention scale
@@ -74,15 +82,19 @@ class StackLayer:
     """One pre-norm decoder layer's weights: norms `[hidden]` in the activations' dtype, the
     fused QKV (`[(num_q + 2 num_kv) head_dim, hidden]`), output (`[hidden, num_q head_dim]`),
     fused gate/up (`[2 intermediate, hidden]`) and down (`[hidden, intermediate]`) products as
-    4-bit weights, and the layer's sliding window (None: full context)."""
+    `StackWeight`s, and the layer's sliding window (None: full context)."""
 
     input_norm: torch.Tensor
-    qkv: Q4Weight
-    out: Q4Weight
+    qkv: StackWeight
+    out: StackWeight
     post_norm: torch.Tensor
-    gate_up: Q4Weight
-    down: Q4Weight
+    gate_up: StackWeight
+    down: StackWeight
     window: int | None
+
+    @property
+    def products(self) -> tuple[StackWeight, StackWeight, StackWeight, StackWeight]:
+        return (self.qkv, self.out, self.gate_up, self.down)
 
 
 @dataclass(frozen=True)
@@ -122,16 +134,27 @@ class DecoderStack:
         final_norm: torch.Tensor,
         dtype: torch.dtype,
         isa: str | None = None,
+        quant_isa: str | None = None,
     ) -> None:
         """ValueError if the library cannot run these weights as given, or `isa` (the
         instruction set every step runs with: one of `supported_isas()`, None: the fastest) is
-        not one this CPU has."""
+        not one this CPU has. Panel weights run with `quant_isa` (one of
+        `quant_dot_cpu.supported_isas()`, None: the fastest)."""
         native = _native()
         library = native.require(
             "the decoder stack library is not available (not built, or no AVX2 and FMA)"
         )
         native.isa_number(isa)  # refuses an instruction set this CPU lacks
         self.isa: str = isa or str(best_isa())
+        self.quant_isa: str | None = None
+        """The int8 products' instruction set; None where no product has panels."""
+        if any(isinstance(w, PanelWeight) for layer in layers for w in layer.products):
+            if not quant_dot_cpu.available():
+                raise ValueError("decoder stack: panel weights need the int8 product library")
+            self.quant_isa = quant_isa or quant_dot_cpu.best_isa()
+            self._quant_isa_number = quant_dot_cpu.isa_number(self.quant_isa)
+        else:
+            self._quant_isa_number = 0
         if dtype not in STACK_DTYPES:
             raise ValueError(f"decoder stack: activations {dtype}, not one of {STACK_DTYPES}")
         shape.check()
@@ -207,6 +230,7 @@ class DecoderStack:
         shape = self.shape
         status = library.decoder_stack(
             _native().isa_number(self.isa),
+            self._quant_isa_number,
             self.table.data_ptr(),
             self.num_layers,
             int(self.dtype == torch.bfloat16),
@@ -246,7 +270,7 @@ def _check_vector(name: str, tensor: torch.Tensor, size: int, dtype: torch.dtype
         raise ValueError(f"decoder stack: {name} must be contiguous")
 
 
-def _check_q4(name: str, weight: Q4Weight, rows: int, cols: int) -> None:
+def _check_weight(name: str, weight: StackWeight, rows: int, cols: int) -> None:
     if weight.shape != (rows, cols):
         raise ValueError(f"decoder stack: {name} is {weight.shape}, expected {(rows, cols)}")
     for part in (weight.codes, weight.scales, weight.mins):
@@ -260,10 +284,10 @@ def _layer_row(layer: StackLayer, shape: StackShape, dtype: torch.dtype) -> list
     qkv_rows = (shape.num_q + 2 * shape.num_kv) * shape.head_dim
     _check_vector("input norm", layer.input_norm, shape.hidden, dtype)
     _check_vector("post-attention norm", layer.post_norm, shape.hidden, dtype)
-    _check_q4("qkv", layer.qkv, qkv_rows, shape.hidden)
-    _check_q4("out", layer.out, shape.hidden, q_width)
-    _check_q4("gate_up", layer.gate_up, 2 * shape.intermediate, shape.hidden)
-    _check_q4("down", layer.down, shape.hidden, shape.intermediate)
+    _check_weight("qkv", layer.qkv, qkv_rows, shape.hidden)
+    _check_weight("out", layer.out, shape.hidden, q_width)
+    _check_weight("gate_up", layer.gate_up, 2 * shape.intermediate, shape.hidden)
+    _check_weight("down", layer.down, shape.hidden, shape.intermediate)
     if layer.window is not None and layer.window < 1:
         raise ValueError(f"decoder stack: sliding window {layer.window}")
     row = [layer.input_norm.data_ptr()]
@@ -272,4 +296,5 @@ def _layer_row(layer: StackLayer, shape: StackShape, dtype: torch.dtype) -> list
     row.append(layer.post_norm.data_ptr())
     for weight in (layer.gate_up, layer.down):
         row += [weight.codes.data_ptr(), weight.scales.data_ptr(), weight.mins.data_ptr()]
-    return [*row, layer.window or 0]
+    bits = [weight.bits if isinstance(weight, PanelWeight) else 0 for weight in layer.products]
+    return [*row, layer.window or 0, *bits]

@@ -203,6 +203,12 @@ def best_isa() -> str | None:
     return _native().best_isa()
 
 
+def isa_number(isa: str | None) -> int:
+    """The C ABI number of `isa` (None: the fastest), as `quant_dot_matmul` and the decoder
+    stack take it; ValueError where this CPU does not run the kernel with it."""
+    return _native().isa_number(isa)
+
+
 def _checked(x: torch.Tensor, cols: int) -> tuple[ctypes.CDLL, torch.Tensor]:
     library = _native().require("the quant_dot CPU kernel is not available (not built, or no AVX2)")
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":

@@ -79,8 +79,8 @@ class WorkerConfig:
     quantized_activations: bool | Literal["auto"] = "auto"
     """CPU ranks: every product on a GGUF file's codes (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
     quantizes its activations to int8 per row-block of 32 and multiplies the codes with integer
-    dot products (`pagedserve_kernels.quant_dot_cpu`, AVX2 or better), except single-sequence
-    decode steps the native decoder stack takes (exact, as without it). Faster, not float32-exact
+    dot products (`pagedserve_kernels.quant_dot_cpu`, AVX2 or better), in the native decoder
+    stack's decode steps as in every other call. Faster, not float32-exact
     (docs/quantized_activations.md). "auto" follows `dtype: auto`
     (`workers.cpu_features.auto_quantized_activations`: on where auto picks float32 on a CPU,
     off with any dtype given); `WorkerGroup` resolves it, so ranks only ever see a bool."""

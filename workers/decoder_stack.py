@@ -2,18 +2,19 @@
 it can.
 
 The model builds its own stack layers once, after loading (`CausalLM.native_stack`: a CPU model
-of Llama's layer on one rank, with the native layer ops, every linear layer's exact 4-bit copy
-and no biases); `NativeDecode.build` makes the native stack of them where the kernels take its
-dtype (float32 or bfloat16) and geometry. `NativeDecode.forward` then takes each step that is
-all decodes (one token per sequence) of at most `max_rows` sequences (by default where the
-per-operator path multiplies on the 4-bit copy too: `Q4_MAX_ROWS`, with AVX-512 8 in
-bfloat16, 16 in float32; with AVX2 32 and 16), in the paged layout and without LoRA; it returns
-None for every other step, which keeps the per-operator path; with `quantized_activations`
-only single-sequence steps, where the per-operator path's int8 products are not faster
-(`INT8_MAX_ROWS`). (With AVX-512, beyond 8 bfloat16
-rows the 4-bit kernel's float32 arithmetic is slower than oneDNN's native bfloat16 product, so
-the stack stops paying there: benchmarks/README.md, "Figures behind choices in the code"; an
-AVX2 CPU has no native bfloat16 products, and the kernel still wins at 32 rows.)
+of Llama's layer on one rank, with the native layer ops, every linear layer's int8 panels or
+exact 4-bit copy, and no biases); `NativeDecode.build` makes the native stack of them where the
+kernels take its dtype (float32 or bfloat16) and geometry. `NativeDecode.forward` then takes each
+step that is all decodes (one token per sequence) of at most `max_rows` sequences, in the
+paged layout and without LoRA; it returns None for every other step, which keeps the
+per-operator path. Each product runs on the copy the per-operator path multiplies on: int8
+panels where the model keeps them (`quantized_activations`), which it multiplies on at every
+batch size, so the stack takes steps of up to `PANEL_MAX_ROWS`; otherwise the exact 4-bit copy,
+which the per-operator path takes up to `Q4_MAX_ROWS` rows (with AVX-512 8 in bfloat16, 16 in
+float32; with AVX2 32 and 16). (With AVX-512, beyond 8 bfloat16 rows the 4-bit kernel's float32
+arithmetic is slower than oneDNN's native bfloat16 product, so the stack stops paying there:
+benchmarks/README.md, "Figures behind choices in the code"; an AVX2 CPU has no native bfloat16
+products, and the kernel still wins at 32 rows.)
 
 Invariant: where it runs, its results are bit-identical to the per-operator path's (the same
 kernels in the same order, `pagedserve_kernels.decoder_stack_cpu`), so the greedy parity tests cover
@@ -28,14 +29,13 @@ import torch
 
 from pagedserve_kernels import AttentionStep, decoder_stack_cpu
 from pagedserve_kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
+from pagedserve_kernels.quant_dot_cpu import PanelWeight
 from workers.dense_matmul import Q4_MAX_ROWS
 
-INT8_MAX_ROWS = 1
-"""With `quantized_activations`, the most decodes a step may have to go through the stack: from
-2 sequences the per-operator path's int8 products beat the stack's exact float32 4-bit kernel
-(offline, float32 with int8 products, 16 / 8 / 4 / 2 sequences: 1.13-1.30x / 1.31x / 1.28x /
-1.03x the output rate with the stack taking up to 16 rows; 1 sequence level: benchmarks/README.md,
-"The decoder stack beside int8 products")."""
+PANEL_MAX_ROWS = 64
+"""The most decodes a step may have to go through the stack when every product has int8 panels:
+the per-operator path runs the same kernels at every batch size, so the stack only saves its
+~20 Python-level calls per layer (benchmarks/README.md, "The decoder stack on int8 panels")."""
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,9 @@ class NativeDecode:
     """The most decodes a step may have to go through the stack."""
 
     @staticmethod
-    def build(
-        parts: NativeStack | None, quantized_activations: bool = False
-    ) -> NativeDecode | None:
+    def build(parts: NativeStack | None) -> NativeDecode | None:
         """The native stack of a model's `parts`, or None where there are none or the
-        kernels cannot run them. With `quantized_activations` it takes single-sequence steps
-        only (`INT8_MAX_ROWS`)."""
+        kernels cannot run them."""
         if parts is None or not decoder_stack_cpu.available():
             return None
         dtype = parts.layers[0].input_norm.dtype
@@ -70,8 +67,10 @@ class NativeDecode:
             stack = DecoderStack(parts.layers, parts.shape, parts.final_norm, dtype)
         except ValueError:
             return None  # a dtype, geometry or norm the kernels do not take
-        max_rows = INT8_MAX_ROWS if quantized_activations else Q4_MAX_ROWS[dtype]
-        return NativeDecode(stack, max_rows=max_rows)
+        on_panels = all(
+            isinstance(weight, PanelWeight) for layer in parts.layers for weight in layer.products
+        )
+        return NativeDecode(stack, max_rows=PANEL_MAX_ROWS if on_panels else Q4_MAX_ROWS[dtype])
 
     def forward(
         self,

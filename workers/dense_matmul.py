@@ -24,9 +24,8 @@ With `quantized_activations` (the model's setting, off by default) such a layer 
 codes in the layout of `pagedserve_kernels.quant_dot_cpu` (as does a layer whose GGUF blocks are
 handed over by `adopt_panels`: Q4_0, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K), and every call
 quantizes `x` to int8 per row-block of 32 and multiplies with integer dot products: not
-float32-exact
-(docs/quantized_activations.md). The 4-bit copy then serves only the native decoder stack
-(`workers.decoder_stack`), which keeps its exact single-sequence decode steps.
+float32-exact (docs/quantized_activations.md). Such a layer keeps no 4-bit copy: every call and
+the native decoder stack (`workers.decoder_stack`) multiply on the panels.
 
 Invariants: `__call__` returns, in `x`'s dtype, what `F.linear(x, weight, bias)` returns (bitwise
 in bfloat16, to float32 rounding in float32), or for a call on the 4-bit copy what
@@ -99,9 +98,9 @@ class DenseMatmul:
     def adopt_exact_source(self, *row_blocks: torch.Tensor) -> None:
         """Keep the float32 values the weight was loaded from (its rows, in one or more
         consecutive blocks: a fused layer's checkpoint tensors) as 4-bit codes if they are
-        exactly Q4_1 blocks and the kernel runs here (with `quantized_activations`, also as
-        `quant_dot_cpu` panels where that kernel runs); otherwise keep nothing. The blocks are
-        stacked only when a copy can be kept, so other models pay no copy at load."""
+        exactly Q4_1 blocks and the kernel runs here (with `quantized_activations`, as
+        `quant_dot_cpu` panels instead, where that kernel runs); otherwise keep nothing. The
+        blocks are stacked only when a copy can be kept, so other models pay no copy at load."""
         self.q4, self.panels = None, None
         keep_q4 = self._usable() and self.quantized_decode and q4_cpu.available()
         keep_panels = self.wants_panels()
@@ -112,8 +111,8 @@ class DenseMatmul:
         source = row_blocks[0] if len(row_blocks) == 1 else torch.cat(row_blocks)
         exact = q4_cpu.Q4Weight.recover(source) if source.shape == self.weight.shape else None
         if exact is not None:
-            self.q4 = exact if keep_q4 else None
             self.panels = quant_dot_cpu.PanelWeight.from_q4(exact) if keep_panels else None
+            self.q4 = exact if keep_q4 and self.panels is None else None
 
     def _usable(self) -> bool:
         return self.weight.device.type == "cpu" and self.weight.dtype in Q4_MAX_ROWS

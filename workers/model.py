@@ -283,15 +283,22 @@ class DecoderLayer(torch.nn.Module):
     def stack_layer(self) -> StackLayer | None:
         """This layer as one layer of the native decoder stack
         (`pagedserve_kernels.decoder_stack_cpu`), or None where the stack does not compute it:
-        sandwich norms, experts, a product without its exact 4-bit copy, or a bias."""
+        sandwich norms, experts, a product with neither int8 panels nor its exact 4-bit copy,
+        or a bias. Each product takes the copy the per-operator path multiplies on (panels
+        first, see `DenseMatmul.__call__`)."""
         if self.sandwich or not isinstance(self.mlp, GatedMLP):
             return None
         attention, mlp = self.self_attn, self.mlp
         linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(linear.matmul.q4 is None or linear.bias is not None for linear in linears):
+        if any(linear.bias is not None for linear in linears):
             return None
-        qkv, out, gate_up, down = (linear.matmul.q4 for linear in linears)
-        assert qkv is not None and out is not None and gate_up is not None and down is not None
+        weights = [
+            linear.matmul.panels if linear.matmul.panels is not None else linear.matmul.q4
+            for linear in linears
+        ]
+        qkv, out, gate_up, down = weights
+        if qkv is None or out is None or gate_up is None or down is None:
+            return None
         return StackLayer(
             input_norm=self.input_layernorm.weight.detach(),
             qkv=qkv,
@@ -423,7 +430,7 @@ class CausalLM(torch.nn.Module):
             self.lm_head.head_matmul.pack()
         if self.quantized_decode or self.quantized_activations:
             self.lm_head.keep_exact_q8(self.quantized_decode, self.quantized_activations)
-        self.native_decode = NativeDecode.build(self.native_stack(), self.quantized_activations)
+        self.native_decode = NativeDecode.build(self.native_stack())
 
     def native_stack(self) -> NativeStack | None:
         """The whole stack as the native decoder stack takes it, or None where it cannot run

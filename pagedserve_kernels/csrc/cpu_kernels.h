@@ -1,10 +1,11 @@
 // The C ABI of the native CPU kernels (q4_cpu.cpp, q8_cpu.cpp, quant_dot_cpu.cpp,
-// attention_cpu.cpp, layer_ops_cpu.cpp); decoder_stack_cpu.cpp links and chains all but q8 and
-// quant_dot. Each kernel's source
+// attention_cpu.cpp, layer_ops_cpu.cpp); decoder_stack_cpu.cpp links and chains all but q8.
+// Each kernel's source
 // includes this header too, so a signature changed in one place and not the other fails to
 // compile.
 // Every function returns 0, or a negative status (see its definition). `isa` is the instruction
-// set to run (cpu_common::Isa); `*_isa_supported(isa)` says whether this CPU has it.
+// set to run (cpu_common::Isa; quant_dot's own numbering for quant_dot_*); `*_isa_supported(isa)`
+// says whether this CPU has it.
 #pragma once
 
 #include <stdint.h>

@@ -1,7 +1,9 @@
 """The native decoder stack (`pagedserve_kernels.decoder_stack_cpu`) against two oracles on random
-4-bit layers: a plain-torch float64 forward that rounds where the model rounds (the hidden states
-and the KV it writes), and the same native kernels called one by one from Python (bit for bit).
-Also: rows and thread counts do not change a row's bits, and bad operands are refused."""
+quantized layers (exact 4-bit copies, int8-activation panels of 4, 5 and 8 bits, and a mix): a
+plain-torch float64 forward that rounds where the model rounds (the hidden states and the KV it
+writes; the int8 products through `tests.kernels.quant_dot_reference`), and the same native
+kernels called one by one from Python (bit for bit). Also: rows and thread counts do not change a
+row's bits, and bad operands are refused."""
 
 from __future__ import annotations
 
@@ -12,17 +14,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve_kernels import attention_cpu, decoder_stack_cpu, layer_ops_cpu, q4_cpu, reference
+from pagedserve_kernels import (
+    attention_cpu,
+    decoder_stack_cpu,
+    layer_ops_cpu,
+    q4_cpu,
+    quant_dot_cpu,
+    reference,
+)
 from pagedserve_kernels.attention_cpu import DecodeRows
-from pagedserve_kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
+from pagedserve_kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape, StackWeight
 from pagedserve_kernels.metadata import prepare_attention
 from pagedserve_kernels.q4_cpu import Q4Weight
+from pagedserve_kernels.quant_dot_cpu import PanelWeight
 from tests.kernels.cpu_features import (
     cpu_has_avx2_fma,
     cpu_vector_isas,
     each_isa,
     needs_vector_kernels,
 )
+from tests.kernels.quant_dot_reference import reference_product
 
 needs_kernel = needs_vector_kernels
 
@@ -43,6 +54,37 @@ def _q4(rows: int, cols: int, generator: torch.Generator) -> Q4Weight:
     scales = (torch.rand(rows, cols // 32, generator=generator) * 0.04 + 0.01).half().float()
     mins = -7.5 * scales + 0.01 * torch.randn(rows, cols // 32, generator=generator)
     return Q4Weight(codes, scales.contiguous(), mins.contiguous())
+
+
+def _panels(rows: int, cols: int, bits: int, generator: torch.Generator) -> PanelWeight:
+    """Random `bits`-bit codes in the int8 kernel's panels, weights of the same size as `_q4`'s."""
+    if bits == 4:
+        return PanelWeight.from_q4(_q4(rows, cols, generator))
+    top = (1 << bits) - 1
+    codes = torch.randint(0, top + 1, (rows, cols), dtype=torch.uint8, generator=generator)
+    scales = (torch.rand(rows, cols // 32, generator=generator) * 0.04 + 0.01) * 15 / top
+    mins = -0.5 * top * scales + 0.01 * torch.randn(rows, cols // 32, generator=generator)
+    return PanelWeight.pack(codes, scales.contiguous(), mins.contiguous(), bits)
+
+
+PRODUCTS = ("q4", "panels", "mixed")
+"""Which copy each layer's four products (qkv, out, gate_up, down) are: all exact 4-bit, all
+int8 panels (4, 8, 5 and 4 bits), or exact and panels alternating."""
+
+
+def _weights(
+    products: str, shapes: list[tuple[int, int]], generator: torch.Generator
+) -> list[StackWeight]:
+    if products == "q4":
+        return [_q4(rows, cols, generator) for rows, cols in shapes]
+    if products == "panels":
+        return [_panels(rows, cols, bits, generator) for (rows, cols), bits in
+                zip(shapes, (4, 8, 5, 4), strict=True)]  # fmt: skip
+    assert products == "mixed"
+    return [
+        _q4(rows, cols, generator) if index % 2 == 0 else _panels(rows, cols, 8, generator)
+        for index, (rows, cols) in enumerate(shapes)
+    ]
 
 
 def _norm(generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -103,23 +145,24 @@ def make_case(
     windows: tuple[int | None, ...] = (None, 3, None),
     seed: int = 0,
     isa: str | None = None,
+    products: str = "q4",
+    quant_isa: str | None = None,
 ) -> StackCase:
     generator = torch.Generator().manual_seed(seed)
     q_width = SHAPE.num_q * SHAPE.head_dim
     qkv_rows = (SHAPE.num_q + 2 * SHAPE.num_kv) * SHAPE.head_dim
-    layers = [
-        StackLayer(
-            input_norm=_norm(generator, dtype),
-            qkv=_q4(qkv_rows, SHAPE.hidden, generator),
-            out=_q4(SHAPE.hidden, q_width, generator),
-            post_norm=_norm(generator, dtype),
-            gate_up=_q4(2 * SHAPE.intermediate, SHAPE.hidden, generator),
-            down=_q4(SHAPE.hidden, SHAPE.intermediate, generator),
-            window=window,
-        )
-        for window in windows
+    shapes = [
+        (qkv_rows, SHAPE.hidden),
+        (SHAPE.hidden, q_width),
+        (2 * SHAPE.intermediate, SHAPE.hidden),
+        (SHAPE.hidden, SHAPE.intermediate),
     ]
-    stack = DecoderStack(layers, SHAPE, _norm(generator, torch.float32), dtype, isa)
+    layers = []
+    for window in windows:
+        input_norm, post_norm = _norm(generator, dtype), _norm(generator, dtype)
+        qkv, out, gate_up, down = _weights(products, shapes, generator)
+        layers.append(StackLayer(input_norm, qkv, out, post_norm, gate_up, down, window))
+    stack = DecoderStack(layers, SHAPE, _norm(generator, torch.float32), dtype, isa, quant_isa)
     rows = len(context_lens)
     ids = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
     width = max(-(-length // BLOCK_SIZE) for length in context_lens)
@@ -156,8 +199,14 @@ def run_stack(case: StackCase) -> tuple[torch.Tensor, torch.Tensor]:
 
 def per_operator(case: StackCase) -> tuple[torch.Tensor, torch.Tensor]:
     """The same step through the native kernels one call at a time (the model's per-operator
-    path with every product on the 4-bit kernel), with the stack's instruction set."""
+    path with each product on the kernel of its copy), with the stack's instruction sets."""
     stack, dtype, isa = case.stack, case.stack.dtype, case.stack.isa
+
+    def product(x: torch.Tensor, weight: StackWeight) -> torch.Tensor:
+        if isinstance(weight, PanelWeight):
+            return quant_dot_cpu.quant_matmul(x, weight, isa=stack.quant_isa)
+        return q4_cpu.q4_matmul(x, weight, isa=isa)
+
     pool, residual = case.kv_pool.clone(), case.residual.clone()
     rows, heads = residual.shape[0], (SHAPE.num_q, SHAPE.num_kv, SHAPE.head_dim)
     pending = None
@@ -166,21 +215,19 @@ def per_operator(case: StackCase) -> tuple[torch.Tensor, torch.Tensor]:
         normed = layer_ops_cpu.add_rms_norm(
             residual, pending, layer.input_norm, SHAPE.eps, dtype, isa=isa
         )
-        qkv = q4_cpu.q4_matmul(normed, layer.qkv, isa=isa)
+        qkv = product(normed, layer.qkv)
         q = layer_ops_cpu.rotary_write_kv(qkv, heads, case.cos, case.sin, case.slots,
                                           k_cache, v_cache, isa=isa)  # fmt: skip
         attended = torch.empty_like(q)
         attention_cpu.decode_attention(
             q, k_cache, v_cache, case.decodes, SHAPE.scale, layer.window, attended, isa=isa
         )
-        projected = q4_cpu.q4_matmul(attended.reshape(rows, -1), layer.out, isa=isa)
+        projected = product(attended.reshape(rows, -1), layer.out)
         normed = layer_ops_cpu.add_rms_norm(
             residual, projected, layer.post_norm, SHAPE.eps, dtype, isa=isa
         )
-        activated = layer_ops_cpu.silu_mul(
-            q4_cpu.q4_matmul(normed, layer.gate_up, isa=isa), isa=isa
-        )
-        pending = q4_cpu.q4_matmul(activated, layer.down, isa=isa)
+        activated = layer_ops_cpu.silu_mul(product(normed, layer.gate_up), isa=isa)
+        pending = product(activated, layer.down)
     out = layer_ops_cpu.add_rms_norm(
         residual, pending, stack.final_norm, SHAPE.eps, torch.float32, isa=isa
     )
@@ -203,7 +250,9 @@ def oracle(case: StackCase) -> tuple[torch.Tensor, torch.Tensor]:
     pool, residual = case.kv_pool.clone(), case.residual.double()
     rows, d, nq, nkv = residual.shape[0], SHAPE.head_dim, SHAPE.num_q, SHAPE.num_kv
 
-    def linear(x: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
+    def linear(x: torch.Tensor, weight: StackWeight) -> torch.Tensor:
+        if isinstance(weight, PanelWeight):  # the int8 kernel's arithmetic, in float64
+            return reference_product(x.float(), *weight.unpacked())[0].to(dtype)
         return (x.double() @ weight.dequantize().double().T).to(dtype)
 
     pending = None
@@ -237,9 +286,12 @@ def oracle(case: StackCase) -> tuple[torch.Tensor, torch.Tensor]:
 
 @needs_kernel
 @each_isa
+@pytest.mark.parametrize("products", PRODUCTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_the_kernels_called_one_by_one_bit_for_bit(isa: str, dtype: torch.dtype) -> None:
-    case = make_case(dtype, isa=isa)
+def test_matches_the_kernels_called_one_by_one_bit_for_bit(
+    isa: str, dtype: torch.dtype, products: str
+) -> None:
+    case = make_case(dtype, isa=isa, products=products)
     out, pool = run_stack(case)
     expected_out, expected_pool = per_operator(case)
     assert torch.equal(out, expected_out)
@@ -247,18 +299,32 @@ def test_matches_the_kernels_called_one_by_one_bit_for_bit(isa: str, dtype: torc
 
 
 @needs_kernel
+@pytest.mark.parametrize("quant_isa", quant_dot_cpu.supported_isas())
+def test_int8_products_run_with_each_of_their_instruction_sets(quant_isa: str) -> None:
+    case = make_case(torch.float32, products="panels", quant_isa=quant_isa)
+    assert case.stack.quant_isa == quant_isa
+    out, pool = run_stack(case)
+    expected_out, expected_pool = per_operator(case)
+    assert torch.equal(out, expected_out) and torch.equal(pool, expected_pool)
+
+
+@needs_kernel
 @each_isa
+@pytest.mark.parametrize("products", PRODUCTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_matches_the_float64_oracle(isa: str, dtype: torch.dtype, seed: int) -> None:
+def test_matches_the_float64_oracle(isa: str, dtype: torch.dtype, seed: int, products: str) -> None:
     """Float32: equal up to summation order (errors ~1e-6 seen). Bfloat16: an intermediate
     value may round to the neighbouring bfloat16 (2^-8 relative) and carry it on (up to 6e-5
     seen over seeds 0-3); the bound leaves room for that, far below what a wrong head, layer,
-    window or slot gives (O(1))."""
-    case = make_case(dtype, seed=seed, isa=isa)
+    window or slot gives (O(1)). With int8 products, an activation the oracle computes a float32
+    rounding away from the midpoint between two of its block's 8-bit codes may take the other
+    code (an error of max|x| / 127 of its block times the weight), carried on like a bfloat16
+    rounding (up to 3.5e-3 seen in float32): the bfloat16 bound."""
+    case = make_case(dtype, seed=seed, isa=isa, products=products)
     out, pool = run_stack(case)
     expected_out, expected_pool = oracle(case)
-    bound = 1e-5 if dtype == torch.float32 else 2e-2
+    bound = 1e-5 if dtype == torch.float32 and products == "q4" else 2e-2
     torch.testing.assert_close(out, expected_out, atol=bound, rtol=bound)
     torch.testing.assert_close(pool.float(), expected_pool.float(), atol=bound, rtol=bound)
     written = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
@@ -282,9 +348,13 @@ def test_sliding_window_is_applied_per_layer(isa: str) -> None:
 
 @needs_kernel
 @each_isa
+@pytest.mark.parametrize("products", PRODUCTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_does_not_depend_on_the_rest_of_the_batch(isa: str, dtype: torch.dtype) -> None:
-    case = make_case(dtype, context_lens=(5, 9, 1, 14, 7, 3, 11, 2, 6, 10), isa=isa)
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(
+    isa: str, dtype: torch.dtype, products: str
+) -> None:
+    lens = (5, 9, 1, 14, 7, 3, 11, 2, 6, 10)
+    case = make_case(dtype, context_lens=lens, isa=isa, products=products)
     together, _ = run_stack(case)
     for rows in ([1], [3, 0], [9, 2, 5]):
         alone, _ = run_stack(case.select(rows))
@@ -293,8 +363,9 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(isa: str, dtype: torch.d
 
 @needs_kernel
 @each_isa
-def test_thread_count_does_not_change_the_bits(isa: str) -> None:
-    case = make_case(torch.bfloat16, context_lens=(5, 9, 1, 14, 7, 3), isa=isa)
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_thread_count_does_not_change_the_bits(isa: str, products: str) -> None:
+    case = make_case(torch.bfloat16, context_lens=(5, 9, 1, 14, 7, 3), isa=isa, products=products)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

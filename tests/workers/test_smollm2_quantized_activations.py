@@ -1,19 +1,18 @@
 """SmolLM2-135M-Instruct with int8-quantized activations against HF transformers in float32.
 
 `quantized_activations` rounds every activation row-block of 32 to 8 bits before the products
-on the GGUF codes (`pagedserve_kernels.quant_dot_cpu`; not in the native decoder stack): its logits
-move by far more than the float32 parity test allows, so the bound it keeps is on decisions, as the
-bfloat16 mode's.
+on the GGUF codes (`pagedserve_kernels.quant_dot_cpu`, also inside the native decoder stack): its
+logits move by far more than the float32 parity test allows, so the bound it keeps is on
+decisions, as the bfloat16 mode's.
 Teacher-forced on HF's own greedy path, our logits move HF's top-2 margin by less than
 `NEAR_TIE` at every step (so a flip is a decision HF took by less than that) and by less than
 `TYPICAL_MOVE` at the median step (`tests.workers.paged_runner.fast_mode_flips`), and flips stay
 under 10 % of the steps.
 
-Run two ways on a float32 model: as configured (the ten prompts' prefill and the LM head of
-ten rows on int8 activations, the head screened so its greedy choice is float32's; decode steps
-of ten rows on the exact 4-bit copy through the native stack), and with every product on int8
-activations (the 4-bit copies, the 8-bit head and the stack set aside meanwhile), which is
-what every call of a larger batch does.
+Run two ways on each model: as configured (the ten prompts' prefill and the LM head of ten
+rows on int8 activations, the head screened so its greedy choice is float32's; decode steps of
+ten rows through the native stack, on the same panels), and with every product on int8
+activations one operator at a time (the 8-bit head and the stack set aside meanwhile).
 
 The layer's own switch: without the option no panels are kept, with it a call of any size is
 the kernel's product.
@@ -27,8 +26,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pagedserve_kernels import quant_dot_cpu
-from pagedserve_kernels.quant_dot_cpu import quant_matmul
+from pagedserve_kernels import decoder_stack_cpu, quant_dot_cpu
+from pagedserve_kernels.quant_dot_cpu import PanelWeight, quant_matmul
 from tests.workers.conftest import SMOLLM2_NEW_TOKENS, ChatReferences
 from tests.workers.paged_runner import (
     fast_mode_flips,
@@ -36,7 +35,7 @@ from tests.workers.paged_runner import (
 )
 from tests.workers.test_dense_matmul import q4_1_weights
 from workers import WorkerConfig, WorkerGroup
-from workers.decoder_stack import INT8_MAX_ROWS
+from workers.decoder_stack import PANEL_MAX_ROWS
 from workers.dense_matmul import Q4_MAX_ROWS, DenseMatmul
 from workers.model import CausalLM
 
@@ -72,20 +71,13 @@ def int8_group(request: pytest.FixtureRequest) -> Iterator[WorkerGroup]:
 
 @contextlib.contextmanager
 def every_product_on_int8(model: CausalLM) -> Iterator[None]:
-    """The 4-bit copies, the 8-bit head and the native stack set aside meanwhile."""
-    matmuls = [
-        m.matmul for m in model.modules() if isinstance(getattr(m, "matmul", None), DenseMatmul)
-    ]
-    saved = [matmul.q4 for matmul in matmuls], model.lm_head.q8, model.native_decode
-    for matmul in matmuls:
-        matmul.q4 = None
+    """The 8-bit head and the native stack set aside meanwhile."""
+    saved = model.lm_head.q8, model.native_decode
     model.lm_head.q8, model.native_decode = None, None
     try:
         yield
     finally:
-        for matmul, q4 in zip(matmuls, saved[0], strict=True):
-            matmul.q4 = q4
-        model.lm_head.q8, model.native_decode = saved[1], saved[2]
+        model.lm_head.q8, model.native_decode = saved
 
 
 @needs_kernel
@@ -99,10 +91,13 @@ def test_int8_activations_greedy_matches_hf_float32_except_near_ties(
     matmuls = [
         m.matmul for m in model.modules() if isinstance(getattr(m, "matmul", None), DenseMatmul)
     ]
-    assert matmuls and all(matmul.panels is not None for matmul in matmuls)
+    assert matmuls and all(m.panels is not None and m.q4 is None for m in matmuls)
     assert model.lm_head.int8_head is not None  # the tied head is exactly Q8_0
-    if model.native_decode is not None:  # one sequence: the exact stack; more: int8 products
-        assert model.native_decode.max_rows == INT8_MAX_ROWS == 1
+    if decoder_stack_cpu.available():  # the stack multiplies on the panels, at any batch size
+        assert model.native_decode is not None
+        assert model.native_decode.max_rows == PANEL_MAX_ROWS
+        layers = model.native_decode.stack.layers
+        assert all(isinstance(w, PanelWeight) for layer in layers for w in layer.products)
     prompts, references = smollm2_chat_references.prompts, smollm2_chat_references.references
     forced = [tokens for tokens, _ in references]
     with every_product_on_int8(model) if everywhere else contextlib.nullcontext():
