@@ -36,6 +36,13 @@ from pagedserve_kernels.quant_dot_cpu import PanelWeight
 StackWeight = Q4Weight | PanelWeight
 """A product's weights as the stack takes them: exact 4-bit codes, or panels for int8 products."""
 
+
+def panel_bits(weight: StackWeight) -> int:
+    """The bits of a product's panel codes (int8 products), 0 for the exact 4-bit layout: what
+    the library's table says of each product."""
+    return weight.bits if isinstance(weight, PanelWeight) else 0
+
+
 STACK_DTYPES = (torch.float32, torch.bfloat16)
 """The activations' dtypes it takes (the norms' weights and the KV cache share it)."""
 
@@ -148,7 +155,7 @@ class DecoderStack:
         self.isa: str = isa or str(best_isa())
         self.quant_isa: str | None = None
         """The int8 products' instruction set; None where no product has panels."""
-        if any(isinstance(w, PanelWeight) for layer in layers for w in layer.products):
+        if any(panel_bits(w) for layer in layers for w in layer.products):
             if not quant_dot_cpu.available():
                 raise ValueError("decoder stack: panel weights need the int8 product library")
             self.quant_isa = quant_isa or quant_dot_cpu.best_isa()
@@ -296,5 +303,4 @@ def _layer_row(layer: StackLayer, shape: StackShape, dtype: torch.dtype) -> list
     row.append(layer.post_norm.data_ptr())
     for weight in (layer.gate_up, layer.down):
         row += [weight.codes.data_ptr(), weight.scales.data_ptr(), weight.mins.data_ptr()]
-    bits = [weight.bits if isinstance(weight, PanelWeight) else 0 for weight in layer.products]
-    return [*row, layer.window or 0, *bits]
+    return [*row, layer.window or 0, *(panel_bits(weight) for weight in layer.products)]

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve_kernels import AttentionStep, decoder_stack_cpu
-from pagedserve_kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape
-from pagedserve_kernels.quant_dot_cpu import PanelWeight
+from pagedserve_kernels.decoder_stack_cpu import DecoderStack, StackLayer, StackShape, panel_bits
 from workers.dense_matmul import Q4_MAX_ROWS
 
 PANEL_MAX_ROWS = 64
@@ -67,9 +66,7 @@ class NativeDecode:
             stack = DecoderStack(parts.layers, parts.shape, parts.final_norm, dtype)
         except ValueError:
             return None  # a dtype, geometry or norm the kernels do not take
-        on_panels = all(
-            isinstance(weight, PanelWeight) for layer in parts.layers for weight in layer.products
-        )
+        on_panels = all(panel_bits(weight) for layer in parts.layers for weight in layer.products)
         return NativeDecode(stack, max_rows=PANEL_MAX_ROWS if on_panels else Q4_MAX_ROWS[dtype])
 
     def forward(

@@ -126,8 +126,9 @@ int64_t decoder_stack_fields(void) { return kFieldCount; }
 // residual [rows, hidden] float32 is the stream after the embedding; it is updated in place and
 // `out` [rows, hidden] float32 receives final_norm(residual + last MLP output). layers is
 // [num_layers, decoder_stack_fields()] int64 (see Field): norm weights [hidden] and weights as
-// q4_matmul (bits 0) or quant_dot_matmul (bits 4, 5, 6, 8) takes them (qkv [(num_q + 2 num_kv) head_dim, hidden], out
-// [hidden, num_q head_dim], gate_up [2 intermediate, hidden], down [hidden, intermediate]),
+// q4_matmul (bits 0) or quant_dot_matmul (bits 4, 5, 6, 8) takes them (qkv
+// [(num_q + 2 num_kv) head_dim, hidden], out [hidden, num_q head_dim], gate_up
+// [2 intermediate, hidden], down [hidden, intermediate]),
 // norm weights and activations bfloat16 when bf16, else float32; final_norm float32.
 // cos / sin [rows, head_dim] float32; slots [rows] int64 (the token's KV slot, -1: none).
 // Layer l's key cache starts layer_bytes * l bytes into kv_pool and its value cache
@@ -136,8 +137,9 @@ int64_t decoder_stack_fields(void) { return kFieldCount; }
 // through block_tables row r (table_stride apart), this step's key included.
 // The caller validates shapes, ids and lengths. Returns 0, or the first failing kernel's
 // status (-1 for unsupported geometry, -2 where the CPU lacks `isa`), -3 when out of memory.
-int decoder_stack(int isa, int quant_isa, const int64_t* layers, int64_t num_layers, int bf16, int64_t hidden,
-                  int64_t num_q, int64_t num_kv, int64_t head_dim, int64_t intermediate,
+int decoder_stack(int isa, int quant_isa, const int64_t* layers, int64_t num_layers, int bf16,
+                  int64_t hidden, int64_t num_q, int64_t num_kv, int64_t head_dim,
+                  int64_t intermediate,
                   float eps, float scale, float* residual, int64_t rows, const float* cos,
                   const float* sin, const int64_t* slots, char* kv_pool, int64_t layer_bytes,
                   int64_t value_offset, const int64_t* seq_rows, const int32_t* context_lens,
