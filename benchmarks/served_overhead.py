@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "requests": args.requests,
         "max_tokens": args.max_tokens,
-        "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_seqs": config.resolved().scheduler.max_num_seqs,
         "in_process": in_process,
         "async_engine": async_engine,
         "served": served,

@@ -15,7 +15,9 @@ CPU kind to force its path.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -103,3 +105,22 @@ def auto_quantized_activations(device: str, features: CpuFeatures | None = None)
         return False
     cpu = features if features is not None else CpuFeatures.detect()
     return auto_dtype(device, cpu) == "float32" and cpu.avx2
+
+
+AUTO_MAX_NUM_SEQS: Mapping[str, int] = MappingProxyType({"cuda": 64, "amx": 64, "cpu": 16})
+"""What `scheduler.max_num_seqs: auto` means, by where the engine runs: the running sequences
+the served burst of natural-text chats drained fastest with, while its TPOT p50 stayed under
+llama-server's (benchmarks/README.md, "An Intel Xeon with AMX"). On AMX, bfloat16 products
+(oneDNN's tiles) keep getting cheaper per row up to 64: 64 drained 1.64x faster than 16 with
+TPOT p50 0.60x llama-server's. On other CPUs (AMD Zen 4 with AVX512-BF16; float32 with int8
+products on Ice Lake-class and AVX2 CPUs) 32 drained only 1.08-1.11x faster than 16 at 1.7x the
+TPOT: 16. CUDA keeps the engine's default, 64 (not measured on a GPU here)."""
+
+
+def auto_max_num_seqs(device: str, features: CpuFeatures | None = None) -> int:
+    """The running sequences `max_num_seqs: auto` means on `device` ("cuda" or "cpu";
+    `features`: the CPU's, detected when None): `AUTO_MAX_NUM_SEQS`."""
+    if device == "cuda":
+        return AUTO_MAX_NUM_SEQS["cuda"]
+    cpu = features if features is not None else CpuFeatures.detect()
+    return AUTO_MAX_NUM_SEQS["amx" if cpu.amx_bf16 else "cpu"]

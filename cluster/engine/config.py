@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -115,7 +116,11 @@ class ParallelSettings(_Section):
 
 
 class SchedulerSettings(_Section):
-    max_num_seqs: int = Field(64, gt=0, description="running sequences (branches) at once")
+    max_num_seqs: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        64,
+        description="running sequences (branches) at once; 'auto': what the engine's device "
+        "runs best (64 on CUDA and AMX CPUs, 16 on other CPUs; never above the step budget)",
+    )
     max_num_batched_tokens: int = Field(512, gt=0, description="token budget per step")
     max_prefill_tokens: int | None = Field(
         None,
@@ -143,7 +148,7 @@ class SchedulerSettings(_Section):
 
     @model_validator(mode="after")
     def _budget_covers_decodes(self) -> SchedulerSettings:
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_seqs != "auto" and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"scheduler.max_num_seqs ({self.max_num_seqs}) so every running decode fits a step"
@@ -154,6 +159,16 @@ class SchedulerSettings(_Section):
                 "prompt longer than the cap would wait for every decode to end"
             )
         return self
+
+    def seats(self, device: str) -> int:
+        """`max_num_seqs` as a number for an engine on `device` ("cpu" or "cuda"): "auto" is
+        `workers.cpu_features.auto_max_num_seqs` for this process's CPU, capped at the step
+        budget so every running decode still fits a step."""
+        if self.max_num_seqs != "auto":
+            return self.max_num_seqs
+        from workers.cpu_features import auto_max_num_seqs
+
+        return min(auto_max_num_seqs(device), self.max_num_batched_tokens)
 
     def check_context(self, max_model_len: int) -> None:
         """Without chunked prefill a prompt is scheduled whole, so one step's token budget must
@@ -294,6 +309,23 @@ class EngineConfig(_Section):
             name = error.field if section is None else f"{section}.{error.field}"
             raise ValueError(f"{name}: {error}") from None
 
+    def engine_device(self) -> str:
+        """Where this process's engine computes, as far as it can tell: `parallel.device`, and
+        for "auto" CUDA when this process sees a GPU (the ranks' own bundles decide for them)."""
+        if self.parallel.device != "auto":
+            return self.parallel.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved(self) -> EngineConfig:
+        """This config with `scheduler.max_num_seqs: auto` made a number for the device and CPU
+        of the process that calls it (the engine's: `EngineCore` resolves it first)."""
+        if self.scheduler.max_num_seqs != "auto":
+            return self
+        seats = self.scheduler.seats(self.engine_device())
+        return self.with_overrides({"scheduler": {"max_num_seqs": seats}})
+
     # --- construction helpers -------------------------------------------------------------
 
     def single_rank_in_process(self, backend_given: bool) -> EngineConfig:
@@ -374,7 +406,7 @@ class EngineConfig(_Section):
         }
         config = WorkerConfig(
             **copied,
-            kv_virtual_slots=self.scheduler.max_num_seqs,
+            kv_virtual_slots=self.scheduler.seats(self.engine_device()),
             max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
             max_lora_rank=self.lora.max_lora_rank,
         )
@@ -452,10 +484,23 @@ _SECTIONS: dict[str, type[_Section]] = {
 }
 
 
+_UNION_MEMBER = re.compile(r"(int|float|str|bool|none|constrained-\w+|literal\[.*\])")
+"""The location part pydantic adds for each member of a union field (`int | Literal["auto"]`)."""
+
+
 def _describe(error: ValidationError) -> str:
-    problems = []
+    """One `section.field: message` per field, a union field's members' messages joined by
+    "or" (`scheduler.max_num_seqs: Input should be a valid integer, ... or Input should be
+    'auto'`)."""
+    problems: dict[str, list[str]] = {}
     for item in error.errors():
-        location = ".".join(str(part) for part in item["loc"])
+        parts = [str(part) for part in item["loc"]]
+        if len(parts) > 1 and _UNION_MEMBER.fullmatch(parts[-1]):
+            parts = parts[:-1]
         message = item["msg"].removeprefix("Value error, ")
-        problems.append(f"{location}: {message}" if location else message)
-    return "invalid engine configuration: " + "; ".join(problems)
+        problems.setdefault(".".join(parts), []).append(message)
+    described = [
+        f"{location}: {' or '.join(messages)}" if location else " or ".join(messages)
+        for location, messages in problems.items()
+    ]
+    return "invalid engine configuration: " + "; ".join(described)

@@ -62,7 +62,9 @@ class EngineCore:
         record_block_events: bool = False,
     ) -> None:
         """`workers` and `tokenizer` default to ones built from `config`, `queue_wait` to a
-        fresh one (tests inject them)."""
+        fresh one (tests inject them). `scheduler.max_num_seqs: auto` is resolved here, in the
+        engine's process (`EngineConfig.resolved`)."""
+        config = config.resolved()
         self.config = config
         self.workers = workers if workers is not None else WorkerGroup(config.to_worker_config())
         info: ModelInfo = self.workers.model_info

@@ -50,8 +50,8 @@ class LLM:
         self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any
     ) -> None:
         """`model` defaults to the config's (SmolLM2-135M-Instruct without a config)."""
-        self.config = config_from_kwargs(model, config, **kwargs)
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(config_from_kwargs(model, config, **kwargs))
+        self.config = self.engine.config
         overlap = self.config.scheduler.async_scheduling
         self._launcher = ThreadLauncher(self.engine, overlap=overlap)
         self._pipeline: StepPipeline[Future[StepOutput | Exception | None]] = StepPipeline(

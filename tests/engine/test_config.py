@@ -32,6 +32,17 @@ def test_yaml_then_flags_override(tmp_path: pathlib.Path) -> None:
     assert worker.block_size == 8 and worker.num_device_blocks == 100
 
 
+def test_max_num_seqs_takes_auto_from_flags_and_yaml(tmp_path: pathlib.Path) -> None:
+    assert parse(["--max-num-seqs", "auto"]).scheduler.max_num_seqs == "auto"
+    path = tmp_path / "engine.yaml"
+    path.write_text("scheduler:\n  max_num_seqs: auto\n")
+    assert parse(["--config", str(path)]).scheduler.max_num_seqs == "auto"
+    assert parse(["--config", str(path), "--max-num-seqs", "8"]).scheduler.max_num_seqs == 8
+    resolved = parse(["--config", str(path), "--device", "cpu"]).resolved()
+    assert isinstance(resolved.scheduler.max_num_seqs, int)
+    assert 0 < resolved.scheduler.max_num_seqs <= resolved.scheduler.max_num_batched_tokens
+
+
 def test_quantized_decode_is_on_by_default_and_reaches_the_workers(tmp_path: pathlib.Path) -> None:
     assert parse([]).to_worker_config().quantized_decode is True
     assert parse(["--no-quantized-decode"]).to_worker_config().quantized_decode is False
@@ -132,3 +143,23 @@ def test_enable_expert_parallel_reaches_the_workers_and_is_checked(tmp_path: pat
     )
     with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel_size .* 6 experts"):
         wrong.check_model()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"scheduler": {"max_num_seqs": "many"}},
+            "scheduler.max_num_seqs: Input should be a valid integer, unable to parse string as "
+            "an integer or Input should be 'auto'",
+        ),
+        (
+            {"scheduler": {"max_num_seqs": 0}},
+            "scheduler.max_num_seqs: Input should be greater than 0 or Input should be 'auto'",
+        ),
+    ],
+)
+def test_a_field_of_a_number_or_a_word_is_refused_in_one_message(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        EngineConfig.build(data)
+    assert str(raised.value) == f"invalid engine configuration: {message}"

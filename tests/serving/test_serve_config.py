@@ -45,6 +45,8 @@ def test_the_application_autoscales_and_its_engine_section_is_an_engine_config()
     engine = EngineConfig.build(app.args["engine"])
     assert engine.model.model == "default"
     assert engine.parallel.tensor_parallel_size == 1
+    # the running sequences this CPU (or GPU) runs best, resolved in the engine's process
+    assert engine.scheduler.max_num_seqs == "auto"
 
 
 def test_it_agrees_with_the_helm_chart_on_the_application() -> None:

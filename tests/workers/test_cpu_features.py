@@ -11,7 +11,12 @@ import torch
 
 from cluster.engine.config import EngineConfig
 from workers import WorkerConfig, WorkerGroup
-from workers.cpu_features import CpuFeatures, auto_dtype, auto_quantized_activations
+from workers.cpu_features import (
+    CpuFeatures,
+    auto_dtype,
+    auto_max_num_seqs,
+    auto_quantized_activations,
+)
 
 EPYC_GENOA = {"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni"}
 ICE_LAKE = {"avx2", "avx512f", "avx512bw", "avx512_vnni"}
@@ -49,6 +54,47 @@ def test_auto_is_bfloat16_only_where_it_is_native_and_faster(
     assert auto_quantized_activations("cpu", features) is int8
     assert auto_dtype("cuda", features) == "bfloat16"
     assert auto_quantized_activations("cuda", features) is False
+
+
+@pytest.mark.parametrize(
+    ("flags", "vendor", "seats"),
+    [
+        (SAPPHIRE_RAPIDS, INTEL, 64),
+        (SAPPHIRE_RAPIDS - {"amx_bf16", "amx_tile", "amx_int8"}, INTEL, 16),
+        (EPYC_GENOA, AMD, 16),
+        (ICE_LAKE, INTEL, 16),
+        (HASWELL, INTEL, 16),
+        (set(), "", 16),
+    ],
+)
+def test_auto_running_sequences_per_cpu_kind(flags: set[str], vendor: str, seats: int) -> None:
+    features = CpuFeatures.from_flags(flags, vendor)
+    assert auto_max_num_seqs("cpu", features) == seats
+    assert auto_max_num_seqs("cuda", features) == 64
+
+
+@pytest.mark.parametrize(
+    ("flags", "vendor", "budget", "seats"),
+    [
+        (SAPPHIRE_RAPIDS, INTEL, 256, 64),
+        (SAPPHIRE_RAPIDS, INTEL, 48, 48),
+        (ICE_LAKE, INTEL, 256, 16),
+    ],
+    ids=["amx", "amx-budget-caps-it", "ice-lake"],
+)
+def test_the_engine_config_resolves_auto_running_sequences_for_this_cpu(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], vendor: str, budget: int, seats: int
+) -> None:
+    """Forced through the detection function, as the engine's process resolves it."""
+    detected = CpuFeatures.from_flags(flags, vendor)
+    monkeypatch.setattr(CpuFeatures, "detect", staticmethod(lambda: detected))
+    scheduler = {"max_num_seqs": "auto", "max_num_batched_tokens": budget}
+    config = EngineConfig.build({"parallel": {"device": "cpu"}, "scheduler": scheduler})
+    assert config.scheduler.max_num_seqs == "auto"
+    resolved = config.resolved()
+    assert resolved.scheduler.max_num_seqs == seats
+    assert resolved.resolved() is resolved
+    assert config.to_worker_config().kv_virtual_slots == seats
 
 
 def test_detection_agrees_with_torch() -> None:
@@ -129,3 +175,37 @@ def test_int8_products_are_in_the_cache_identity(
             hashes.append(llm.engine.request_keys.block_hashes(request))
     assert hashes[0] and hashes[1]
     assert set(hashes[0]).isdisjoint(hashes[1])
+
+
+@pytest.mark.parametrize(
+    ("flags", "vendor", "seats"), [(SAPPHIRE_RAPIDS, INTEL, 64), (ICE_LAKE, INTEL, 16)]
+)
+def test_the_engine_admits_as_many_running_sequences_as_auto_resolves_to(
+    tiny_model_dir: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flags: set[str],
+    vendor: str,
+    seats: int,
+) -> None:
+    """`LLM` (the engine core) resolves "auto" before it builds anything, and its scheduler
+    then runs that many sequences at once and no more."""
+    from cluster.engine.llm import LLM
+    from cluster.engine.sampling_params import SamplingParams
+
+    forced = CpuFeatures.from_flags(flags, vendor)
+    monkeypatch.setattr(CpuFeatures, "detect", staticmethod(lambda: forced))
+    with LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        num_device_blocks=512,
+        block_size=4,
+        max_num_seqs="auto",
+        max_num_batched_tokens=256,
+    ) as llm:
+        assert llm.config.scheduler.max_num_seqs == seats
+        engine, greedy = llm.engine, SamplingParams(max_tokens=2, ignore_eos=True)
+        for i in range(seats + 8):
+            engine.add_request(engine.request_builder.build(f"prompt {i}", greedy))
+        engine.step()
+        assert len(engine.scheduler.running) == seats
