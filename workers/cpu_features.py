@@ -1,15 +1,16 @@
 """The x86 CPU features the precision defaults and native kernels depend on, read once.
 
-`CpuFeatures.detect()` reads the running CPU (Linux `/proc/cpuinfo` vendor and flags; torch's
-own checks elsewhere). `auto_dtype` and `auto_quantized_activations` are the one rule behind
-`dtype: auto`: bfloat16 where its products are native and faster than float32 (CUDA; AMX-BF16;
-AVX512-BF16 on AMD's cores); everywhere else float32 (where oneDNN only emulates bfloat16, and
-on Intel cores with AVX512-BF16 but no AMX, Cooper Lake or a virtual machine that hides AMX,
-where its bfloat16 products ran slower than float32: benchmarks/README.md, "dtype: auto per CPU
-kind") with the products on a GGUF file's codes taking int8-quantized activations where the CPU
-has AVX2 (`quantized_activations`, 1.8x float32's output rate end to end: benchmarks/README.md,
-"Without native bfloat16: float32 with int8 products"). Tests pass a `CpuFeatures` of another
-CPU kind to force its path.
+`CpuFeatures.detect()` reads the running CPU (Linux `/proc/cpuinfo` vendor and flags; torch's own
+checks elsewhere). `auto_dtype` and `auto_quantized_activations` are the one rule behind `dtype:
+auto`: bfloat16 where its products are native and faster than float32 (CUDA; AMX-BF16, where
+oneDNN's tiles ran 1.47x float32 with int8 products end to end: benchmarks/README.md, "An Intel
+Xeon with AMX"; AVX512-BF16 on AMD's cores); everywhere else float32 (where oneDNN only emulates
+bfloat16, and on Intel cores with AVX512-BF16 but no AMX, Cooper Lake or a virtual machine that
+hides AMX, where its bfloat16 products ran slower than float32: benchmarks/README.md, "dtype: auto
+per CPU kind") with the products on a GGUF file's codes taking int8-quantized activations where the
+CPU has AVX2 (`quantized_activations`, 1.8x float32's output rate end to end: benchmarks/README.md,
+"Without native bfloat16: float32 with int8 products"). Tests pass a `CpuFeatures` of another CPU
+kind to force its path. `auto_max_num_seqs` is what `scheduler.max_num_seqs: auto` means.
 """
 
 from __future__ import annotations
