@@ -15,6 +15,7 @@ kind to force its path. `auto_max_num_seqs` is what `scheduler.max_num_seqs: aut
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,22 +71,29 @@ class CpuFeatures:
 
     @staticmethod
     def detect() -> CpuFeatures:
-        """The running CPU's features."""
-        cpuinfo = pathlib.Path("/proc/cpuinfo")
-        if cpuinfo.exists():
-            vendor = ""
-            for line in cpuinfo.read_text().splitlines():
-                if line.startswith("vendor_id"):
-                    vendor = line.partition(":")[2].strip()
-                if line.startswith("flags"):
-                    return CpuFeatures.from_flags(set(line.partition(":")[2].split()), vendor)
-        capability = torch.backends.cpu.get_cpu_capability()
-        return CpuFeatures(
-            avx2=capability in ("AVX2", "AVX512"),
-            avx512=capability == "AVX512",
-            avx512_bf16=bool(torch.cpu._is_avx512_bf16_supported()),
-            amx_bf16=bool(torch.cpu._is_amx_tile_supported()),
-        )
+        """The running CPU's features, read once per process (they cannot change while it
+        runs; `dtype: auto`, `max_num_seqs: auto` and config validation all ask)."""
+        return _running_cpu()
+
+
+@functools.cache
+def _running_cpu() -> CpuFeatures:
+    """`CpuFeatures.detect()`'s one reading of this process's CPU."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        vendor = ""
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("vendor_id"):
+                vendor = line.partition(":")[2].strip()
+            if line.startswith("flags"):
+                return CpuFeatures.from_flags(set(line.partition(":")[2].split()), vendor)
+    capability = torch.backends.cpu.get_cpu_capability()
+    return CpuFeatures(
+        avx2=capability in ("AVX2", "AVX512"),
+        avx512=capability == "AVX512",
+        avx512_bf16=bool(torch.cpu._is_avx512_bf16_supported()),
+        amx_bf16=bool(torch.cpu._is_amx_tile_supported()),
+    )
 
 
 def auto_dtype(device: str, features: CpuFeatures | None = None) -> str:

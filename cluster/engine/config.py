@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -17,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.engine.config_flags import add_section_flags, section_values
-from cluster.engine.errors import ConfigError
+from cluster.engine.errors import ConfigError, describe_validation_error
 
 if TYPE_CHECKING:
     from workers import WorkerConfig
@@ -341,7 +340,9 @@ class EngineConfig(_Section):
         try:
             return cls.model_validate(data)
         except ValidationError as error:
-            raise ConfigError(_describe(error)) from None
+            raise ConfigError(
+                f"invalid engine configuration: {describe_validation_error(error)}"
+            ) from None
 
     @classmethod
     def from_yaml(cls, path: str | pathlib.Path) -> EngineConfig:
@@ -482,25 +483,3 @@ _SECTIONS: dict[str, type[_Section]] = {
     "lora": LoRASettings,
     "speculative": SpeculativeSettings,
 }
-
-
-_UNION_MEMBER = re.compile(r"(int|float|str|bool|none|constrained-\w+|literal\[.*\])")
-"""The location part pydantic adds for each member of a union field (`int | Literal["auto"]`)."""
-
-
-def _describe(error: ValidationError) -> str:
-    """One `section.field: message` per field, a union field's members' messages joined by
-    "or" (`scheduler.max_num_seqs: Input should be a valid integer, ... or Input should be
-    'auto'`)."""
-    problems: dict[str, list[str]] = {}
-    for item in error.errors():
-        parts = [str(part) for part in item["loc"]]
-        if len(parts) > 1 and _UNION_MEMBER.fullmatch(parts[-1]):
-            parts = parts[:-1]
-        message = item["msg"].removeprefix("Value error, ")
-        problems.setdefault(".".join(parts), []).append(message)
-    described = [
-        f"{location}: {' or '.join(messages)}" if location else " or ".join(messages)
-        for location, messages in problems.items()
-    ]
-    return "invalid engine configuration: " + "; ".join(described)

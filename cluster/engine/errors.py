@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 
 class RequestRejected(Exception):
     """The request can never be served as asked: too long for the model's context or larger than
@@ -49,3 +55,24 @@ class RequestFailed(EngineDead):
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names the offending field (e.g. `cache.block_size`)."""
+
+
+_UNION_MEMBER = re.compile(r"(int|float|str|bool|none|constrained-\w+|literal\[.*\])")
+"""The location part pydantic adds for each member of a union field (`int | Literal["auto"]`)."""
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One `section.field: message` per field, "; "-joined, a union field's members' messages
+    joined by "or" (`scheduler.max_num_seqs: Input should be a valid integer, ... or Input
+    should be 'auto'`) and validators' "Value error, " prefix dropped."""
+    problems: dict[str, list[str]] = {}
+    for item in error.errors():
+        parts = [str(part) for part in item["loc"]]
+        if len(parts) > 1 and _UNION_MEMBER.fullmatch(parts[-1]):
+            parts = parts[:-1]
+        message = item["msg"].removeprefix("Value error, ")
+        problems.setdefault(".".join(parts), []).append(message)
+    return "; ".join(
+        f"{location}: {' or '.join(messages)}" if location else " or ".join(messages)
+        for location, messages in problems.items()
+    )

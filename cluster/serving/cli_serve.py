@@ -22,7 +22,7 @@ import yaml
 
 from cluster.engine.config import LoRASettings, SpeculativeSettings
 from cluster.engine.config_flags import add_section_flags, section_values
-from cluster.engine.errors import ConfigError
+from cluster.engine.errors import ConfigError, describe_validation_error
 from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S, ServeAppArgs
 from cluster.serving.engine_flags import add_model_arguments, apply_engine_flags
 from cluster.serving.lora_args import parse_module_item
@@ -379,10 +379,7 @@ def check_applications(config: dict[str, Any]) -> None:
         try:
             app_args = ServeAppArgs.model_validate(app.get("args") or {})
         except ValidationError as error:
-            problems = "; ".join(
-                f"{'.'.join(str(part) for part in item['loc'])}: {item['msg']}"
-                for item in error.errors()
-            )
+            problems = describe_validation_error(error)
             raise ConfigError(f"application {app.get('name')!r} args: {problems}") from None
         app_args.engine_config().check_model()
 

@@ -22,7 +22,12 @@ from cluster.engine.config import (
 )
 from cluster.engine.errors import ConfigError
 from cluster.serving.cli import SUBCOMMANDS, build_parser, main
-from cluster.serving.cli_serve import resolve_serve_config, shipped_serve_config
+from cluster.serving.cli_serve import (
+    APP_IMPORT_PATH,
+    check_applications,
+    resolve_serve_config,
+    shipped_serve_config,
+)
 from cluster.serving.engine_server import DEPLOYMENT_NAME
 from tests.workers.gguf_writer import write_iq4_nl_gguf
 from tests.workers.tiny_families import write_family_model
@@ -328,3 +333,27 @@ def test_a_dense_model_with_expert_parallel_is_refused(
     assert "parallel.enable_expert_parallel" in err and "mixture-of-experts" in err
     err = _run_serve([str(dense), "--tensor-parallel-size", "3"], capsys)
     assert "3 does not divide the model's 4 attention heads" in err and "one of [1, 2, 4]" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            {"stream_interval": "x"},
+            "application 'a' args: stream_interval: Input should be a valid integer, unable to "
+            "parse string as an integer",
+        ),
+        (
+            {"engine": {"scheduler": {"max_num_seqs": "many"}}},
+            "invalid engine configuration: scheduler.max_num_seqs: Input should be a valid "
+            "integer, unable to parse string as an integer or Input should be 'auto'",
+        ),
+    ],
+)
+def test_bad_application_args_are_refused_before_ray_naming_the_field(
+    args: dict, message: str
+) -> None:
+    app = {"name": "a", "import_path": APP_IMPORT_PATH, "args": args}
+    with pytest.raises(ConfigError) as raised:
+        check_applications({"applications": [app]})
+    assert str(raised.value) == message
