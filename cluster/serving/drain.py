@@ -1,10 +1,9 @@
 """Graceful drain on shutdown: the `pagedserve serve` process and its ingress replicas agree on
 when to stop taking work and when in-flight requests must end.
 
-`DrainCoordinator` is one small Ray actor the serve runner creates (named `DRAIN_ACTOR_NAME` in
-Serve's namespace) before it deploys. Every ingress replica runs a `DrainGate`, which polls the
-coordinator every `POLL_PERIOD_S`, reporting how many requests it has in flight and learning the
-phase:
+The runner publishes the phase and every ingress replica runs a `DrainGate`, which every
+`POLL_PERIOD_S` reports how many requests it has in flight and learns the phase through its
+`DrainReporter` (in a cluster, keys in Ray's GCS: cluster/serving/drain_board.py):
 
 - `serving`: nothing changes;
 - `draining` (the runner got SIGINT or SIGTERM): new requests are refused with
@@ -18,10 +17,9 @@ The runner waits until the ingresses report nothing in flight (or the grace peri
 expires the rest), and only then stops Serve and Ray: Serve's own shutdown stops the HTTP
 proxies before replicas drain, which would cut open streams.
 
-Invariants: a gate without a coordinator (the app run by `serve run` or a test) never drains;
+Invariants: a gate without a reporter (the app run by `serve run` or a test) never drains;
 a request counts as in flight from its admission to the engines until its engine stream is
-closed (the front end then only writes its last bytes; the runner allows `SETTLE_S` for them);
-the coordinator forgets a replica that has not reported for `STALE_AFTER_S`.
+closed (the front end then only writes its last bytes; the runner allows `SETTLE_S` for them).
 """
 
 from __future__ import annotations
@@ -29,17 +27,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol, TypeVar
 
 from cluster.engine.background import cancel_and_wait
 from cluster.engine.errors import EngineDead, EngineOverloaded
 
-DRAIN_ACTOR_NAME = "pagedserve-drain"
 POLL_PERIOD_S = 0.2
-STALE_AFTER_S = 3.0
 SETTLE_S = 1.0
 RETRY_AFTER_S = 5.0
 """What a refused client is told: another replica set (or this one, restarted) may take it."""
@@ -58,72 +52,20 @@ class ServerDraining(EngineOverloaded):
     """The server is shutting down and takes no new requests (HTTP 503 with Retry-After)."""
 
 
-@dataclass
-class DrainState:
-    """What the coordinator holds: the phase, the deadline, each ingress replica's in-flight
-    count and when it last reported (monotonic seconds)."""
+class DrainReporter(Protocol):
+    """How a gate reports its in-flight count and learns the phase to follow."""
 
-    phase: Phase = "serving"
-    deadline_s: float | None = None
-    reports: dict[str, tuple[int, float]] = field(default_factory=dict)
+    async def report(self, in_flight: int) -> Phase: ...
 
-    def report(self, replica_id: str, in_flight: int, now_s: float) -> Phase:
-        self.reports[replica_id] = (in_flight, now_s)
-        if self.phase == "draining" and self.deadline_s is not None and now_s >= self.deadline_s:
-            self.phase = "expired"
-        return self.phase
-
-    def in_flight(self, now_s: float) -> int:
-        live = {k: v for k, v in self.reports.items() if now_s - v[1] < STALE_AFTER_S}
-        self.reports = live
-        return sum(count for count, _ in live.values())
-
-
-class DrainCoordinator:
-    """The runner's side (a Ray actor; see the module doc)."""
-
-    def __init__(self) -> None:
-        self.state = DrainState()
-
-    def report(self, replica_id: str, in_flight: int) -> Phase:
-        return self.state.report(replica_id, in_flight, time.monotonic())
-
-    def begin(self, grace_s: float) -> None:
-        """Stop admitting; requests still running `grace_s` from now are ended."""
-        if self.state.phase == "serving":
-            self.state.phase = "draining"
-            self.state.deadline_s = time.monotonic() + grace_s
-
-    def expire(self) -> None:
-        """End every request still running now."""
-        self.state.phase = "expired"
-
-    def in_flight(self) -> tuple[int, int]:
-        """Requests in flight across the ingress replicas, and how many replicas reported."""
-        count = self.state.in_flight(time.monotonic())
-        return count, len(self.state.reports)
-
-
-def find_coordinator() -> Any | None:
-    """The coordinator's actor handle, or None when this app was not started by the runner."""
-    import ray
-    from ray.serve._private.constants import SERVE_NAMESPACE
-
-    try:
-        return ray.get_actor(DRAIN_ACTOR_NAME, namespace=SERVE_NAMESPACE)
-    except ValueError:
-        return None
+    async def close(self) -> None: ...
 
 
 class DrainGate:
     """The ingress replica's side: admission, in-flight count, expiry (see the module doc).
-    `report` sends (replica id, in-flight count) and returns the phase; None: never drains."""
+    Without a reporter it never drains."""
 
-    def __init__(
-        self, replica_id: str, report: Callable[[str, int], Awaitable[Phase]] | None
-    ) -> None:
-        self.replica_id = replica_id
-        self._report = report
+    def __init__(self, reporter: DrainReporter | None) -> None:
+        self._reporter = reporter
         self.phase: Phase = "serving"
         self.in_flight = 0
         self._expired = asyncio.Event()
@@ -132,20 +74,23 @@ class DrainGate:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        if self._report is not None and self._task is None:
+        if self._reporter is not None and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._watch())
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+        if self._reporter is not None:
+            with contextlib.suppress(Exception):  # the cluster may be going away
+                await self._reporter.close()
 
     async def _watch(self) -> None:
-        assert self._report is not None
+        assert self._reporter is not None
         while True:
             try:
-                self.set_phase(await self._report(self.replica_id, self.in_flight))
-            except Exception as error:  # the runner is gone: nothing more to coordinate
-                log.debug("drain coordinator unreachable: %r", error)
+                self.set_phase(await self._reporter.report(self.in_flight))
+            except Exception as error:  # the cluster is going away: nothing to coordinate
+                log.debug("drain phase unreachable: %r", error)
             await asyncio.sleep(POLL_PERIOD_S)
 
     def set_phase(self, phase: Phase) -> None:

@@ -45,7 +45,8 @@ from cluster.engine.generate_request import RequestBuilder
 from cluster.engine.tokenization import PromptRenderer
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.directory_metrics import render_directory
-from cluster.serving.drain import DrainGate, DrainingClient, find_coordinator
+from cluster.serving.drain import DrainGate, DrainingClient
+from cluster.serving.drain_board import GateReporter, GcsKeyValue
 from cluster.serving.engine_server import EngineDescription
 from cluster.serving.error_map import grpc_abort, http_error
 from cluster.serving.frontend import FrontEnd
@@ -183,10 +184,8 @@ class OpenAIIngress(GrpcMethods):
             directory_handle(app_name, settings.max_entries, settings.replica_timeout_s),
             settings.query_timeout_s,
         )
-        coordinator = find_coordinator()
         self.drain = DrainGate(
-            serve.get_replica_context().replica_id.unique_id,
-            None if coordinator is None else coordinator.report.remote,
+            GateReporter.if_runner(GcsKeyValue(), serve.get_replica_context().replica_id.unique_id)
         )
         self.drain.start()
         queue_timeout_s = self.args.limits.queue_timeout_s

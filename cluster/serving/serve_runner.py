@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from cluster.serving.drain import DRAIN_ACTOR_NAME, POLL_PERIOD_S, SETTLE_S, DrainCoordinator
+from cluster.serving.drain import POLL_PERIOD_S, SETTLE_S
+from cluster.serving.drain_board import GcsKeyValue, RunnerBoard
 
 EXPIRE_WAIT_S = 5.0
 """How long the runner waits for expired requests to end before it stops Serve anyway."""
@@ -99,22 +100,20 @@ class DrainReport:
     seconds: float = 0.0
 
 
-def drain(coordinator: Any, grace_s: float, hurry: threading.Event) -> DrainReport:
+def drain(board: RunnerBoard, grace_s: float, hurry: threading.Event) -> DrainReport:
     """Stops admission, waits until nothing is in flight or `grace_s` passed (or `hurry` is set),
     then ends what still runs and waits (bounded) until the ingresses report it gone."""
-    import ray
-
     started = time.monotonic()
-    ray.get(coordinator.begin.remote(grace_s))
+    board.begin()
     hurry.wait(2 * POLL_PERIOD_S + 0.1)  # every gate has seen the phase and reported its count
-    report = DrainReport(in_flight_at_start=ray.get(coordinator.in_flight.remote())[0])
+    report = DrainReport(in_flight_at_start=board.in_flight()[0])
     deadline = started + grace_s
-    while ray.get(coordinator.in_flight.remote())[0] > 0:
+    while board.in_flight()[0] > 0:
         if hurry.is_set() or time.monotonic() >= deadline:
             report.expired = True
-            ray.get(coordinator.expire.remote())
+            board.expire()
             ended_by = time.monotonic() + EXPIRE_WAIT_S
-            while ray.get(coordinator.in_flight.remote())[0] > 0 and time.monotonic() < ended_by:
+            while board.in_flight()[0] > 0 and time.monotonic() < ended_by:
                 time.sleep(POLL_PERIOD_S)
             break
         hurry.wait(POLL_PERIOD_S)
@@ -123,11 +122,19 @@ def drain(coordinator: Any, grace_s: float, hurry: threading.Event) -> DrainRepo
     return report
 
 
-LOCAL_CLUSTER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
-"""Settings a new local cluster's processes get unless the environment sets them: Serve's
-controller runs its control loop every 0.5 s instead of 0.1 s (each pass fetches the cluster's
-node table from GCS, which at 0.1 s takes a noticeable share of a core beside engines whose
-threads fill the cores: benchmarks/README.md, "Figures behind choices in the code")."""
+LOCAL_CLUSTER_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_num_workers_soft_limit": "0",
+}
+"""Settings a new local cluster's processes get unless the environment sets them:
+- Serve's controller runs its control loop every 0.5 s instead of 0.1 s (each pass fetches the
+  cluster's node table from GCS, which at 0.1 s takes a noticeable share of a core beside engines
+  whose threads fill the cores: benchmarks/README.md, "Figures behind choices in the code");
+- Ray keeps no idle worker process (it would keep the one that ran Serve's application build,
+  as many as the node has CPUs): an idle Ray worker still wakes ~100 times a second, which on
+  2 cores slows the served decode step by a few percent (benchmarks/README.md, "Fewer
+  processes beside the engine"). A task then starts a worker (about a second); serving runs
+  on actors only."""
 
 
 def cluster_options(address: str, ray_dashboard: bool) -> dict[str, Any]:
@@ -158,10 +165,7 @@ def run_config(
     dozen processes wake every few milliseconds, and each wake-up stalls a forward pass whose
     threads fill the cores (15-20 % slower decode steps on 2 cores, benchmarks/README.md)."""
     import ray
-    from ray import serve
-    from ray.serve._private import api as serve_api
     from ray.serve._private.constants import SERVE_NAMESPACE
-    from ray.serve.config import gRPCOptions
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(config)
@@ -176,48 +180,61 @@ def run_config(
         # After ray.init: Ray's core worker installs a native SIGTERM handler that prints a
         # stack trace and aborts; the Python handlers installed here replace it.
         with shutdown_requested() as signals:
-            stop = signals.stop
-            # Before the deploy: every ingress replica finds it when it starts.
-            coordinator = (
-                ray.remote(DrainCoordinator)
-                .options(name=DRAIN_ACTOR_NAME, namespace=SERVE_NAMESPACE, num_cpus=0)
-                .remote()
-            )
-            client = serve_api.serve_start(
-                http_options=schema.http_options.model_dump(),
-                proxy_location=schema.proxy_location,
-                grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
-            )
-            client.deploy_apps(schema, _blocking=False)
-            print("pagedserve serve: deployed; Ctrl-C or SIGTERM stops it", flush=True)
-            if ready_file is not None:
-                wait_running(serve, [app.name for app in schema.applications], stop)
-                with open(ready_file, "w") as handle:
-                    handle.write("ready\n")
-            while not stop.wait(0.5):
-                pass
+            # Before the deploy, so every ingress replica finds the phase when it starts; closed
+            # only after Serve has shut down, so no replica goes back to admitting work.
+            board = RunnerBoard(GcsKeyValue())
+            board.open()
             try:
-                drained = drain(coordinator, grace_s, signals.hurry)
-            except Exception as error:  # e.g. the coordinator died: stop Serve anyway, exit 0
-                print(f"pagedserve serve: drain failed ({error!r}); stopping now", flush=True)
-            else:
-                print(
-                    f"pagedserve serve: drained in {drained.seconds:.1f} s "
-                    f"({drained.in_flight_at_start} in flight at the signal"
-                    + (", the rest ended with an error)" if drained.expired else ", all finished)"),
-                    flush=True,
-                )
-            started = time.monotonic()
-            serve.shutdown()
-            print(
-                f"pagedserve serve: Serve shut down in {time.monotonic() - started:.1f} s",
-                flush=True,
-            )
+                serve_until_drained(schema, board, signals, grace_s, ready_file)
+            finally:
+                board.close()
     finally:
         if started_ray:
             ray.shutdown()
     sys.stdout.flush()
     return 0
+
+
+def serve_until_drained(
+    schema: Any,
+    board: RunnerBoard,
+    signals: StopSignals,
+    grace_s: float,
+    ready_file: str | None,
+) -> None:
+    """Deploys `schema`, serves until the first signal, drains through `board`, then shuts
+    Serve down."""
+    from ray import serve
+    from ray.serve._private import api as serve_api
+    from ray.serve.config import gRPCOptions
+
+    client = serve_api.serve_start(
+        http_options=schema.http_options.model_dump(),
+        proxy_location=schema.proxy_location,
+        grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
+    )
+    client.deploy_apps(schema, _blocking=False)
+    print("pagedserve serve: deployed; Ctrl-C or SIGTERM stops it", flush=True)
+    if ready_file is not None:
+        wait_running(serve, [app.name for app in schema.applications], signals.stop)
+        with open(ready_file, "w") as handle:
+            handle.write("ready\n")
+    while not signals.stop.wait(0.5):
+        pass
+    try:
+        drained = drain(board, grace_s, signals.hurry)
+    except Exception as error:  # e.g. the GCS is gone: stop Serve anyway, exit 0
+        print(f"pagedserve serve: drain failed ({error!r}); stopping now", flush=True)
+    else:
+        print(
+            f"pagedserve serve: drained in {drained.seconds:.1f} s "
+            f"({drained.in_flight_at_start} in flight at the signal"
+            + (", the rest ended with an error)" if drained.expired else ", all finished)"),
+            flush=True,
+        )
+    started = time.monotonic()
+    serve.shutdown()
+    print(f"pagedserve serve: Serve shut down in {time.monotonic() - started:.1f} s", flush=True)
 
 
 def wait_running(serve: Any, names: list[str], stop: threading.Event) -> None:

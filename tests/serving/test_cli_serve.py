@@ -180,12 +180,12 @@ def test_a_new_local_cluster_starts_without_rays_dashboard_unless_asked() -> Non
     assert cluster_options("ray://head:10001", ray_dashboard=False) == {}
 
 
-def test_a_new_local_cluster_gets_a_slower_serve_control_loop_unless_set() -> None:
+def test_a_new_local_cluster_gets_a_slower_serve_control_loop_and_no_idle_workers() -> None:
     from cluster.serving.serve_runner import local_cluster_env
 
-    interval = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
-    assert local_cluster_env("local", {}) == {interval: "0.5"}
-    assert local_cluster_env("local", {interval: "0.1"}) == {}  # the user's setting stands
+    interval, idle = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_num_workers_soft_limit"
+    assert local_cluster_env("local", {}) == {interval: "0.5", idle: "0"}
+    assert local_cluster_env("local", {interval: "0.1"}) == {idle: "0"}  # the user's stands
     assert local_cluster_env("ray://head:10001", {}) == {}  # an existing cluster: as it is
 
 
