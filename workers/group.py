@@ -34,7 +34,7 @@ from workers.lora import AdapterSummary
 from workers.model_source import resolve_model_path
 from workers.parallel import check_tensor_parallel
 from workers.placeholders import PlaceholderFiller
-from workers.placement import RankPlacement, place_ranks
+from workers.placement import RankPlacement, local_device, place_ranks
 from workers.plan import StepOutput, StepPlan
 from workers.rank import WorkerRank
 from workers.rank_thread import RankThread
@@ -142,8 +142,7 @@ class WorkerGroup:
         self._actors: list[Any] = []
         self.placement: RankPlacement | None = None
         if config.backend == "local":
-            cuda = torch.cuda.is_available() and config.device != "cpu"
-            device = "cuda" if cuda or config.device == "cuda" else "cpu"
+            device = local_device(config.device)
         else:
             import ray
 

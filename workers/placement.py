@@ -35,10 +35,19 @@ class RankPlacement:
     devices: list[str]
 
 
-def _device(preference: str, has_gpu: bool) -> str:
+def rank_device(preference: str, has_gpu: bool) -> str:
+    """Where a rank computes: `preference` ("cpu" or "cuda"), or for "auto" CUDA exactly when
+    the rank has a GPU."""
     if preference == "auto":
         return "cuda" if has_gpu else "cpu"
     return preference
+
+
+def local_device(preference: str) -> str:
+    """`rank_device` for a rank in this process: it has a GPU when torch sees one here."""
+    import torch
+
+    return rank_device(preference, torch.cuda.is_available())
 
 
 def place_ranks(world_size: int, device: str = "auto") -> RankPlacement:
@@ -69,7 +78,7 @@ def _in_replica_group(group: Any, world_size: int, device: str) -> RankPlacement
         bundle_indices=indices,
         num_cpus=[min(1.0, float(b.get("CPU", 0))) for b in chosen],
         num_gpus=gpus,
-        devices=[_device(device, gpu > 0) for gpu in gpus],
+        devices=[rank_device(device, gpu > 0) for gpu in gpus],
     )
 
 
@@ -95,5 +104,5 @@ def _own_group(world_size: int, device: str) -> RankPlacement:
         bundle_indices=list(range(world_size)),
         num_cpus=[1.0] * world_size,
         num_gpus=[gpu] * world_size,
-        devices=[_device(device, use_gpu)] * world_size,
+        devices=[rank_device(device, use_gpu)] * world_size,
     )

@@ -309,13 +309,11 @@ class EngineConfig(_Section):
             raise ValueError(f"{name}: {error}") from None
 
     def engine_device(self) -> str:
-        """Where this process's engine computes, as far as it can tell: `parallel.device`, and
-        for "auto" CUDA when this process sees a GPU (the ranks' own bundles decide for them)."""
-        if self.parallel.device != "auto":
-            return self.parallel.device
-        import torch
+        """Where this process's engine computes, as far as it can tell: the local backend's rule
+        (`workers.placement.local_device`; the ranks' own bundles decide for Ray ranks)."""
+        from workers.placement import local_device
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return local_device(self.parallel.device)
 
     def resolved(self) -> EngineConfig:
         """This config with `scheduler.max_num_seqs: auto` made a number for the device and CPU
