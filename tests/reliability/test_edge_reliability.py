@@ -6,18 +6,16 @@ of requests with a time limit; the last one stops the server with SIGTERM.
 
 from __future__ import annotations
 
-import contextlib
 import pathlib
-import re
 import signal
 import time
 from collections.abc import Iterator
 
 import grpc
 import httpx
-import psutil
 import pytest
 
+from benchmarks.idle_server_floor import ray_workers, server_processes
 from benchmarks.reliability_probes import (
     burst,
     deep_nesting,
@@ -145,26 +143,15 @@ RAY_AGENTS = {"DashboardAgent", "RuntimeEnvAgent"}
 """Ray's own per-node agent processes (named like workers)."""
 
 
-def ray_workers(root_pid: int) -> list[str]:
-    """The Ray worker processes under `root_pid`, by what they run ("ServeReplica", ...)."""
-    names = []
-    for process in psutil.Process(root_pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            title = (process.cmdline() or [""])[0]
-            if title.startswith("ray::"):
-                names.append(re.split(r"[.:\s]", title.removeprefix("ray::"))[0])
-    return sorted(name for name in names if name not in RAY_AGENTS)
-
-
 def test_no_ray_worker_runs_beside_serve_and_the_apps_own_actors(server: LocalServer) -> None:
     """Every Ray worker process wakes ~100 times a second on the engine's cores: the drain uses
     no actor of its own, and Ray keeps no idle worker (it kills one within about a second)."""
     assert server.process is not None
     deadline = time.monotonic() + 30
-    while "IDLE" in (workers := ray_workers(server.process.pid)):
+    while "IDLE" in (workers := ray_workers(server_processes(server.process.pid))):
         assert time.monotonic() < deadline, workers
         time.sleep(0.5)
-    assert workers == [
+    assert [name for name in workers if name not in RAY_AGENTS] == [
         "KVDirectory",
         "ProxyActor",
         "ServeController",
