@@ -36,8 +36,7 @@ from benchmarks import llama_server
 from benchmarks.chat_corpus import chat_prompts
 from benchmarks.load import Job, run_workload
 from benchmarks.ports import free_port
-from benchmarks.served_overhead import MODEL_NAME, render_chats, rounded, run_in_process
-from benchmarks.serving import ratio
+from benchmarks.served_overhead import MODEL_NAME, render_chats, run_in_process, side_ratio
 from cluster.serving.cli_serve import shipped_app_args
 
 
@@ -110,12 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         "beside_stopped_server": beside_stopped,
         "server_processes": len(processes),
         "server_ray_workers": workers,
-        "idle_server_tok_s_over_quiet": rounded(
-            ratio(beside_idle["output_tok_s"], quiet["output_tok_s"])
-        ),
-        "stopped_server_tok_s_over_quiet": rounded(
-            ratio(beside_stopped["output_tok_s"], quiet["output_tok_s"])
-        ),
+        "idle_server_tok_s_over_quiet": side_ratio(beside_idle, quiet, "output_tok_s"),
+        "stopped_server_tok_s_over_quiet": side_ratio(beside_stopped, quiet, "output_tok_s"),
     }
     print(json.dumps(out, indent=None if args.json else 2))
     return 0

@@ -48,6 +48,11 @@ NOT_RUN: dict[str, Any] = {"tpot_p50_ms": None, "output_tok_s": None}
 """What a side skipped by `--served-only` / `--in-process-only` reports (read, never changed)."""
 
 
+def side_ratio(side: dict[str, Any], base: dict[str, Any], key: str) -> float | None:
+    """`side[key] / base[key]`, rounded; None when either side did not run."""
+    return rounded(ratio(side[key], base[key]))
+
+
 def rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
@@ -201,18 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         "in_process": in_process,
         "async_engine": async_engine,
         "served": served,
-        "served_tpot_over_in_process": rounded(
-            ratio(served["tpot_p50_ms"], in_process["tpot_p50_ms"])
-        ),
-        "served_tok_s_over_in_process": rounded(
-            ratio(served["output_tok_s"], in_process["output_tok_s"])
-        ),
-        "async_engine_tpot_over_in_process": rounded(
-            ratio(async_engine["tpot_p50_ms"], in_process["tpot_p50_ms"])
-        ),
-        "served_tpot_over_async_engine": rounded(
-            ratio(served["tpot_p50_ms"], async_engine["tpot_p50_ms"])
-        ),
+        "served_tpot_over_in_process": side_ratio(served, in_process, "tpot_p50_ms"),
+        "served_tok_s_over_in_process": side_ratio(served, in_process, "output_tok_s"),
+        "async_engine_tpot_over_in_process": side_ratio(async_engine, in_process, "tpot_p50_ms"),
+        "served_tpot_over_async_engine": side_ratio(served, async_engine, "tpot_p50_ms"),
     }
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
