@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, get_args
 
 from cluster.serving.drain import Phase
 
@@ -37,7 +37,7 @@ STALE_AFTER_S = 3.0
 """Silence after which a writer counts as gone: six beats and fifteen gate polls long, so a
 busy process is not taken for a dead one."""
 
-PHASES: tuple[Phase, ...] = ("serving", "draining", "expired")
+PHASES: tuple[Phase, ...] = get_args(Phase)
 
 
 class KeyValue(Protocol):
@@ -149,7 +149,9 @@ class RunnerBoard:
         """Requests in flight across the live ingress replicas, and how many replicas that is."""
         now_s = self.clock()
         total = live = 0
-        for key in self.kv.keys(IN_FLIGHT_PREFIX):
+        listed = self.kv.keys(IN_FLIGHT_PREFIX)
+        self._replicas = {k: w for k, w in self._replicas.items() if k in listed}  # closed ones
+        for key in listed:
             raw = self.kv.get(key)
             reported = None if raw is None else decode(raw)
             if reported is None or not reported[0].isdigit():
