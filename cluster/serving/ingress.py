@@ -36,9 +36,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.engine.client import EngineClient
 from cluster.engine.generate_request import RequestBuilder
@@ -51,99 +49,21 @@ from cluster.serving.engine_server import EngineDescription
 from cluster.serving.error_map import grpc_abort, http_error
 from cluster.serving.frontend import FrontEnd
 from cluster.serving.grpc_service import GenerationRpc, GrpcMethods, cache_stats
+from cluster.serving.http_api import build_http_api
 from cluster.serving.kv_directory import DirectoryClient, directory_handle
-from cluster.serving.limits import read_body
 from cluster.serving.lora_admin import AdapterService
 from cluster.serving.lora_registry import registry_handle
-from cluster.serving.lora_routes import BaseModelFacts, install_lora_routes, model_cards
+from cluster.serving.lora_routes import BaseModelFacts
 from cluster.serving.metrics_listener import MetricsListener
-from cluster.serving.openai_protocol import OpenAIError
-from cluster.serving.openai_requests import ChatCompletionRequest, CompletionRequest, parse_request
-from cluster.serving.openai_serving import OpenAIServing, ResponseMeta
-from cluster.serving.openapi_schema import install_openapi, request_body
+from cluster.serving.openai_serving import OpenAIServing
 from cluster.serving.pd_client import DisaggregatedClient
-from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
+from cluster.serving.prometheus import render_prometheus
 from cluster.serving.routed_engine import RoutedEngineClient, client_error, no_holdings
 from cluster.serving.tenancy import Forbidden, Tenancy, Unauthenticated
 from cluster.serving.tool_calls import ToolSettings
 from protos import generation_pb2 as pb
 
 INGRESS_NAME = "OpenAIIngress"
-REPLICA_HEADER = "x-pagedserve-replica"
-
-
-def build_http_api(ingress: OpenAIIngress) -> FastAPI:
-    """The OpenAI-compatible routes (plus /health and /metrics)."""
-    api = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    install_openapi(api, [CompletionRequest, ChatCompletionRequest])
-
-    @api.exception_handler(OpenAIError)
-    async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
-        return JSONResponse(error.body().model_dump(), error.status, headers=error.headers)
-
-    @api.exception_handler(StarletteHTTPException)
-    async def routing_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        """Unknown paths and wrong methods, in OpenAI's error shape too."""
-        message = f"{request.method} {request.url.path}: {error.detail}"
-        return await openai_error(request, OpenAIError(error.status_code, message))
-
-    @api.get("/health")
-    async def health() -> JSONResponse:
-        problem = await ingress.engine_problem()
-        if problem is not None:
-            return JSONResponse({"status": "unhealthy", "reason": problem}, 503)
-        return JSONResponse({"status": "ok"})
-
-    @api.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        access = ingress.args.limits.metrics.access
-        if access == "port":
-            raise OpenAIError(404, "GET /metrics: served on the metrics port only")
-        if access == "api_key":
-            ingress.http_tenant_salt(request)
-        replica_id, text = await ingress.prometheus_text()
-        headers = {REPLICA_HEADER: replica_id}
-        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE, headers=headers)
-
-    @api.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        ingress.http_tenant_salt(request)
-        await ingress.adapters.list_loras()  # refreshes the view from the registry
-        cards = model_cards(ingress.adapters, ingress.created, ingress.base_model)
-        return JSONResponse(cards.model_dump())
-
-    async def run(request: Request, model: type[Any], unary: Any, stream: Any) -> Response:
-        """Authenticate, read and parse the body off the loop, check the model, then answer
-        with one JSON body (`unary`) or server-sent events (`stream`)."""
-        salt = ingress.http_tenant_salt(request)
-        body = await read_body(request, ingress.args.limits.max_body_bytes)
-        parsed = await ingress.frontend.off_loop(parse_request, body, model)
-        meta = ResponseMeta()
-        if parsed.stream:
-            events = await stream(parsed, salt, meta)
-            return StreamingResponse(events, media_type="text/event-stream", headers=meta_of(meta))
-        response = await unary(parsed, salt, meta)
-        return JSONResponse(response.model_dump(exclude_none=True), headers=meta_of(meta))
-
-    @api.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
-    async def completions(request: Request) -> Response:
-        openai = ingress.openai
-        return await run(request, CompletionRequest, openai.completion, openai.stream_completion)
-
-    @api.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
-    async def chat_completions(request: Request) -> Response:
-        openai = ingress.openai
-        return await run(request, ChatCompletionRequest, openai.chat, openai.stream_chat)
-
-    if ingress.args.allow_runtime_lora_updating:
-        install_lora_routes(
-            api, ingress.adapters, ingress.http_admin, ingress.args.limits.max_body_bytes
-        )
-    return api
-
-
-def meta_of(meta: ResponseMeta) -> dict[str, str]:
-    return {REPLICA_HEADER: meta.served_by} if meta.served_by else {}
 
 
 INGRESS_MAX_ONGOING_REQUESTS = 256

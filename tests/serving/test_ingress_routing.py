@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.serving.ingress import REPLICA_HEADER
+from cluster.serving.http_api import REPLICA_HEADER
 from tests.serving.conftest import API_KEYS, MODEL, Served, engine_section, run_two_engine_app
 
 PREFIX = "/ingress"

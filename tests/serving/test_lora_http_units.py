@@ -27,7 +27,8 @@ from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.frontend import FrontEnd
 from cluster.serving.grpc_service import GenerationRpc
 from cluster.serving.grpc_validation import GrpcAbort
-from cluster.serving.ingress import OpenAIIngress, build_http_api
+from cluster.serving.http_api import build_http_api
+from cluster.serving.ingress import OpenAIIngress
 from cluster.serving.lora_routes import BaseModelFacts
 from cluster.serving.openai_serving import OpenAIServing
 from cluster.serving.tenancy import Tenancy
