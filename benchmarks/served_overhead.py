@@ -8,6 +8,8 @@ each (greedy, ``ignore_eos``) twice, with the engine settings of the shipped Ser
 - the replica's engine in process: ``AsyncEngine`` (what an engine replica runs) with every
   request streamed at once at the shipped ``stream_interval`` and ``stream_chunks_per_step``,
   timed as a client would time its chunks, without Ray, Serve or HTTP;
+- the front end in process: the ingress's HTTP routes over that engine in one process, without
+  Ray (``benchmarks.front_end_server``), every request sent at once as below;
 - served: ``pagedserve serve`` as shipped (proxy, ingress and one engine replica on this
   machine), every request sent at once as a streaming ``/v1/completions`` call with the same
   token ids.
@@ -17,7 +19,9 @@ TPOT is the decode step time of a full batch plus what its side adds per token. 
 side's output tok/s and TPOT p50 and ``served_tpot_over_in_process`` (the served step over the
 same step in process; the goal is <= 1.15) and ``served_tok_s_over_in_process``, split in two:
 ``async_engine_tpot_over_in_process`` (the asyncio engine and its streams) and
-``served_tpot_over_async_engine`` (the processes around it: Ray, Serve, the ingress, HTTP).
+``served_tpot_over_async_engine`` (the processes around it: Ray, Serve, the ingress, HTTP), and
+again as ``front_end_tpot_over_in_process`` (HTTP, SSE and the client, in one process) and
+``served_tpot_over_front_end`` (what Ray Serve's processes and hops add to those).
 """
 
 from __future__ import annotations
@@ -144,18 +148,15 @@ def run_async_engine(
     }
 
 
-def run_served(
-    prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
+def run_http_burst(
+    command: list[str], port: int, prompts: list[list[int]], max_tokens: int, ready_s: float
 ) -> dict[str, Any]:
-    """The same token ids, all at once, through `pagedserve serve` as shipped."""
-    port = free_port()
-    command = [sys.executable, "-m", "cluster.serving.cli", "serve", "--host", "127.0.0.1"]
-    command += ["--http-port", str(port), "--grpc-port", str(free_port()), *args.serve_args]
+    """The same token ids, all at once, through the HTTP server `command` starts on `port`."""
     env = {**os.environ, "RAY_ADDRESS": "local"}
     url = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.mkdtemp(prefix="served-overhead-")) / "serve.log"
+    log = Path(tempfile.mkdtemp(prefix="served-overhead-")) / "server.log"
     jobs = [Job(ids, max_tokens) for ids in prompts]
-    with llama_server.server_process(command, f"{url}/v1/models", log, args.ready_timeout, env):
+    with llama_server.server_process(command, f"{url}/v1/models", log, ready_s, env):
         asyncio.run(run_workload(url, MODEL_NAME, "none", jobs[:4], math.inf, 0, "warm-up"))
         results, elapsed = asyncio.run(
             run_workload(url, MODEL_NAME, "none", jobs, math.inf, 0, "served")
@@ -171,6 +172,25 @@ def run_served(
     }
 
 
+def run_front_end(
+    prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The burst through the ingress's HTTP routes over the engine in one process, no Ray."""
+    port = free_port()
+    command = [sys.executable, "-m", "benchmarks.front_end_server", "--port", str(port)]
+    return run_http_burst(command, port, prompts, max_tokens, args.ready_timeout)
+
+
+def run_served(
+    prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The burst through `pagedserve serve` as shipped."""
+    port = free_port()
+    command = [sys.executable, "-m", "cluster.serving.cli", "serve", "--host", "127.0.0.1"]
+    command += ["--http-port", str(port), "--grpc-port", str(free_port()), *args.serve_args]
+    return run_http_burst(command, port, prompts, max_tokens, args.ready_timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -180,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     only = parser.add_mutually_exclusive_group()
     only.add_argument(
-        "--served-only", action="store_true", help="skip the in-process sides (A/B of serve flags)"
+        "--served-only", action="store_true", help="only the served side (A/B of serve flags)"
     )
     only.add_argument(
-        "--in-process-only", action="store_true", help="skip the served side (no server started)"
+        "--in-process-only",
+        action="store_true",
+        help="only the in-process sides (no server started)",
     )
     parser.add_argument(
         "--serve-args", nargs=argparse.REMAINDER, default=[], help="extra `serve` flags (last)"
@@ -193,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     config = app.engine_config()
     chats = chat_prompts(args.requests, args.seed)
     prompts = render_chats(config, chats)
-    in_process = async_engine = served = NOT_RUN
+    in_process = async_engine = front_end = served = NOT_RUN
     if not args.served_only:
         in_process = run_in_process(config, prompts, args.max_tokens)
         async_engine = run_async_engine(config, prompts, args.max_tokens, app)
+    if not (args.served_only or args.in_process_only):
+        front_end = run_front_end(prompts, args.max_tokens, args)
     if not args.in_process_only:
         served = run_served(prompts, args.max_tokens, args)
     out = {
@@ -205,11 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         "max_num_seqs": config.resolved().scheduler.max_num_seqs,
         "in_process": in_process,
         "async_engine": async_engine,
+        "front_end": front_end,
         "served": served,
         "served_tpot_over_in_process": side_ratio(served, in_process, "tpot_p50_ms"),
         "served_tok_s_over_in_process": side_ratio(served, in_process, "output_tok_s"),
         "async_engine_tpot_over_in_process": side_ratio(async_engine, in_process, "tpot_p50_ms"),
         "served_tpot_over_async_engine": side_ratio(served, async_engine, "tpot_p50_ms"),
+        "front_end_tpot_over_in_process": side_ratio(front_end, in_process, "tpot_p50_ms"),
+        "served_tpot_over_front_end": side_ratio(served, front_end, "tpot_p50_ms"),
     }
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
