@@ -25,14 +25,13 @@ from cluster.engine.output_stream import RequestDelta
 from cluster.engine.tokenization import PromptRenderer
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.cli_serve import shipped_app_args
-from cluster.serving.error_map import http_error
 from cluster.serving.frontend import FrontEnd
-from cluster.serving.http_api import build_http_api
+from cluster.serving.http_api import build_http_api, require_admin, tenant_salt_of
 from cluster.serving.lora_admin import AdapterService
 from cluster.serving.lora_routes import BaseModelFacts
 from cluster.serving.openai_serving import OpenAIServing
 from cluster.serving.prometheus import render_prometheus
-from cluster.serving.tenancy import Forbidden, Tenancy, Unauthenticated
+from cluster.serving.tenancy import Tenancy
 from cluster.serving.tool_calls import ToolSettings
 
 REPLICA_ID = "in-process"
@@ -87,16 +86,10 @@ class LocalIngress:
         return REPLICA_ID, render_prometheus({REPLICA_ID: self.engine.metrics()})
 
     def http_tenant_salt(self, request: Request) -> bytes | None:
-        try:
-            return self.tenancy.salt_for(request.headers.get("authorization"))
-        except Unauthenticated as error:
-            raise http_error(error) from None
+        return tenant_salt_of(self.tenancy, request)
 
     def http_admin(self, request: Request) -> None:
-        try:
-            self.tenancy.authorize_admin(request.headers.get("authorization"))
-        except (Unauthenticated, Forbidden) as error:
-            raise http_error(error) from None
+        require_admin(self.tenancy, request)
 
 
 @contextlib.asynccontextmanager

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.serving.app_args import ServeAppArgs
+from cluster.serving.error_map import http_error
 from cluster.serving.frontend import FrontEnd
 from cluster.serving.limits import read_body
 from cluster.serving.lora_admin import AdapterService
@@ -28,6 +29,7 @@ from cluster.serving.openai_requests import ChatCompletionRequest, CompletionReq
 from cluster.serving.openai_serving import OpenAIServing, ResponseMeta
 from cluster.serving.openapi_schema import install_openapi, request_body
 from cluster.serving.prometheus import PROMETHEUS_CONTENT_TYPE
+from cluster.serving.tenancy import Forbidden, Tenancy, Unauthenticated
 
 REPLICA_HEADER = "x-pagedserve-replica"
 
@@ -57,6 +59,24 @@ class HttpIngress(Protocol):
     def http_admin(self, request: Request) -> None:
         """Passes for an admin key (or without API keys); raises a 401 / 403 otherwise."""
         ...
+
+
+def tenant_salt_of(tenancy: Tenancy, request: Request) -> bytes | None:
+    """The tenant salt of `request`'s API key (`HttpIngress.http_tenant_salt`); a 401 without a
+    valid key."""
+    try:
+        return tenancy.salt_for(request.headers.get("authorization"))
+    except Unauthenticated as error:
+        raise http_error(error) from None
+
+
+def require_admin(tenancy: Tenancy, request: Request) -> None:
+    """Passes for an admin key (or without API keys); 401 / 403 otherwise
+    (`HttpIngress.http_admin`)."""
+    try:
+        tenancy.authorize_admin(request.headers.get("authorization"))
+    except (Unauthenticated, Forbidden) as error:
+        raise http_error(error) from None
 
 
 def build_http_api(ingress: HttpIngress) -> FastAPI:

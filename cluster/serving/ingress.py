@@ -46,10 +46,10 @@ from cluster.serving.directory_metrics import render_directory
 from cluster.serving.drain import DrainGate, DrainingClient
 from cluster.serving.drain_board import GateReporter, GcsKeyValue
 from cluster.serving.engine_server import EngineDescription
-from cluster.serving.error_map import grpc_abort, http_error
+from cluster.serving.error_map import grpc_abort
 from cluster.serving.frontend import FrontEnd
 from cluster.serving.grpc_service import GenerationRpc, GrpcMethods, cache_stats
-from cluster.serving.http_api import build_http_api
+from cluster.serving.http_api import build_http_api, require_admin, tenant_salt_of
 from cluster.serving.kv_directory import DirectoryClient, directory_handle
 from cluster.serving.lora_admin import AdapterService
 from cluster.serving.lora_registry import registry_handle
@@ -59,7 +59,7 @@ from cluster.serving.openai_serving import OpenAIServing
 from cluster.serving.pd_client import DisaggregatedClient
 from cluster.serving.prometheus import render_prometheus
 from cluster.serving.routed_engine import RoutedEngineClient, client_error, no_holdings
-from cluster.serving.tenancy import Forbidden, Tenancy, Unauthenticated
+from cluster.serving.tenancy import Tenancy, Unauthenticated
 from cluster.serving.tool_calls import ToolSettings
 from protos import generation_pb2 as pb
 
@@ -180,17 +180,10 @@ class OpenAIIngress(GrpcMethods):
         return None
 
     def http_tenant_salt(self, request: Request) -> bytes | None:
-        try:
-            return self.tenancy.salt_for(request.headers.get("authorization"))
-        except Unauthenticated as error:
-            raise http_error(error) from None
+        return tenant_salt_of(self.tenancy, request)
 
     def http_admin(self, request: Request) -> None:
-        """Passes for an admin key (or without API keys); 401 / 403 otherwise."""
-        try:
-            self.tenancy.authorize_admin(request.headers.get("authorization"))
-        except (Unauthenticated, Forbidden) as error:
-            raise http_error(error) from None
+        require_admin(self.tenancy, request)
 
     # --- gRPC hooks (GrpcMethods) ------------------------------------------------------------
 
