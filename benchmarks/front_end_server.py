@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
@@ -26,7 +26,7 @@ from cluster.engine.tokenization import PromptRenderer
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.cli_serve import shipped_app_args
 from cluster.serving.frontend import FrontEnd
-from cluster.serving.http_api import build_http_api, require_admin, tenant_salt_of
+from cluster.serving.http_api import build_http_api
 from cluster.serving.lora_admin import AdapterService
 from cluster.serving.lora_routes import BaseModelFacts
 from cluster.serving.openai_serving import OpenAIServing
@@ -84,12 +84,6 @@ class LocalIngress:
 
     async def prometheus_text(self) -> tuple[str, bytes]:
         return REPLICA_ID, render_prometheus({REPLICA_ID: self.engine.metrics()})
-
-    def http_tenant_salt(self, request: Request) -> bytes | None:
-        return tenant_salt_of(self.tenancy, request)
-
-    def http_admin(self, request: Request) -> None:
-        require_admin(self.tenancy, request)
 
 
 @contextlib.asynccontextmanager

@@ -26,17 +26,20 @@ import math
 import os
 import re
 import signal
-import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-from benchmarks import llama_server
 from benchmarks.chat_corpus import chat_prompts
 from benchmarks.load import Job, run_workload
 from benchmarks.ports import free_port
-from benchmarks.served_overhead import MODEL_NAME, render_chats, run_in_process, side_ratio
+from benchmarks.served_overhead import (
+    MODEL_NAME,
+    http_server,
+    render_chats,
+    run_in_process,
+    serve_command,
+    side_ratio,
+)
 from cluster.serving.cli_serve import shipped_app_args
 
 
@@ -86,14 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet = run_in_process(config, prompts, args.max_tokens)
 
     port = free_port()
-    command = [sys.executable, "-m", "cluster.serving.cli", "serve", "--host", "127.0.0.1"]
-    command += ["--http-port", str(port), "--grpc-port", str(free_port())]
-    url = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.mkdtemp(prefix="idle-server-floor-")) / "serve.log"
-    env = {**os.environ, "RAY_ADDRESS": "local"}
-    with llama_server.server_process(command, f"{url}/v1/models", log, args.ready_timeout, env) as (
-        server
-    ):
+    command = serve_command(port)
+    with http_server(command, port, args.ready_timeout) as (server, url):
         one = [Job(prompts[0], 8)]
         asyncio.run(run_workload(url, MODEL_NAME, "none", one, math.inf, 0, "one request"))
         processes = server_processes(server.pid)

@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,15 +151,31 @@ def run_async_engine(
     }
 
 
+def serve_command(port: int, extra: Sequence[str] = ()) -> list[str]:
+    """`pagedserve serve` as shipped, HTTP on `port` (gRPC on a free port), `extra` flags last."""
+    command = [sys.executable, "-m", "cluster.serving.cli", "serve", "--host", "127.0.0.1"]
+    return [*command, "--http-port", str(port), "--grpc-port", str(free_port()), *extra]
+
+
+@contextlib.contextmanager
+def http_server(
+    command: list[str], port: int, ready_s: float
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """The server `command` starts on `port` (a new local Ray cluster if it starts one), and its
+    base URL, once /v1/models answers; stopped on exit."""
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp(prefix="served-overhead-")) / "server.log"
+    with llama_server.server_process(command, f"{url}/v1/models", log, ready_s, env) as process:
+        yield process, url
+
+
 def run_http_burst(
     command: list[str], port: int, prompts: list[list[int]], max_tokens: int, ready_s: float
 ) -> dict[str, Any]:
     """The same token ids, all at once, through the HTTP server `command` starts on `port`."""
-    env = {**os.environ, "RAY_ADDRESS": "local"}
-    url = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.mkdtemp(prefix="served-overhead-")) / "server.log"
     jobs = [Job(ids, max_tokens) for ids in prompts]
-    with llama_server.server_process(command, f"{url}/v1/models", log, ready_s, env):
+    with http_server(command, port, ready_s) as (_, url):
         asyncio.run(run_workload(url, MODEL_NAME, "none", jobs[:4], math.inf, 0, "warm-up"))
         results, elapsed = asyncio.run(
             run_workload(url, MODEL_NAME, "none", jobs, math.inf, 0, "served")
@@ -186,8 +205,7 @@ def run_served(
 ) -> dict[str, Any]:
     """The burst through `pagedserve serve` as shipped."""
     port = free_port()
-    command = [sys.executable, "-m", "cluster.serving.cli", "serve", "--host", "127.0.0.1"]
-    command += ["--http-port", str(port), "--grpc-port", str(free_port()), *args.serve_args]
+    command = serve_command(port, args.serve_args)
     return run_http_burst(command, port, prompts, max_tokens, args.ready_timeout)
 
 

@@ -12,6 +12,7 @@ Invariants (the ingress module doc has the rest):
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -43,6 +44,7 @@ class HttpIngress(Protocol):
     openai: OpenAIServing
     created: int
     base_model: BaseModelFacts
+    tenancy: Tenancy
 
     async def engine_problem(self) -> str | None:
         """Why the engines cannot serve now, or None (/health's answer)."""
@@ -52,18 +54,9 @@ class HttpIngress(Protocol):
         """The id of the engine replica that answered, and the metrics in Prometheus' format."""
         ...
 
-    def http_tenant_salt(self, request: Request) -> bytes | None:
-        """The tenant salt of the request's API key; raises a 401 OpenAIError without one."""
-        ...
-
-    def http_admin(self, request: Request) -> None:
-        """Passes for an admin key (or without API keys); raises a 401 / 403 otherwise."""
-        ...
-
 
 def tenant_salt_of(tenancy: Tenancy, request: Request) -> bytes | None:
-    """The tenant salt of `request`'s API key (`HttpIngress.http_tenant_salt`); a 401 without a
-    valid key."""
+    """The tenant salt of `request`'s API key; a 401 without a valid key."""
     try:
         return tenancy.salt_for(request.headers.get("authorization"))
     except Unauthenticated as error:
@@ -71,8 +64,7 @@ def tenant_salt_of(tenancy: Tenancy, request: Request) -> bytes | None:
 
 
 def require_admin(tenancy: Tenancy, request: Request) -> None:
-    """Passes for an admin key (or without API keys); 401 / 403 otherwise
-    (`HttpIngress.http_admin`)."""
+    """Passes for an admin key (or without API keys); 401 / 403 otherwise."""
     try:
         tenancy.authorize_admin(request.headers.get("authorization"))
     except (Unauthenticated, Forbidden) as error:
@@ -107,14 +99,14 @@ def build_http_api(ingress: HttpIngress) -> FastAPI:
         if access == "port":
             raise OpenAIError(404, "GET /metrics: served on the metrics port only")
         if access == "api_key":
-            ingress.http_tenant_salt(request)
+            tenant_salt_of(ingress.tenancy, request)
         replica_id, text = await ingress.prometheus_text()
         headers = {REPLICA_HEADER: replica_id}
         return Response(text, media_type=PROMETHEUS_CONTENT_TYPE, headers=headers)
 
     @api.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        ingress.http_tenant_salt(request)
+        tenant_salt_of(ingress.tenancy, request)
         await ingress.adapters.list_loras()  # refreshes the view from the registry
         cards = model_cards(ingress.adapters, ingress.created, ingress.base_model)
         return JSONResponse(cards.model_dump())
@@ -122,7 +114,7 @@ def build_http_api(ingress: HttpIngress) -> FastAPI:
     async def run(request: Request, model: type[Any], unary: Any, stream: Any) -> Response:
         """Authenticate, read and parse the body off the loop, check the model, then answer
         with one JSON body (`unary`) or server-sent events (`stream`)."""
-        salt = ingress.http_tenant_salt(request)
+        salt = tenant_salt_of(ingress.tenancy, request)
         body = await read_body(request, ingress.args.limits.max_body_bytes)
         parsed = await ingress.frontend.off_loop(parse_request, body, model)
         meta = ResponseMeta()
@@ -144,7 +136,10 @@ def build_http_api(ingress: HttpIngress) -> FastAPI:
 
     if ingress.args.allow_runtime_lora_updating:
         install_lora_routes(
-            api, ingress.adapters, ingress.http_admin, ingress.args.limits.max_body_bytes
+            api,
+            ingress.adapters,
+            functools.partial(require_admin, ingress.tenancy),
+            ingress.args.limits.max_body_bytes,
         )
     return api
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from ray import serve
 
 from cluster.engine.client import EngineClient
@@ -49,7 +49,7 @@ from cluster.serving.engine_server import EngineDescription
 from cluster.serving.error_map import grpc_abort
 from cluster.serving.frontend import FrontEnd
 from cluster.serving.grpc_service import GenerationRpc, GrpcMethods, cache_stats
-from cluster.serving.http_api import build_http_api, require_admin, tenant_salt_of
+from cluster.serving.http_api import build_http_api
 from cluster.serving.kv_directory import DirectoryClient, directory_handle
 from cluster.serving.lora_admin import AdapterService
 from cluster.serving.lora_registry import registry_handle
@@ -178,12 +178,6 @@ class OpenAIIngress(GrpcMethods):
             if problem is not None:
                 return problem
         return None
-
-    def http_tenant_salt(self, request: Request) -> bytes | None:
-        return tenant_salt_of(self.tenancy, request)
-
-    def http_admin(self, request: Request) -> None:
-        require_admin(self.tenancy, request)
 
     # --- gRPC hooks (GrpcMethods) ------------------------------------------------------------
 
