@@ -38,7 +38,7 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenization import RenderedPrompt
-from cluster.serving.cli_serve import shipped_app_args
+from cluster.serving.cli_serve import served_app_args
 from workers.group import WorkerGroup
 from workers.plan import StepOutput, StepPlan
 
@@ -118,7 +118,7 @@ async def replay(engine: AsyncEngine, args: argparse.Namespace) -> dict[str, Any
 
 async def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """One variant in this process: warm up, replay the load once, report."""
-    engine = await AsyncEngine.create(shipped_app_args().engine_config())
+    engine = await AsyncEngine.create(served_app_args(()).engine_config())
     group = engine.core.workers
     log = StepLog()
     try:

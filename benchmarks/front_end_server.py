@@ -4,8 +4,9 @@ process under uvicorn. It is the lower bound of any served topology, against whi
 `benchmarks.served_overhead` splits the served path's cost into what HTTP, SSE and the client
 cost and what Ray Serve's processes and hops cost.
 
-``python -m benchmarks.front_end_server --port P [--host H]`` serves the shipped Serve config's
-application (its engine, stream settings, limits and API keys) until interrupted. A benchmark
+``python -m benchmarks.front_end_server --port P [--host H] [--serve-args FLAGS...]`` serves the
+application `pagedserve serve FLAGS` would deploy (the shipped Serve config's by default: its
+engine, stream settings, limits and API keys) until interrupted. A benchmark
 harness, not a deployment: one engine, no routing, no KV directory, no LoRA registry, no drain.
 """
 
@@ -24,7 +25,7 @@ from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.output_stream import RequestDelta
 from cluster.engine.tokenization import PromptRenderer
 from cluster.serving.app_args import ServeAppArgs
-from cluster.serving.cli_serve import shipped_app_args
+from cluster.serving.cli_serve import served_app_args
 from cluster.serving.frontend import FrontEnd
 from cluster.serving.http_api import build_http_api
 from cluster.serving.lora_admin import AdapterService
@@ -115,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--serve-args", nargs=argparse.REMAINDER, default=[], help="`serve` flags (last)"
+    )
     args = parser.parse_args(argv)
-    uvicorn.run(build_app(shipped_app_args()), host=args.host, port=args.port, log_level="warning")
+    app = build_app(served_app_args(args.serve_args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 

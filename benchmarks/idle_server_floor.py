@@ -40,7 +40,7 @@ from benchmarks.served_overhead import (
     serve_command,
     side_ratio,
 )
-from cluster.serving.cli_serve import shipped_app_args
+from cluster.serving.cli_serve import served_app_args
 
 
 def server_processes(leader: int) -> list[Any]:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
-    config = shipped_app_args().engine_config()
+    config = served_app_args(()).engine_config()
     prompts = render_chats(config, chat_prompts(args.requests, args.seed))
     quiet = run_in_process(config, prompts, args.max_tokens)
 

@@ -2,7 +2,9 @@
 
 ``python -m benchmarks.served_overhead --json`` renders `--requests` natural-text chats
 (``benchmarks.chat_corpus``) to token ids once, then runs them with `--max-tokens` output tokens
-each (greedy, ``ignore_eos``) twice, with the engine settings of the shipped Serve config:
+each (greedy, ``ignore_eos``) on every side, with the engine settings `pagedserve serve` deploys
+with ``--serve-args`` (the shipped Serve config by default; the same flags on every side, so an
+A/B of a flag compares like with like):
 
 - in process: ``LLM(config=...)`` with every request submitted at once;
 - the replica's engine in process: ``AsyncEngine`` (what an engine replica runs) with every
@@ -48,7 +50,7 @@ from benchmarks.ports import free_port
 from benchmarks.serving import ratio
 from cluster.engine.config import EngineConfig
 from cluster.serving.app_args import ServeAppArgs
-from cluster.serving.cli_serve import shipped_app_args
+from cluster.serving.cli_serve import served_app_args
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 NOT_RUN: dict[str, Any] = {"tpot_p50_ms": None, "output_tok_s": None}
@@ -197,6 +199,7 @@ def run_front_end(
     """The burst through the ingress's HTTP routes over the engine in one process, no Ray."""
     port = free_port()
     command = [sys.executable, "-m", "benchmarks.front_end_server", "--port", str(port)]
+    command += ["--serve-args", *args.serve_args]
     return run_http_burst(command, port, prompts, max_tokens, args.ready_timeout)
 
 
@@ -226,10 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         help="only the in-process sides (no server started)",
     )
     parser.add_argument(
-        "--serve-args", nargs=argparse.REMAINDER, default=[], help="extra `serve` flags (last)"
+        "--serve-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="`serve` flags for every side (last)",
     )
     args = parser.parse_args(argv)
-    app = shipped_app_args()
+    app = served_app_args(args.serve_args)
     config = app.engine_config()
     chats = chat_prompts(args.requests, args.seed)
     prompts = render_chats(config, chats)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import runpy
 import sys
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,13 @@ def shipped_serve_config() -> Path:
     return Path(str(resources.files("cluster.serving") / "serve_config.yaml"))
 
 
-def shipped_app_args() -> ServeAppArgs:
-    """The shipped Serve config's first application's arguments, validated as a replica
-    validates them (its engine: `.engine_config()`)."""
-    config = yaml.safe_load(shipped_serve_config().read_text())
+def served_app_args(flags: Sequence[str]) -> ServeAppArgs:
+    """The first application's arguments that `pagedserve serve FLAGS` deploys (the shipped
+    config, or --config's, with the flags applied), validated as a replica validates them: what
+    a benchmark runs in process to compare like with like."""
+    parser = argparse.ArgumentParser(prog="pagedserve serve")
+    add_serve_arguments(parser)
+    config = resolve_serve_config(parser.parse_args(list(flags)))
     return ServeAppArgs.model_validate(config["applications"][0]["args"])
 
 

@@ -16,6 +16,7 @@ from cluster.serving.cli_serve import (
     cap_replicas_to_cores,
     describe_endpoints,
     resolve_serve_config,
+    served_app_args,
     shipped_serve_config,
     shutdown_grace_s,
 )
@@ -196,6 +197,28 @@ def test_stream_interval_comes_from_the_flag_else_the_shipped_config() -> None:
     assert all(app["args"]["stream_interval"] == 1 for app in config["applications"])
     with pytest.raises(ConfigError, match="--stream-interval must be >= 1"):
         resolve_serve_config(_serve_args("--stream-interval", "0"))
+
+
+def test_served_app_args_are_what_serve_deploys_with_the_same_flags() -> None:
+    """What a benchmark runs in process for `--serve-args FLAGS` is the application `serve
+    FLAGS` deploys: the shipped one without flags, the flags applied and checked with them."""
+    from cluster.serving.app_args import ServeAppArgs
+
+    shipped = yaml.safe_load(shipped_serve_config().read_text())["applications"][0]["args"]
+    assert served_app_args([]) == ServeAppArgs.model_validate(shipped)
+    flags = ["--dtype", "float32", "--quantized-activations", "--stream-interval", "2"]
+    flagged = served_app_args(flags)
+    deployed = resolve_serve_config(_serve_args(*flags))["applications"][0]["args"]
+    assert flagged == ServeAppArgs.model_validate(deployed)
+    model = flagged.engine_config().model
+    assert (model.dtype, model.quantized_activations, flagged.stream_interval) == (
+        "float32",
+        True,
+        2,
+    )
+    assert served_app_args([]).engine_config().model.dtype == "auto"
+    with pytest.raises(ConfigError, match="--stream-interval must be >= 1"):
+        served_app_args(["--stream-interval", "0"])
 
 
 def test_stream_chunks_per_step_comes_from_the_flag_else_the_shipped_config() -> None:
