@@ -1,10 +1,19 @@
-"""Prefix-routed HTTP through `OpenAIIngress` on a real local Ray cluster: two engine replicas
-behind the ingress; repeated-prefix HTTP requests land on one replica (the `x-pagedserve-replica`
-header names the replica that served it) whose engine reports the prefix as cached, and
-streaming, errors and the `openai` client work through it unchanged."""
+"""Routing between two engine replicas on a real local Ray cluster: one application whose
+ingress (with API keys) calls two replicas of the Serve deployment behind `PrefixAwareRouter`.
+
+- Through the ingress over HTTP: repeated-prefix requests land on one replica (the
+  `x-pagedserve-replica` header names the replica that served it) whose engine reports the
+  prefix as cached, and streaming, errors, disconnects and the `openai` client work through it
+  unchanged.
+- Through the engine deployment's handle: a prompt that repeats a prefix goes to the replica
+  that computed it, that replica's engine reports the prefix as cached (`num_cached_tokens`, the
+  engine's own count), and the KV directory holds the prefix for it.
+
+One application serves both (deploying two engine replicas is the slow part)."""
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import random
 import time
@@ -15,10 +24,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.http_api import REPLICA_HEADER
 from tests.serving.conftest import API_KEYS, MODEL, Served, engine_section, run_two_engine_app
+from tests.serving.routed_calls import RoutedClient, RoutedOutput
 
-PREFIX = "/ingress"
+APP, PREFIX = "routed", "/routed"
+PREFIX_TOKENS = 24  # 6 blocks of 4
+GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 ALICE = {"Authorization": "Bearer key-alice"}
 WORDS = [
     "paged",
@@ -36,7 +49,8 @@ WORDS = [
 
 @pytest.fixture(scope="module")
 def ingress_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
-    """A third application on the session's Serve instance: the ingress and two replicas."""
+    """The application on the session's Serve instance (the ingress and two engine replicas);
+    its HTTP base URL (handles reach it by name, APP)."""
     from ray import serve
 
     args = {
@@ -44,9 +58,9 @@ def ingress_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
         "engine": engine_section(tiny_model_dir),
         "api_keys": API_KEYS,
     }
-    run_two_engine_app("ingressed", PREFIX, args)
+    run_two_engine_app(APP, PREFIX, args)
     yield served.http_base + PREFIX
-    serve.delete("ingressed")
+    serve.delete(APP)
 
 
 def complete(base: str, prompt: str, **extra: object) -> httpx.Response:
@@ -143,3 +157,70 @@ def test_a_disconnect_through_the_ingress_aborts_and_frees_blocks(ingress_base: 
         after = replica_metrics(ingress_base, replica)
     assert after[running] == 0 and after[used] == 0
     assert after[generated] - before[replica][generated] < 300  # aborted, short of its 400
+
+
+async def run_one(client: RoutedClient, ids: list[int]) -> RoutedOutput:
+    result = await client.generate({"prompt_token_ids": ids}, GREEDY)
+    assert result.output.finished
+    return result
+
+
+def test_a_repeated_prefix_goes_to_the_replica_that_holds_it(ingress_base: str) -> None:
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(3, 250) for _ in range(PREFIX_TOKENS)] for _ in range(3)]
+
+    async def scenario() -> list[tuple[int, RoutedOutput]]:
+        client = await RoutedClient.connect(APP)
+        results = []
+        for _ in range(4):
+            for which, prefix in enumerate(prefixes):
+                tail = [rng.randrange(3, 250) for _ in range(3)]
+                results.append((which, await run_one(client, prefix + tail)))
+        return results
+
+    results = asyncio.run(scenario())
+    directory_check(results, prefixes)
+    replicas_by_prefix: dict[int, set[str]] = {}
+    for which, result in results:
+        replicas_by_prefix.setdefault(which, set()).add(result.replica_id)
+    assert all(len(replicas) == 1 for replicas in replicas_by_prefix.values()), replicas_by_prefix
+    repeats = results[len(prefixes) :]
+    assert all(r.output.num_cached_tokens >= PREFIX_TOKENS for _, r in repeats)
+    first_round = results[: len(prefixes)]
+    assert all(r.output.num_cached_tokens == 0 for _, r in first_round)
+
+
+def directory_check(results: list[tuple[int, RoutedOutput]], prefixes: list[list[int]]) -> None:
+    """The KV directory holds each served prefix, whole, for the replica that served it: the
+    hashes the engine replicas report are the chain the ingress computes for the prompt."""
+    import ray
+    from ray import serve
+
+    from block_manager import prompt_block_hashes
+    from cluster.serving.kv_directory import DIRECTORY_NAMESPACE, directory_name
+    from cluster.serving.serve_app import DEPLOYMENT_NAME
+
+    engine = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP)
+    directory = ray.get_actor(directory_name(APP), namespace=DIRECTORY_NAMESPACE)
+    description = engine.describe.remote().result()
+    key = description.keys.factory.key()  # a token-id prompt of the keyless tenant
+    served_by = {which: result.replica_id for which, result in results}
+    for which, prefix in enumerate(prefixes):
+        chain = prompt_block_hashes([*prefix, 0], key, description.block_size)
+        assert len(chain) == PREFIX_TOKENS // 4
+        deadline = time.monotonic() + 10  # the replica's next event batch may be in flight
+        while True:
+            holdings = ray.get(directory.query.remote(chain))
+            held = holdings.get(served_by[which])
+            if (held is not None and held.blocks == len(chain)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert held is not None and held.blocks == len(chain), holdings
+
+
+def test_a_prompt_without_hashes_is_still_served(ingress_base: str) -> None:
+    async def scenario() -> RoutedOutput:
+        return await (await RoutedClient.connect(APP)).generate("Hello there", GREEDY)
+
+    result = asyncio.run(scenario())
+    assert result.output.finished and len(result.output.outputs[0].token_ids) == 2
