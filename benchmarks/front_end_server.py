@@ -26,6 +26,7 @@ from cluster.engine.output_stream import RequestDelta
 from cluster.engine.tokenization import PromptRenderer
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.cli_serve import served_app_args
+from cluster.serving.engine_server import stream_as_replica
 from cluster.serving.frontend import FrontEnd
 from cluster.serving.http_api import build_http_api
 from cluster.serving.lora_admin import AdapterService
@@ -46,16 +47,8 @@ class StreamingEngine:
         self.engine = engine
         self.args = args
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
-        stream = self.engine.generate(
-            request, self.args.stream_interval, self.args.stream_chunks_per_step
-        )
-        try:
-            async for delta in stream:
-                delta.served_by = REPLICA_ID
-                yield delta
-        finally:
-            await stream.aclose()
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        return stream_as_replica(self.engine, request, self.args, REPLICA_ID)
 
 
 class LocalIngress:

@@ -62,6 +62,21 @@ HEARTBEAT_S = 1.0
 the directory's replica timeout)."""
 
 
+async def stream_as_replica(
+    engine: AsyncEngine, request: GenerateRequest, args: ServeAppArgs, replica_id: str
+) -> AsyncIterator[RequestDelta]:
+    """The engine's deltas for `request` paced as the application streams them
+    (`stream_interval`, `stream_chunks_per_step`), each marked `served_by` `replica_id`;
+    closing this stream closes the engine's, which aborts the request."""
+    stream = engine.generate(request, args.stream_interval, args.stream_chunks_per_step)
+    try:
+        async for delta in stream:
+            delta.served_by = replica_id
+            yield delta
+    finally:
+        await stream.aclose()
+
+
 @dataclass(frozen=True)
 class EngineDescription:
     """What an ingress needs to prepare requests exactly as the engines key and run them: the
@@ -182,15 +197,10 @@ class GenerationServer:
         the request on, e.g. a decode replica named by a disaggregated proxy) are read by the
         router only. Raises RequestRejected,
         EngineOverloaded, EngineDead like the engine, before the first delta."""
-        stream = self.engine.generate(
-            request, self.args.stream_interval, self.args.stream_chunks_per_step
-        )
-        try:
+        stream = stream_as_replica(self.engine, request, self.args, self.replica_id)
+        async with contextlib.aclosing(stream):
             async for delta in stream:
-                delta.served_by = self.replica_id
                 yield delta
-        finally:
-            await stream.aclose()
 
     async def metrics(self, target_replica: str | None = None) -> tuple[str, EngineMetrics]:
         """This replica's id and its engine's metrics (what /metrics and cache stats show);
