@@ -24,10 +24,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import FrameType
+from types import FrameType, MappingProxyType
 from typing import Any
 
 from cluster.serving.drain import POLL_PERIOD_S, SETTLE_S
@@ -122,10 +122,9 @@ def drain(board: RunnerBoard, grace_s: float, hurry: threading.Event) -> DrainRe
     return report
 
 
-LOCAL_CLUSTER_ENV = {
-    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
-    "RAY_num_workers_soft_limit": "0",
-}
+LOCAL_CLUSTER_ENV: Mapping[str, str] = MappingProxyType(
+    {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_num_workers_soft_limit": "0"}
+)
 """Settings a new local cluster's processes get unless the environment sets them:
 - Serve's controller runs its control loop every 0.5 s instead of 0.1 s (each pass fetches the
   cluster's node table from GCS, which at 0.1 s takes a noticeable share of a core beside engines
@@ -136,6 +135,19 @@ LOCAL_CLUSTER_ENV = {
   processes beside the engine"). A task then starts a worker (about a second); serving runs
   on actors only."""
 
+NO_DASHBOARD_CLUSTER_ENV: Mapping[str, str] = MappingProxyType(
+    {
+        "RAY_enable_metrics_collection": "0",
+        "RAY_task_events_report_interval_ms": "0",
+        "RAY_event_stats": "0",
+    }
+)
+"""...and, when that cluster has no dashboard to show them, no Ray metrics, no task events and
+no event-loop statistics: every Ray process records and reports them on timers, about 0.01
+cores of an idle server's 0.146 and 2 % of a served burst's output rate on 2 cores
+(benchmarks/README.md, "Ray's own bookkeeping off"). pagedserve's `/metrics` and Serve's
+autoscaling do not read them."""
+
 
 def cluster_options(address: str, ray_dashboard: bool) -> dict[str, Any]:
     """`ray.init` options beyond the address: a new local cluster (`address` "local") gets the
@@ -143,13 +155,17 @@ def cluster_options(address: str, ray_dashboard: bool) -> dict[str, Any]:
     return {"include_dashboard": ray_dashboard} if address == "local" else {}
 
 
-def local_cluster_env(address: str, environ: dict[str, str]) -> dict[str, str]:
+def local_cluster_env(
+    address: str, environ: Mapping[str, str], ray_dashboard: bool
+) -> dict[str, str]:
     """The variables to add to `environ` before `ray.init` starts a new local cluster (whose
-    processes inherit the driver's environment): `LOCAL_CLUSTER_ENV` less what `environ` already
-    sets. Nothing for an existing cluster, which is joined as it is."""
+    processes inherit the driver's environment): `LOCAL_CLUSTER_ENV`, with
+    `NO_DASHBOARD_CLUSTER_ENV` unless `ray_dashboard`, less what `environ` already sets. Nothing
+    for an existing cluster, which is joined as it is."""
     if address != "local":
         return {}
-    return {name: value for name, value in LOCAL_CLUSTER_ENV.items() if name not in environ}
+    wanted = {**LOCAL_CLUSTER_ENV, **({} if ray_dashboard else NO_DASHBOARD_CLUSTER_ENV)}
+    return {name: value for name, value in wanted.items() if name not in environ}
 
 
 def run_config(
@@ -172,7 +188,7 @@ def run_config(
     address = os.environ.get("RAY_ADDRESS") or "local"
     started_ray = not ray.is_initialized()
     if started_ray:
-        os.environ.update(local_cluster_env(address, dict(os.environ)))
+        os.environ.update(local_cluster_env(address, os.environ, ray_dashboard))
         ray.init(
             address=address, namespace=SERVE_NAMESPACE, **cluster_options(address, ray_dashboard)
         )

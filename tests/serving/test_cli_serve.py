@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 from pathlib import Path
 
 import pytest
@@ -185,9 +186,32 @@ def test_a_new_local_cluster_gets_a_slower_serve_control_loop_and_no_idle_worker
     from cluster.serving.serve_runner import local_cluster_env
 
     interval, idle = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_num_workers_soft_limit"
-    assert local_cluster_env("local", {}) == {interval: "0.5", idle: "0"}
-    assert local_cluster_env("local", {interval: "0.1"}) == {idle: "0"}  # the user's stands
-    assert local_cluster_env("ray://head:10001", {}) == {}  # an existing cluster: as it is
+    with_dashboard = local_cluster_env("local", {}, ray_dashboard=True)
+    assert with_dashboard == {interval: "0.5", idle: "0"}
+    user_set = local_cluster_env("local", {interval: "0.1"}, ray_dashboard=True)
+    assert user_set == {idle: "0"}  # the user's stands
+    assert local_cluster_env("ray://head:10001", {}, ray_dashboard=False) == {}  # as it is
+
+
+def test_without_a_dashboard_ray_keeps_no_metrics_task_events_or_loop_stats() -> None:
+    """The names must be Ray's own config keys: a misspelt RAY_ variable is silently ignored."""
+    import ray
+
+    from cluster.serving.serve_runner import local_cluster_env
+
+    quiet = {
+        "RAY_enable_metrics_collection": "0",
+        "RAY_task_events_report_interval_ms": "0",
+        "RAY_event_stats": "0",
+    }
+    env = local_cluster_env("local", {}, ray_dashboard=False)
+    assert quiet.items() <= env.items()
+    assert not quiet.keys() & local_cluster_env("local", {}, ray_dashboard=True).keys()
+    assert "RAY_event_stats" not in local_cluster_env("local", {"RAY_event_stats": "1"}, False)
+    raylet = pathlib.Path(ray.__file__).parent / "core/src/ray/raylet/raylet"
+    known = raylet.read_bytes()
+    for name in quiet:
+        assert name.encode() + b"\0" in known, f"{name} is not a Ray config key"
 
 
 def test_stream_interval_comes_from_the_flag_else_the_shipped_config() -> None:
