@@ -12,8 +12,9 @@
 
 Both get the same prompt token ids; each side runs a short warm-up first and is timed on the
 whole batch. It prints output tok/s per side, ``ours_over_openvino`` and the fraction of prompts
-whose greedy tokens agree exactly (the two compute in different precisions, so near ties may
-differ). A missing OpenVINO venv makes that side ``skipped`` with the reason.
+whose greedy tokens agree exactly, with the mean number of leading tokens the two sides share
+(the two compute in different precisions, so near ties may differ). A missing OpenVINO venv
+makes that side ``skipped`` with the reason.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ from benchmarks.chat_corpus import chat_prompts
 
 RUNNER = Path(__file__).with_name("openvino_runner.py")
 ENV_VAR = "PAGEDSERVE_OPENVINO_PYTHON"
+
+
+def common_prefix_length(ours: list[int], theirs: list[int]) -> int:
+    """How many leading tokens two generations share."""
+    for position, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        if a != b:
+            return position
+    return min(len(ours), len(theirs))
 
 
 def openvino_python(explicit: str | None) -> Path | None:
@@ -121,14 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     ours, theirs = sides.get("pagedserve", {}), sides.get("openvino", {})
     ratio = None
     agree = None
+    common_prefix = None
     if "output_tok_s" in ours and "output_tok_s" in theirs:
         ratio = ours["output_tok_s"] / theirs["output_tok_s"]
-        pairs = zip(ours["outputs"], theirs["outputs"], strict=True)
+        pairs = list(zip(ours["outputs"], theirs["outputs"], strict=True))
         agree = sum(a == b for a, b in pairs) / len(prompts)
+        common_prefix = sum(common_prefix_length(a, b) for a, b in pairs) / len(prompts)
     result = {
         "benchmark": "vs_openvino",
         "ours_over_openvino": ratio,
         "greedy_agreement": agree,
+        "greedy_common_prefix_tokens_mean": common_prefix,
         "cpu": CpuFeatures.detect().kind,
         "prompts": len(prompts),
         "prompt_tokens": {"min": min(map(len, prompts)), "max": max(map(len, prompts))},
