@@ -1,8 +1,9 @@
 """OpenVINO GenAI's side of `benchmarks.vs_openvino`, run by the OpenVINO venv's own Python.
 
 Imports only the standard library, numpy and openvino_genai (never this project): reads a JSON
-file `{"model": path.gguf, "prompts": [[token ids]...], "max_tokens": N, "warmup": [[ids]]}`,
-builds `ContinuousBatchingPipeline(model, SchedulerConfig(), "CPU")` with prefix caching on,
+file `{"model": path.gguf, "prompts": [[token ids]...], "max_tokens": N, "warmup": [[ids]],
+"properties": {CPU plugin properties}}`, builds `ContinuousBatchingPipeline(model,
+SchedulerConfig(), "CPU", properties)` with prefix caching on,
 generates greedily with EOS ignored, and prints one JSON object: wall seconds of the timed
 generate call, output token ids per prompt, and the scheduler settings used.
 """
@@ -34,7 +35,9 @@ def main() -> int:
     scheduler = genai.SchedulerConfig()
     scheduler.enable_prefix_caching = True
     began = time.perf_counter()
-    pipe = genai.ContinuousBatchingPipeline(spec["model"], scheduler, "CPU")
+    pipe = genai.ContinuousBatchingPipeline(
+        spec["model"], scheduler, "CPU", spec.get("properties", {})
+    )
     load_s = time.perf_counter() - began
     generate(pipe, spec["warmup"], 8)
     began = time.perf_counter()

@@ -5,7 +5,8 @@
 `--max-tokens` greedy tokens per prompt (EOS ignored) with all prompts submitted at once:
 
 - OpenVINO GenAI's ``ContinuousBatchingPipeline(model.gguf, SchedulerConfig(), "CPU")`` (paged
-  attention, continuous batching, prefix caching on), in its own virtual environment outside the
+  attention, continuous batching, prefix caching on; ``--openvino-properties`` passes CPU plugin
+  properties), in its own virtual environment outside the
   repository (``--openvino-python``, else ``$PAGEDSERVE_OPENVINO_PYTHON``, else
   ``~/.cache/pagedserve/openvino-genai/bin/python``; made with ``pip install openvino-genai``);
 - ours: ``LLM()`` with its defaults (``--llm-args`` adds keyword arguments as JSON).
@@ -53,9 +54,20 @@ def openvino_python(explicit: str | None) -> Path | None:
 
 
 def run_openvino(
-    python: Path, model: Path, prompts: list[list[int]], warmup: list[list[int]], max_tokens: int
+    python: Path,
+    model: Path,
+    prompts: list[list[int]],
+    warmup: list[list[int]],
+    max_tokens: int,
+    properties: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    spec = {"model": str(model), "prompts": prompts, "warmup": warmup, "max_tokens": max_tokens}
+    spec = {
+        "model": str(model),
+        "prompts": prompts,
+        "warmup": warmup,
+        "max_tokens": max_tokens,
+        "properties": properties or {},
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json") as handle:
         json.dump(spec, handle)
         handle.flush()
@@ -97,6 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--openvino-python", help=f"OpenVINO venv's python (else ${ENV_VAR})")
     parser.add_argument("--llm-args", default="{}", help="JSON keyword arguments for LLM()")
+    parser.add_argument(
+        "--openvino-properties",
+        default="{}",
+        help="JSON properties for OpenVINO's CPU plugin, e.g. "
+        '\'{"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", '
+        '"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}\' (no compression, no int8 activations)',
+    )
     parser.add_argument("--only", choices=("ours", "openvino"), help="run one side")
     args = parser.parse_args(argv)
 
@@ -117,7 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "ours":
         python = openvino_python(args.openvino_python)
         sides["openvino"] = (
-            run_openvino(python, model, prompts, warmup, args.max_tokens)
+            run_openvino(
+                python,
+                model,
+                prompts,
+                warmup,
+                args.max_tokens,
+                json.loads(args.openvino_properties),
+            )
             if python is not None
             else {"skipped": "no OpenVINO GenAI venv (pip install openvino-genai in one)"}
         )
