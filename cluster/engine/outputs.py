@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 
@@ -31,13 +32,49 @@ class RequestMetrics:
         return sum(self.inter_token_times) / len(self.inter_token_times)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """vLLM's `Logprob`: one candidate token's log-probability at a position and its rank among
+    that position's candidates (1 is the most likely; None where it is not among the top
+    alternatives computed). `decoded_token` is always None here: the text is the output's."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
-class Logprob:
-    """One generated token's log-probability and the top alternatives (token id -> logprob)."""
+class Logprob(Mapping[int, TokenLogprob]):
+    """One generated position's log-probabilities: the sampled token (`token_id`, `logprob`) and
+    the top alternatives (`top`, token id -> logprob).
+
+    It also reads as vLLM's per-position `dict[int, Logprob]`: token id -> `TokenLogprob`, the
+    sampled token first, then the alternatives from the most likely down, so
+    `output.logprobs[i][output.token_ids[i]].logprob` works as it does with vLLM. A position
+    without a sampled log-probability maps only its alternatives."""
 
     token_id: int
     logprob: float | None
     top: dict[int, float] = field(default_factory=dict)
+
+    def _ranked(self) -> dict[int, TokenLogprob]:
+        ranked = sorted(self.top.items(), key=lambda item: -item[1])
+        ranks = {token_id: rank for rank, (token_id, _) in enumerate(ranked, start=1)}
+        entries: dict[int, TokenLogprob] = {}
+        if self.logprob is not None:
+            entries[self.token_id] = TokenLogprob(self.logprob, ranks.get(self.token_id))
+        for token_id, logprob in ranked:
+            entries.setdefault(token_id, TokenLogprob(logprob, ranks[token_id]))
+        return entries
+
+    def __getitem__(self, token_id: int) -> TokenLogprob:
+        return self._ranked()[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ranked())
+
+    def __len__(self) -> int:
+        return len(self._ranked())
 
 
 @dataclass

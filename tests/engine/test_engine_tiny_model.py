@@ -117,3 +117,34 @@ def test_stop_string_spanning_tokens_on_the_real_workers(
         stopped = llm.generate(prompt, dataclasses.replace(GREEDY, stop=[stop]))[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
     assert stopped.text == text[: text.find(stop)]
+
+
+def test_logprobs_read_as_vllms_dict_per_position_and_equal_hf(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    """`completion.logprobs[i]` reads as vLLM's `dict[int, Logprob]`: the sampled token first,
+    then the top alternatives by rank, each value with `.logprob` and `.rank`; the numbers are
+    HF transformers' log-softmax over the same tokens."""
+    top_k = 3
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=top_k)
+    with LLM(config=tiny_config(tiny_model_dir)) as llm:
+        (output,) = llm.generate([PROMPTS[1]], params)
+    completion = output.outputs[0]
+    ids = output.prompt_token_ids + completion.token_ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    reference = torch.log_softmax(logits, dim=-1)[len(output.prompt_token_ids) - 1 : -1]
+    assert completion.logprobs is not None and len(completion.logprobs) == len(reference)
+    for token_id, position, expected in zip(
+        completion.token_ids, completion.logprobs, reference, strict=True
+    ):
+        assert next(iter(position)) == token_id  # the sampled token first, as vLLM orders it
+        assert position[token_id].rank == 1  # greedy: the most likely token
+        assert position[token_id].logprob == pytest.approx(expected[token_id].item(), abs=1e-4)
+        best = torch.topk(expected, top_k)
+        assert list(position) == best.indices.tolist()
+        assert [entry.rank for entry in position.values()] == list(range(1, top_k + 1))
+        for token, logprob in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+            assert position[token].logprob == pytest.approx(logprob, abs=1e-4)
+        assert 10**9 not in position and len(dict(position)) == top_k
