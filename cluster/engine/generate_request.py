@@ -26,7 +26,8 @@ from cluster.kv_transfer.hint import KVSourceHint
 from workers.plan import SampledToken
 
 PromptInput = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
-"""Text, chat messages (a list of {"role", "content"}) or {"prompt_token_ids": [...]}."""
+"""Text, chat messages (a list of {"role", "content"}), {"prompt_token_ids": [...]} or
+{"prompt": text}."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,9 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
 from cluster.engine.config import EngineConfig, SpeculativeSettings
 from cluster.engine.engine_core import EngineCore
 from cluster.engine.errors import ConfigError, RequestFailed, RequestRejected
@@ -64,15 +67,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Text prompts or {"prompt_token_ids": [...]} dicts; one result per prompt, in order.
+        """Text prompts, {"prompt": text} or {"prompt_token_ids": [...]} dicts; one result per
+        prompt, in order.
 
         `lora_request`: one adapter for every prompt, or one (or None: the base model) per
-        prompt. An adapter not loaded yet is loaded first (as vLLM does)."""
+        prompt. An adapter not loaded yet is loaded first (as vLLM does). `use_tqdm` shows a
+        progress bar of finished requests on a terminal (as vLLM does; never in a pipe)."""
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         prompts = list(prompts)
-        return self._run(prompts, sampling_params, chat_template=None, lora=lora_request)
+        return self._run(
+            prompts, sampling_params, chat_template=None, lora=lora_request, use_tqdm=use_tqdm
+        )
 
     def chat(
         self,
@@ -81,16 +89,26 @@ class LLM:
         *,
         chat_template: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; rendered with the chat template.
-        `lora_request` as in `generate`."""
+        `lora_request` and `use_tqdm` as in `generate`."""
         if messages and isinstance(messages[0], Mapping):
             conversations: list[Any] = [messages]
         else:
             conversations = list(messages)
         return self._run(
-            conversations, sampling_params, chat_template=chat_template, lora=lora_request
+            conversations,
+            sampling_params,
+            chat_template=chat_template,
+            lora=lora_request,
+            use_tqdm=use_tqdm,
         )
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer every prompt is encoded and every output decoded with (vLLM's
+        `LLM.get_tokenizer`)."""
+        return self.engine.request_builder.renderer.tokenizer
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Loads and serves an adapter (see `EngineCore.add_lora`)."""
@@ -122,6 +140,7 @@ class LLM:
         *,
         chat_template: str | None,
         lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
         adapters = _per_prompt_lora(lora, len(prompts))
@@ -148,6 +167,8 @@ class LLM:
             raise
         finals: dict[str, RequestOutput] = {}
         pipeline = self._pipeline
+        # disable=None: a bar only on a terminal
+        progress = tqdm(total=len(ids), desc="generate", disable=None if use_tqdm else True)
         try:
             while (in_flight := pipeline.start()) is not None:
                 pipeline.advance(in_flight.result())
@@ -159,7 +180,9 @@ class LLM:
                         raise error(f"request {request.request_id}: {request.error}")
                     if request.finished:  # its first output: its deltas cover everything
                         finals[request.request_id] = request.make_output()
+                        progress.update()
         finally:  # a step launched ahead of an error ends here, its tokens dropped
+            progress.close()
             pipeline.drain(Future.result)
         return [finals[i] for i in ids]
 

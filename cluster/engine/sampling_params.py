@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from cluster.engine.structured_outputs import StructuredOutputsParams
@@ -78,6 +79,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def clone(self) -> SamplingParams:
+        """An independent copy (vLLM's `SamplingParams.clone`): changing its lists leaves this
+        one as it is."""
+        return copy.deepcopy(self)
 
     def to_settings(self, seed: int) -> SamplingSettings:
         """The worker-side settings; `seed` is the request's effective seed."""

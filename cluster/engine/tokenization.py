@@ -85,8 +85,13 @@ class PromptRenderer:
         chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> RenderedPrompt:
-        """Text, chat messages (a list of {"role", "content"}) or {"prompt_token_ids": [...]};
-        `tools` (OpenAI's tool definitions) are passed to the chat template."""
+        """Text, chat messages (a list of {"role", "content"}), {"prompt_token_ids": [...]} or
+        {"prompt": text} (vLLM's `TokensPrompt` and `TextPrompt`); `tools` (OpenAI's tool
+        definitions) are passed to the chat template."""
+        if isinstance(prompt, Mapping) and set(prompt) == {"prompt"}:
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise RequestRejected(f"'prompt' must be a string, got {type(prompt).__name__}")
         if isinstance(prompt, str):
             return RenderedPrompt(token_ids=self.encode(prompt), text=prompt)
         if isinstance(prompt, Mapping):
@@ -165,7 +170,7 @@ class PromptRenderer:
     def _from_token_ids(self, prompt: Mapping[str, Any]) -> RenderedPrompt:
         if set(prompt) != {"prompt_token_ids"}:
             raise RequestRejected(
-                "a dict prompt must be exactly {'prompt_token_ids': [...]}, "
+                "a dict prompt must be exactly {'prompt_token_ids': [...]} or {'prompt': text}, "
                 f"got keys {sorted(prompt)}"
             )
         ids = prompt["prompt_token_ids"]

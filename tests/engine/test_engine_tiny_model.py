@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+from cluster.engine.errors import RequestRejected
 from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
@@ -148,3 +149,27 @@ def test_logprobs_read_as_vllms_dict_per_position_and_equal_hf(
         for token, logprob in zip(best.indices.tolist(), best.values.tolist(), strict=True):
             assert position[token].logprob == pytest.approx(logprob, abs=1e-4)
         assert 10**9 not in position and len(dict(position)) == top_k
+
+
+def test_vllms_offline_calls_work_as_with_vllm(tiny_model_dir: pathlib.Path) -> None:
+    """vLLM's text and token prompt dicts, `use_tqdm`, `get_tokenizer` and
+    `SamplingParams.clone` (a script written for vLLM's `LLM` runs unchanged)."""
+    text = PROMPTS[1]
+    with LLM(config=tiny_config(tiny_model_dir)) as llm:
+        tokenizer = llm.get_tokenizer()
+        ids = tokenizer(text)["input_ids"]
+        plain, as_text, as_ids = llm.generate(
+            [text, {"prompt": text}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False
+        )
+        (chatted,) = llm.chat([{"role": "user", "content": text}], GREEDY, use_tqdm=True)
+        with pytest.raises(RequestRejected, match="'prompt' must be a string"):
+            llm.generate({"prompt": ids})
+        assert_all_free(llm)
+    assert plain.prompt_token_ids == as_text.prompt_token_ids == as_ids.prompt_token_ids == ids
+    assert as_text.prompt == text and as_ids.prompt is None
+    assert plain.outputs[0].token_ids == as_text.outputs[0].token_ids == as_ids.outputs[0].token_ids
+    assert len(chatted.outputs[0].token_ids) == GREEDY.max_tokens
+    params = SamplingParams(stop=["x"], max_tokens=3)
+    twin = params.clone()
+    twin.stop.append("y")
+    assert params.stop == ["x"] and twin == SamplingParams(stop=["x", "y"], max_tokens=3)
