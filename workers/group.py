@@ -37,6 +37,7 @@ from workers.placeholders import PlaceholderFiller
 from workers.placement import RankPlacement, local_device, place_ranks
 from workers.plan import StepOutput, StepPlan
 from workers.rank import WorkerRank
+from workers.rank_results import gather, gather_async
 from workers.rank_thread import RankThread
 from workers.weights_digest import default_cache_root
 
@@ -248,12 +249,11 @@ class WorkerGroup:
         if self._local is not None:
             output, logits = self._rank_thread.call(self._run_local, plan, keep_logits)
         else:
-            import ray
 
             def run_on_ranks(filled: StepPlan) -> tuple[StepOutput | None, torch.Tensor | None]:
                 plan_ref = self._shared(filled)
                 refs = [a.execute_with_logits.remote(plan_ref, keep_logits) for a in self._actors]
-                return ray.get(refs)[0]
+                return gather(refs)[0]
 
             output, logits = self._placeholders.run(plan, run_on_ranks)
         assert output is not None
@@ -271,7 +271,7 @@ class WorkerGroup:
 
             async def run_on_ranks(filled: StepPlan) -> tuple[StepOutput | None, None]:
                 plan_ref = self._shared(filled)
-                outputs = await asyncio.gather(*[a.execute.remote(plan_ref) for a in self._actors])
+                outputs = await gather_async([a.execute.remote(plan_ref) for a in self._actors])
                 return outputs[0], None
 
             async with self._ray_order:
