@@ -10,6 +10,7 @@ error) means the workers are broken.
 from __future__ import annotations
 
 from workers.plan import PlanRejected
+from workers.rank_results import is_actor_death
 
 
 def blamed_sequences(error: BaseException) -> frozenset[int]:
@@ -30,7 +31,7 @@ def step_failure_is_attributable(error: BaseException) -> bool:
         from ray import exceptions as ray_errors
     except ImportError:  # pragma: no cover - ray is a dependency
         return isinstance(error, ValueError)
-    if isinstance(error, ray_errors.RayActorError | ray_errors.ActorUnavailableError):
+    if is_actor_death(error):
         return False
     if isinstance(error, ray_errors.RayTaskError):
         return isinstance(error.cause, ValueError)

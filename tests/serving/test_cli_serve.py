@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import pathlib
 from pathlib import Path
 
 import pytest
@@ -208,7 +207,7 @@ def test_without_a_dashboard_ray_keeps_no_metrics_task_events_or_loop_stats() ->
     assert quiet.items() <= env.items()
     assert not quiet.keys() & local_cluster_env("local", {}, ray_dashboard=True).keys()
     assert "RAY_event_stats" not in local_cluster_env("local", {"RAY_event_stats": "1"}, False)
-    raylet = pathlib.Path(ray.__file__).parent / "core/src/ray/raylet/raylet"
+    raylet = Path(ray.__file__).parent / "core/src/ray/raylet/raylet"
     known = raylet.read_bytes()
     for name in quiet:
         assert name.encode() + b"\0" in known, f"{name} is not a Ray config key"
