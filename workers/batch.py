@@ -1,9 +1,12 @@
 """Per-sequence state cached on a rank, and the packed batch a `StepPlan` turns into.
 
 Plans carry deltas only (see `workers.plan`): the rank keeps each sequence's block table and
-sampling settings here. Order within one plan: forks, then releases, then the sequences' table
-splices and settings, so a sequence released and re-scheduled in one plan starts afresh. A plan
-that fails validation leaves the cached state as it was.
+sampling settings here, and, when its penalties read earlier tokens, every token it was fed by
+position (its `history`: truncated to each work's `start_pos` and extended by its tokens, so
+speculative drafts a later step rewinds are dropped). Order within one plan: forks, then
+releases, then the sequences' table splices and settings, so a sequence released and
+re-scheduled in one plan starts afresh. A plan that fails validation leaves the cached state
+as it was.
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ class SequenceState:
 
     block_table: list[int] = field(default_factory=list)
     sampling: SamplingSettings | None = None
+    history: list[int] | None = None
+    """The tokens at positions `[0, end of its last work)`, kept only when `sampling` needs
+    them."""
+
+    def copy(self) -> SequenceState:
+        history = None if self.history is None else list(self.history)
+        return SequenceState(list(self.block_table), self.sampling, history)
 
 
 @dataclass
@@ -69,7 +79,7 @@ class SequenceRegistry:
 
     def _copy(self, seq_id: int) -> SequenceState | None:
         state = self.states.get(seq_id)
-        return None if state is None else SequenceState(list(state.block_table), state.sampling)
+        return None if state is None else state.copy()
 
     def _apply(self, plan: StepPlan) -> None:
         for parent, child in plan.forks:
@@ -77,8 +87,7 @@ class SequenceRegistry:
                 raise PlanRejected(
                     f"step {plan.step_id}: fork of unknown sequence {parent}", (child,)
                 )
-            source = self.states[parent]
-            self.states[child] = SequenceState(list(source.block_table), source.sampling)
+            self.states[child] = self.states[parent].copy()
         for seq_id in plan.released:
             self.states.pop(seq_id, None)
         for work in plan.sequences:
@@ -93,6 +102,16 @@ class SequenceRegistry:
             state.block_table.extend(work.table_blocks)
             if work.sampling is not None:
                 state.sampling = work.sampling
+                state.history = None if work.history is None else list(work.history)
+            if state.history is not None:
+                if work.start_pos > len(state.history):
+                    raise PlanRejected(
+                        f"step {plan.step_id}: sequence {work.seq_id} starts at {work.start_pos} "
+                        f"but only {len(state.history)} of its tokens are known",
+                        (work.seq_id,),
+                    )
+                del state.history[work.start_pos :]
+                state.history.extend(work.token_ids)
 
 
 def _check_work(plan: StepPlan, work: SequenceWork, state: SequenceState, block_size: int) -> None:
@@ -134,6 +153,12 @@ def _check_work(plan: StepPlan, work: SequenceWork, state: SequenceState, block_
         raise PlanRejected(
             f"step {plan.step_id}: sequence {work.seq_id} asks for samples but no sampling "
             "settings were ever sent for it",
+            (work.seq_id,),
+        )
+    if work.num_samples > 0 and state.sampling.needs_history and state.history is None:
+        raise PlanRejected(
+            f"step {plan.step_id}: sequence {work.seq_id} has penalties but its earlier tokens "
+            "were never sent",
             (work.seq_id,),
         )
 
@@ -188,9 +213,15 @@ def pack_batch(
                 logits_rows.append(len(token_ids) - 1)
                 sample_seq_ids.append(work.seq_id)
                 bitmask = None if work.token_bitmask is None else work.token_bitmask[position]
+                history = None if state.history is None else state.history[:end]
                 requests.append(
                     SampleRequest(
-                        state.sampling, work.num_samples, work.branch_index, output_index, bitmask
+                        state.sampling,
+                        work.num_samples,
+                        work.branch_index,
+                        output_index,
+                        bitmask,
+                        history,
                     )
                 )
     width = max((len(t) for t in tables), default=0)

@@ -49,6 +49,34 @@ class SamplingSettings:
     top_k: int = 0
     seed: int = 0
     logprobs: int | None = None
+    min_p: float = 0.0
+    """Keep only tokens at least `min_p` times as likely as the most likely one (after the
+    temperature); 0 disables it."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """OpenAI's presence and frequency penalties (subtracted from the logits of tokens already in
+    the output, once / once per occurrence) and the CTRL repetition penalty (a positive logit of
+    a token already in the prompt or output divided by it, a negative one multiplied)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before everything else but the grammar mask."""
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    """While fewer than `min_tokens` tokens are out, these (the request's stop token ids and, unless
+    it ignores EOS, the model's EOS ids) cannot be drawn."""
+    prompt_len: int = 0
+    """The sequence's first `prompt_len` tokens are its prompt: the repetition penalty counts
+    them, the presence and frequency penalties count only the tokens after them."""
+
+    @property
+    def needs_history(self) -> bool:
+        """A penalty reads the sequence's earlier tokens (the rank keeps them, see
+        `SequenceWork.history`)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 @dataclass
@@ -88,6 +116,10 @@ class SequenceWork:
     placeholder: bool = False
     """Async scheduling: `token_ids` is one `PLACEHOLDER_TOKEN_ID`, to be replaced by the token
     this sequence sampled in the plan `StepPlan.placeholders_of` (see `workers.placeholders`)."""
+    history: list[int] | None = None
+    """Sent with `sampling` when its penalties read earlier tokens (`needs_history`): the
+    sequence's tokens at positions `[0, start_pos)`. The rank then keeps every token it is fed,
+    by position, so a draw at position p sees the tokens at `[0, p]`."""
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,15 @@ def check_fits(
     settings: SchedulerSettings,
     block_size: int,
     block_manager: KVManager,
+    vocab_size: int,
 ) -> None:
-    """RequestRejected when the prompt and its `n` branches can never be served here."""
+    """RequestRejected when the prompt and its `n` branches can never be served here, or a
+    token id its parameters name is outside the vocabulary."""
+    outside = sorted(t for t in (params.logit_bias or {}) if t >= vocab_size)
+    if outside:
+        raise RequestRejected(
+            f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab_size})"
+        )
     if len(ids) >= max_model_len:
         raise RequestRejected(
             f"the prompt has {len(ids)} tokens; the model's context is {max_model_len} "

@@ -112,7 +112,8 @@ class TextTracker:
 
     Without stop strings nothing reads the text while tokens arrive, so their pieces are kept
     as they come and joined when `text` is read (appending each to one growing string would
-    copy it whole once per token)."""
+    copy it whole once per token). Stop strings are looked for only once more than
+    `min_tokens` tokens are in, and only in the text that came after that (as vLLM does)."""
 
     def __init__(
         self,
@@ -120,9 +121,15 @@ class TextTracker:
         stop: Sequence[str],
         *,
         include_stop_str_in_output: bool,
+        min_tokens: int = 0,
     ) -> None:
         self._detokenizer = detokenizer
         self._stop = tuple(stop)
+        self._min_tokens = min_tokens
+        self._tokens = 0
+        self._stop_floor = 0
+        """Stop strings are searched for from this character on (the text before it came while
+        `min_tokens` held them off)."""
         self._include_stop = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._text = ""
@@ -144,10 +151,12 @@ class TextTracker:
 
     def add_tokens(self, token_ids: Sequence[int]) -> StopMatch | None:
         """Extend the text; on a stop string the text is cut there and the match returned."""
+        self._tokens += len(token_ids)
         return self._extend(self._detokenizer.add_tokens(token_ids))
 
     def add_token(self, token_id: int) -> StopMatch | None:
         """`add_tokens([token_id])` (one decode step's token)."""
+        self._tokens += 1
         new_text = self._detokenizer.add_token(token_id)
         if not new_text:
             return None
@@ -163,7 +172,11 @@ class TextTracker:
     def _extend(self, new_text: str) -> StopMatch | None:
         if not new_text:
             return None
-        search_from = max(0, len(self.text) - self._max_stop_len + 1)
+        if self._tokens <= self._min_tokens:
+            self.text += new_text
+            self._stop_floor = len(self.text)
+            return None
+        search_from = max(self._stop_floor, len(self.text) - self._max_stop_len + 1)
         self.text += new_text
         match = self._find_stop(search_from)
         if match is not None:
@@ -198,7 +211,7 @@ class TextTracker:
         """Length of the longest text suffix that is a proper prefix of some stop string."""
         longest = 0
         for stop in self._stop:
-            for length in range(min(len(stop) - 1, len(self.text)), longest, -1):
+            for length in range(min(len(stop) - 1, len(self.text) - self._stop_floor), longest, -1):
                 if self.text.endswith(stop[:length]):
                     longest = length
                     break

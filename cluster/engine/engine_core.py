@@ -164,6 +164,7 @@ class EngineCore:
             settings=self.config.scheduler,
             block_size=self.config.cache.block_size,
             block_manager=self.block_manager,
+            vocab_size=self.renderer.vocab_size,
         )
         cache_key = self.cache_key_for(generate)
         max_tokens = self.max_model_len - len(ids)
@@ -179,7 +180,7 @@ class EngineCore:
             prompt=generate.prompt.text,
             prompt_token_ids=list(ids),
             params=params,
-            settings=params.to_settings(seed),
+            settings=params.to_settings(seed, len(ids), self.limits.eos_token_ids),
             cache_key=cache_key,
             max_tokens=max_tokens,
             branches=[
@@ -437,6 +438,7 @@ class EngineCore:
                 detokenizer,
                 params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
             ),
             grammar=None if constraint is None else constraint.new_matcher(),
         )

@@ -3,10 +3,11 @@
 `append_sampled_token` is the part the next step's plan depends on: a constrained branch's
 grammar accepts the token first (a token it refuses is an error: the mask rank 0 applied allows
 none), the token joins `token_ids`, and the checks that need no text end the branch: EOS (unless
-`ignore_eos`) or a stop token id, the grammar terminated, `max_tokens`, the model's context
-length. `apply_token_text` is the rest (log-probability, detokenization, stop strings); with
-async scheduling it runs while the next step executes, so a stop string can only end a branch
-one step late (`EngineCore.settle_step` drops the token computed meanwhile).
+`ignore_eos`) or a stop token id (once `min_tokens` tokens are out), the grammar terminated,
+`max_tokens`, the model's context length. `apply_token_text` is the rest (log-probability,
+detokenization, stop strings); with async scheduling it runs while the next step executes, so
+a stop string can only end a branch one step late (`EngineCore.settle_step` drops the token
+computed meanwhile).
 
 Together, in that order, they decide exactly what one pass decides with these precedences: EOS /
 stop token id, then a stop string in the text, then the grammar terminated (finish_reason
@@ -63,7 +64,8 @@ def append_sampled_token(
     branch.output_token_ids.append(token)
     params = request.params
     is_stop_id = token in params.stop_token_ids
-    if is_stop_id or (not params.ignore_eos and token in limits.eos_token_ids):
+    stoppable = len(branch.output_token_ids) >= params.min_tokens
+    if stoppable and (is_stop_id or (not params.ignore_eos and token in limits.eos_token_ids)):
         branch.finish_reason = "stop"
         branch.stop_reason = token if is_stop_id else None
         return TokenEnd.STOP_TOKEN

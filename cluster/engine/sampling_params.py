@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from cluster.engine.structured_outputs import StructuredOutputsParams
@@ -21,6 +23,15 @@ class SamplingParams:
     `structured_outputs` constrains every branch's output to a JSON schema, regex, choice or
     grammar (see `cluster.engine.structured_outputs`); a branch whose grammar completes ends with
     finish_reason "stop".
+
+    As in vLLM: `presence_penalty` and `frequency_penalty` (in [-2, 2], OpenAI's) lower the
+    logits of tokens already in the branch's output, once or once per occurrence;
+    `repetition_penalty` (> 0, 1 disables it) divides the positive logits of tokens already in
+    the prompt or output and multiplies the negative ones; `min_p` (in [0, 1]) keeps the tokens
+    at least that fraction as likely as the most likely one; `logit_bias` adds to token ids'
+    logits; until `min_tokens` tokens are out, EOS and `stop_token_ids` cannot be drawn and stop
+    strings do not end the branch. These apply to greedy decoding too; reported
+    log-probabilities stay the model's own.
     """
 
     n: int = 1
@@ -36,6 +47,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +92,38 @@ class SamplingParams:
             "structured_outputs must be None or a StructuredOutputsParams, got "
             f"{type(self.structured_outputs).__name__}",
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(
+                _is_number(value) and -2.0 <= value <= 2.0,
+                f"{name} must be in [-2, 2], got {value!r}",
+            )
+        _require(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+        )
+        _require(
+            _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            f"min_p must be in [0, 1], got {self.min_p!r}",
+        )
+        _require(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            f"min_tokens must be an int >= 0, got {self.min_tokens!r}",
+        )
+        _require(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
+        if self.logit_bias is not None:
+            _require(
+                isinstance(self.logit_bias, dict)
+                and all(
+                    isinstance(token, int) and token >= 0 and _is_number(bias)
+                    for token, bias in self.logit_bias.items()
+                ),
+                "logit_bias must map token ids (ints >= 0) to finite numbers, got "
+                f"{self.logit_bias!r}",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -85,15 +134,33 @@ class SamplingParams:
         one as it is."""
         return copy.deepcopy(self)
 
-    def to_settings(self, seed: int) -> SamplingSettings:
-        """The worker-side settings; `seed` is the request's effective seed."""
+    def to_settings(
+        self, seed: int, prompt_len: int = 0, eos_token_ids: Collection[int] = ()
+    ) -> SamplingSettings:
+        """The worker-side settings; `seed` is the request's effective seed, `prompt_len` its
+        prompt's length (what the frequency and presence penalties leave out) and
+        `eos_token_ids` the model's (banned before `min_tokens` unless `ignore_eos`)."""
+        stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
         return SamplingSettings(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
             seed=seed,
             logprobs=self.logprobs,
+            min_p=float(self.min_p),
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
+            logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+            min_tokens=self.min_tokens,
+            stop_token_ids=tuple(sorted(stops)) if self.min_tokens else (),
+            prompt_len=prompt_len,
         )
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _require(condition: bool, message: str) -> None:

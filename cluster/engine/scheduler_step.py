@@ -93,11 +93,15 @@ def sequence_work(
     bitmask: object,
     placeholder: bool,
 ) -> SequenceWork:
-    """The branch's `SequenceWork` for tokens from `start` (the table delta taken now).
+    """The branch's `SequenceWork` for tokens from `start` (the table delta taken now; the
+    settings and, when its penalties need them, the tokens before `start`, the first time the
+    worker sees the branch).
     A placeholder (async scheduling's one token for the token in flight) has its output
     index one past the branch's. The dataclass is built by position: keyword arguments cost
     more than the rest of the construction, once per sequence per step."""
     table_start, table_blocks = bm.take_table_delta(branch.seq_id)
+    settings = None if branch.worker_knows else request.settings
+    history = branch.token_ids[:start] if settings is not None and settings.needs_history else None
     work = SequenceWork(
         branch.seq_id,
         token_ids,
@@ -107,11 +111,12 @@ def sequence_work(
         num_samples,
         branch.index,  # branch_index
         len(branch.output_token_ids) + placeholder,  # output_index
-        None if branch.worker_knows else request.settings,  # sampling
+        settings,  # sampling
         -1,  # lora_slot (the engine's adapters place it)
         num_drafts,  # num_draft_tokens
         bitmask,  # token_bitmask
         placeholder,
+        history,  # the tokens before `start`, when the penalties read them
     )
     branch.worker_knows = True
     return work

@@ -1,0 +1,95 @@
+"""Rank 0's logits processors: logit bias, `min_tokens`' ban on stop tokens, and the
+repetition, frequency and presence penalties, as vLLM applies them.
+
+`penalized_logits` runs after the structured-outputs mask and before the greedy choice, the
+temperature and the filters, in this order per row: logit bias, the stop-token ban, the
+repetition penalty, then the frequency and presence penalties.
+
+Invariants: a row whose settings ask for none of these is left exactly as it was (no copy when no
+row asks); a row is a pure function of its logits, its settings, its output index and the
+sequence's tokens before the drawing position, so batching, preemption and speculation change
+nothing. A ban that would leave a row without any allowed token (a grammar that allows only
+EOS before `min_tokens`) is not applied: the grammar wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from workers.plan import SamplingSettings
+
+
+def processes(settings: SamplingSettings, output_index: int) -> bool:
+    """Whether `penalized_logits` changes a row drawn with these settings at this output index."""
+    return (
+        bool(settings.logit_bias)
+        or (output_index < settings.min_tokens and bool(settings.stop_token_ids))
+        or settings.needs_history
+    )
+
+
+def penalized_logits(
+    logits: torch.Tensor,
+    rows: Sequence[tuple[SamplingSettings, int, Sequence[int] | None]],
+) -> torch.Tensor:
+    """`logits` (`[rows, vocab]`) with each row's processors applied: a copy when any row has
+    one, else `logits` itself. `rows[i]` is row i's (settings, output index, tokens before the
+    drawing position, None when the settings need none).
+
+    Only the entries a processor names are read and written (gathered and scattered for all
+    rows at once), so the cost follows the number of tokens involved, not rows x vocabulary."""
+    changed = [i for i, (settings, index, _) in enumerate(rows) if processes(settings, index)]
+    if not changed:
+        return logits
+    processed = logits.clone()
+    vocab = processed.shape[-1]
+    bias: list[tuple[int, int, float]] = []
+    banned: list[tuple[int, int]] = []
+    seen: list[torch.Tensor] = []
+    counted: list[torch.Tensor] = []
+    repetition = torch.ones(len(rows))
+    frequency = torch.zeros(len(rows))
+    presence = torch.zeros(len(rows))
+    for i in changed:
+        settings, output_index, history = rows[i]
+        bias.extend((i, token, value) for token, value in settings.logit_bias)
+        if output_index < settings.min_tokens:
+            banned.extend((i, t) for t in settings.stop_token_ids if 0 <= t < vocab)
+        if settings.needs_history:
+            if history is None:
+                raise ValueError("penalties need the sequence's earlier tokens")
+            repetition[i] = settings.repetition_penalty
+            frequency[i] = settings.frequency_penalty
+            presence[i] = settings.presence_penalty
+            tokens = torch.tensor(history, dtype=torch.int64)
+            seen.append(tokens + i * vocab)  # flat indices into `processed`
+            counted.append(tokens[settings.prompt_len :] + i * vocab)
+    flat = processed.view(-1)
+    if bias:
+        where = torch.tensor([i * vocab + token for i, token, _ in bias])
+        flat.index_add_(0, where, torch.tensor([value for _, _, value in bias]))
+    if banned:
+        _ban(processed, banned)
+    if seen:
+        where = torch.unique(torch.cat(seen))
+        values = flat[where]
+        penalty = repetition[where // vocab]
+        flat[where] = torch.where(values > 0, values / penalty, values * penalty)
+    if counted:
+        where, counts = torch.unique(torch.cat(counted), return_counts=True)
+        row = where // vocab
+        flat[where] -= frequency[row] * counts.to(flat.dtype) + presence[row]
+    return processed
+
+
+def _ban(processed: torch.Tensor, banned: list[tuple[int, int]]) -> None:
+    """Set the (row, token) entries to -inf, except in a row that would be left with nothing
+    allowed (a grammar that allows only a stop token): the grammar wins there."""
+    for i in sorted({i for i, _ in banned}):
+        tokens = torch.tensor([t for r, t in banned if r == i])
+        kept = processed[i].clone()
+        kept[tokens] = float("-inf")
+        if bool(torch.isfinite(kept).any()):
+            processed[i] = kept
