@@ -56,8 +56,15 @@ BAD_SAMPLING: list[tuple[str, Any]] = [
     ("stop", 5),
     ("stream", "yes"),
     ("stream_options", {"include_usage": True}),
-    ("logit_bias", {"1": 2.0}),
-    ("frequency_penalty", 0.5),
+    ("logit_bias", {"a": 2.0}),
+    ("logit_bias", {"1": 101}),
+    ("logit_bias", {"4294967296": 1}),
+    ("frequency_penalty", 2.5),
+    ("presence_penalty", -3),
+    ("repetition_penalty", 0),
+    ("min_p", 1.5),
+    ("min_tokens", -1),
+    ("min_tokens", 2),  # above the body's max_tokens (1)
     ("model", "gpt-4"),
     ("stop_token_ids", [-1]),
 ]
@@ -173,6 +180,14 @@ BAD_PROTO_SAMPLING: list[dict[str, Any]] = [
     {"seed": 2**63},
     {"max_tokens": 0},
     {"max_tokens": 10**6},
+    {"presence_penalty": 2.5},
+    {"frequency_penalty": -3.0},
+    {"repetition_penalty": 0.0},
+    {"repetition_penalty": math.inf},
+    {"min_p": math.nan},
+    {"min_tokens": 17},  # above the default max_tokens (16)
+    {"logit_bias": {1: 101.0}},
+    {"logit_bias": {2**32 - 1: 1.0}},  # outside the vocabulary: the engine refuses it
 ]
 
 

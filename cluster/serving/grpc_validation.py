@@ -82,10 +82,27 @@ def invalid_argument(error: OpenAIError) -> Exception:
     return GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
 
 
+_OPTIONAL_SAMPLING_FIELDS = (
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+)
+"""`SamplingParameters` fields with presence that map one to one onto HTTP fields of that name."""
+
+
 def sampling_fields(proto: pb.SamplingParameters, *, chat: bool) -> dict[str, Any]:
-    """The OpenAI request fields a `SamplingParameters` message sets."""
+    """The OpenAI request fields a `SamplingParameters` message sets (vLLM's extensions
+    included), in the shape an HTTP body gives them, so one pydantic model checks both."""
     fields: dict[str, Any] = {}
-    for name in ("n", "max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for name in _OPTIONAL_SAMPLING_FIELDS:
         if proto.HasField(name):
             fields[name] = getattr(proto, name)
     fields.setdefault("max_tokens", GRPC_DEFAULT_MAX_TOKENS)
@@ -101,6 +118,9 @@ def sampling_fields(proto: pb.SamplingParameters, *, chat: bool) -> dict[str, An
             fields["logprobs"] = proto.logprobs
     fields["ignore_eos"] = proto.ignore_eos
     fields["include_stop_str_in_output"] = proto.include_stop_str_in_output
+    if proto.logit_bias:
+        # HTTP's shape: token ids as strings (OpenAI's JSON object keys).
+        fields["logit_bias"] = {str(token): bias for token, bias in proto.logit_bias.items()}
     return fields
 
 

@@ -14,9 +14,10 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypedDict, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 
 from cluster.engine.structured_outputs import StructuredOutputsParams
 from cluster.serving.openai_protocol import invalid_request, parse_object
@@ -41,6 +42,27 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_CHARS = 1024
 """Longest stop string: stop strings are matched against the text after every step."""
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a `logit_bias` value (either sign)."""
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+"""A `logit_bias` key, a token id as OpenAI's API writes it: decimal digits (at most 10, so
+`int` stays cheap; the value must also be below 2**32)."""
+
+
+def _token_biases(biases: dict[str, float]) -> dict[str, float]:
+    """`logit_bias` checked: keys are token ids in decimal, values finite and within
+    [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]. Ids beyond the model's vocabulary are the engine's to
+    refuse (it knows the vocabulary)."""
+    for key, bias in biases.items():
+        if not (_TOKEN_ID_KEY.fullmatch(key) and int(key) < 2**32):
+            raise ValueError(f"keys must be token ids (integers in [0, 2**32)), got {key!r}")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # False for NaN too
+            raise ValueError(f"the bias of token {key} must be in [-100, 100], got {bias!r}")
+    return biases
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+"""`presence_penalty` / `frequency_penalty`: OpenAI's range."""
 
 
 class _Edge(BaseModel):
@@ -53,7 +75,11 @@ class StreamOptions(_Edge):
 
 class _SamplingRequest(_Edge):
     """Fields shared by completions and chat completions; `top_k`, `ignore_eos`,
-    `stop_token_ids` and `include_stop_str_in_output` are extensions beyond OpenAI's API."""
+    `stop_token_ids`, `include_stop_str_in_output`, `repetition_penalty`, `min_p` and
+    `min_tokens` are vLLM's extensions beyond OpenAI's API. Float fields take JSON integers too
+    (`"temperature": 1`), as OpenAI's API does; `logit_bias` maps token ids written as strings
+    (`{"50256": -100}`) to biases. `min_tokens` never exceeds the request's token limit
+    (checked by `check_supported`, as the limit's default depends on the route)."""
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -76,9 +102,12 @@ class _SamplingRequest(_Edge):
     user: str | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    logit_bias: Annotated[dict[str, float], AfterValidator(_token_biases)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     _constraint: tuple[StructuredOutputsParams | None] | None = PrivateAttr(default=None)
@@ -88,18 +117,20 @@ class _SamplingRequest(_Edge):
             raise invalid_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
-        penalties = (
-            ("frequency_penalty", self.frequency_penalty),
-            ("presence_penalty", self.presence_penalty),
-        )
-        for name, value in penalties:
-            if value not in (None, 0.0):
-                raise invalid_request(f"{name} is not supported by this server", name)
-        if self.logit_bias:
-            raise invalid_request("logit_bias is not supported by this server", "logit_bias")
+        limit = self._max_tokens()
+        if self.min_tokens is not None and limit is not None and self.min_tokens > limit:
+            raise invalid_request(
+                f"min_tokens ({self.min_tokens}) must not exceed the request's max_tokens "
+                f"({limit})",
+                "min_tokens",
+            )
         if isinstance(self.stop, list) and any(s == "" for s in self.stop):
             raise invalid_request("stop sequences must not be empty", "stop")
         self.constraint()
+
+    def _max_tokens(self) -> int | None:
+        """The request's token limit as the engine gets it (None: until the context is full)."""
+        return self.max_tokens
 
     def constraint(self) -> StructuredOutputsParams | None:
         """`response_format` / `structured_outputs` as the engine's constraint (a 400 naming
@@ -138,14 +169,20 @@ class SamplingKwargs(TypedDict):
     ignore_eos: bool
     include_stop_str_in_output: bool
     structured_outputs: StructuredOutputsParams | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_p: float
+    min_tokens: int
+    logit_bias: dict[int, float] | None
 
 
-def _sampling_kwargs(
-    request: _SamplingRequest, max_tokens: int | None, logprobs: int | None
-) -> SamplingKwargs:
+def _sampling_kwargs(request: _SamplingRequest, logprobs: int | None) -> SamplingKwargs:
+    """The engine's fields; an unset (or null) field takes the engine's default, an empty
+    `logit_bias` is None."""
     return SamplingKwargs(
         n=request.n,
-        max_tokens=max_tokens,
+        max_tokens=request._max_tokens(),
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=0 if request.top_k is None or request.top_k < 0 else request.top_k,
@@ -156,6 +193,16 @@ def _sampling_kwargs(
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         structured_outputs=request.constraint(),
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=(
+            1.0 if request.repetition_penalty is None else request.repetition_penalty
+        ),
+        min_p=request.min_p or 0.0,
+        min_tokens=request.min_tokens or 0,
+        logit_bias=(
+            {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
+        ),
     )
 
 
@@ -196,10 +243,12 @@ class CompletionRequest(_SamplingRequest):
             return [list(self.prompt)]  # type: ignore[arg-type]
         return list(self.prompt)  # type: ignore[arg-type]
 
-    def sampling_kwargs(self) -> SamplingKwargs:
+    def _max_tokens(self) -> int:
         """`max_tokens` defaults to 16, as in OpenAI's completions API."""
-        max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        return _sampling_kwargs(self, max_tokens, self.logprobs)
+        return 16 if self.max_tokens is None else self.max_tokens
+
+    def sampling_kwargs(self) -> SamplingKwargs:
+        return _sampling_kwargs(self, self.logprobs)
 
 
 class ContentPart(_Edge):
@@ -269,12 +318,14 @@ class ChatCompletionRequest(_SamplingRequest):
             )
         return plan
 
-    def sampling_kwargs(self) -> SamplingKwargs:
+    def _max_tokens(self) -> int | None:
         """`max_completion_tokens` wins over the deprecated `max_tokens`; neither means "until the
         context is full" (`max_tokens=None`)."""
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens or self.max_tokens
+
+    def sampling_kwargs(self) -> SamplingKwargs:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return _sampling_kwargs(self, max_tokens, logprobs)
+        return _sampling_kwargs(self, logprobs)
 
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)

@@ -3,6 +3,7 @@ lenient protobuf deserialization, and the limits section of the app's args."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import grpc
@@ -52,6 +53,61 @@ def test_grpc_refuses_what_http_refuses_with_the_same_message(
         validated_generate(request_)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert param in caught.value.details
+
+
+GRPC_PENALTIES = {
+    "presence_penalty": -0.5,
+    "frequency_penalty": 0.5,
+    "repetition_penalty": 1.25,
+    "min_p": 0.0625,
+    "min_tokens": 3,
+    "logit_bias": {7: 5.5},
+}
+"""Valid values, exact in float32 (the proto's float)."""
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        {"text": "x"},
+        {"token_ids": pb.TokenIds(ids=[1, 2])},
+        {"chat": pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")])},
+    ],
+)
+def test_grpc_penalty_fields_reach_the_sampling_params(prompt: dict[str, object]) -> None:
+    sampling = pb.SamplingParameters(max_tokens=8, **GRPC_PENALTIES)  # type: ignore[arg-type]
+    _, params = validated_generate(pb.GenerateRequest(**prompt, sampling=sampling))
+    assert {name: getattr(params, name) for name in GRPC_PENALTIES} == GRPC_PENALTIES
+    _, unset = validated_generate(pb.GenerateRequest(**prompt))
+    assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0, 0, 1)
+    assert (unset.min_p, unset.min_tokens, unset.logit_bias) == (0.0, 0, None)
+
+
+@pytest.mark.parametrize(
+    ("proto", "http"),
+    [
+        ({"presence_penalty": 2.5}, {"presence_penalty": 2.5}),
+        ({"frequency_penalty": -3.0}, {"frequency_penalty": -3.0}),
+        ({"repetition_penalty": 0.0}, {"repetition_penalty": 0.0}),
+        ({"repetition_penalty": math.inf}, {"repetition_penalty": math.inf}),
+        ({"min_p": 1.5}, {"min_p": 1.5}),
+        ({"min_tokens": 17}, {"min_tokens": 17, "max_tokens": 16}),  # gRPC's default limit: 16
+        ({"max_tokens": 4, "min_tokens": 5}, {"max_tokens": 4, "min_tokens": 5}),
+        ({"logit_bias": {5: 200.0}}, {"logit_bias": {"5": 200.0}}),
+    ],
+)
+def test_grpc_refuses_bad_penalties_with_the_http_message(
+    proto: dict[str, object], http: dict[str, object]
+) -> None:
+    with pytest.raises(GrpcAbort) as grpc_error:
+        validated_generate(sampled(**proto))
+    assert grpc_error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    body = {"model": "m", "prompt": "x", **http}
+    with pytest.raises(OpenAIError) as http_error:
+        parse_request(json.dumps(body).encode(), CompletionRequest)
+    assert grpc_error.value.details == http_error.value.message
+    field = next(name for name in proto if name != "max_tokens")
+    assert f"'{field}'" in grpc_error.value.details or f"{field} (" in grpc_error.value.details
 
 
 def test_grpc_defaults_match_the_documented_ones() -> None:

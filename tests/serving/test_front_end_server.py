@@ -1,6 +1,7 @@
 """The served path's no-Ray side (`benchmarks.front_end_server`) serves what the Serve app
 serves: the ingress's HTTP routes over an in-process engine give HF's greedy tokens, streamed or
-not, and the same OpenAI errors; so `benchmarks.served_overhead` compares like with like."""
+not, and the same OpenAI errors; so `benchmarks.served_overhead` compares like with like. The
+penalty fields reach the engine as the offline `LLM` takes them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import httpx
 import openai
 
 from benchmarks.front_end_server import local_ingress
+from cluster.engine.llm import LLM
+from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.http_api import REPLICA_HEADER, build_http_api
 from tests.serving.conftest import MODEL, GreedyOracle, engine_section
@@ -53,5 +56,58 @@ def test_front_end_server_answers_hf_greedy_and_openai_errors(
             bad = await http.post("/v1/completions", json={"prompt": "x", "model": MODEL, "n": 0})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
             assert (await http.get("/health")).json() == {"status": "ok"}
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
+REPEATING_PROMPT = "out out out out out out out out"
+"""The tiny model's greedy answer repeats one token here, so a frequency penalty changes it."""
+
+
+def test_penalties_over_http_decode_as_the_offline_llm_does(tiny_model_dir: pathlib.Path) -> None:
+    args = ServeAppArgs.model_validate(
+        {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
+    )
+    greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    offline_params = {
+        "plain": SamplingParams(**greedy),
+        "frequency": SamplingParams(**greedy, frequency_penalty=1.5),
+        "bias": SamplingParams(**greedy, logit_bias={7395: 100.0}),
+    }
+    with LLM(config=args.engine_config()) as llm:
+        offline = {
+            name: llm.generate([REPEATING_PROMPT], params, use_tqdm=False)[0].outputs[0]
+            for name, params in offline_params.items()
+        }
+    assert offline["frequency"].token_ids != offline["plain"].token_ids
+    assert offline["bias"].token_ids == [7395] * 12
+
+    async def body() -> None:
+        async with local_ingress(args) as ingress:
+            transport = httpx.ASGITransport(app=build_http_api(ingress))
+            http = httpx.AsyncClient(transport=transport, base_url="http://front-end")
+            client = openai.AsyncOpenAI(
+                api_key="none", base_url="http://front-end/v1", http_client=http
+            )
+            params = {"model": MODEL, "prompt": REPEATING_PROMPT, "max_tokens": 12}
+            params["temperature"] = 0
+            extra = {"ignore_eos": True}
+            plain, frequency, bias = await asyncio.gather(
+                client.completions.create(**params, extra_body=extra),
+                client.completions.create(**params, frequency_penalty=1.5, extra_body=extra),
+                client.completions.create(**params, logit_bias={"7395": 100}, extra_body=extra),
+            )
+            assert plain.choices[0].text == offline["plain"].text
+            assert frequency.choices[0].text == offline["frequency"].text
+            assert frequency.choices[0].text != plain.choices[0].text
+            assert bias.choices[0].text == offline["bias"].text
+
+            vocab_size = ingress.engine.model_info().vocab_size
+            outside = await http.post(
+                "/v1/completions",
+                json={**params, "logit_bias": {str(vocab_size): 1.0}},
+            )
+            assert outside.status_code == 400
+            assert "logit_bias" in outside.json()["error"]["message"]
 
     asyncio.run(asyncio.wait_for(body(), 120))

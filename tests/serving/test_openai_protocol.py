@@ -5,7 +5,8 @@ chunks and error bodies are fed back to the same client."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -159,6 +160,106 @@ def test_chat_without_a_token_limit_runs_to_the_context_and_logprobs_false_repor
     assert kwargs["logprobs"] is None
 
 
+PENALTIES: dict[str, Any] = {
+    "frequency_penalty": 0.5,
+    "presence_penalty": -0.5,
+    "repetition_penalty": 1.2,
+    "min_p": 0.05,
+    "min_tokens": 3,
+    "logit_bias": {"7": 5.5},
+}
+"""Valid values of every penalty field, as a body gives them."""
+ENGINE_PENALTIES: dict[str, Any] = {**PENALTIES, "logit_bias": {7: 5.5}}
+"""The same values as the engine's `SamplingParams` takes them."""
+PENALTY_DEFAULTS: dict[str, Any] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+    "logit_bias": None,
+}
+
+
+def penalties_of(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: kwargs[name] for name in PENALTIES}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "prompt": "x", "max_tokens": 8},
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8},
+    ],
+)
+def test_penalty_fields_reach_the_sampling_params(body: dict[str, Any]) -> None:
+    model = CompletionRequest if "prompt" in body else ChatCompletionRequest
+    kwargs = parse_request(json.dumps({**body, **PENALTIES}).encode(), model).sampling_kwargs()
+    assert penalties_of(kwargs) == ENGINE_PENALTIES
+    params = SamplingParams(**kwargs)
+    assert penalties_of(vars(params)) == ENGINE_PENALTIES
+    # Absent, null and an empty logit_bias all mean the engine's defaults.
+    for extra in ({}, dict.fromkeys(PENALTIES), {"logit_bias": {}}):
+        kwargs = parse_request(json.dumps({**body, **extra}).encode(), model).sampling_kwargs()
+        assert penalties_of(kwargs) == PENALTY_DEFAULTS
+        assert penalties_of(vars(SamplingParams(**kwargs))) == PENALTY_DEFAULTS
+
+
+def test_penalty_bounds_are_inclusive_and_take_integers() -> None:
+    body = {
+        "model": "m",
+        "prompt": "x",
+        "max_tokens": 2,
+        "frequency_penalty": -2,
+        "presence_penalty": 2,
+        "min_p": 1,
+        "min_tokens": 2,
+        "logit_bias": {"0": -100, "4294967295": 100},
+    }
+    kwargs = parse_request(json.dumps(body).encode(), CompletionRequest).sampling_kwargs()
+    assert penalties_of(kwargs) == {
+        "frequency_penalty": -2.0,
+        "presence_penalty": 2.0,
+        "repetition_penalty": 1.0,
+        "min_p": 1.0,
+        "min_tokens": 2,
+        "logit_bias": {0: -100.0, 4294967295: 100.0},
+    }
+    SamplingParams(**kwargs)
+
+
+def test_the_client_sends_penalties_as_vllm_users_do() -> None:
+    """OpenAI's fields through the client's own keywords, vLLM's through `extra_body`."""
+    extensions = {"repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 3}
+    _, body = captured_body(
+        lambda c: c.completions.create(
+            model="tiny",
+            prompt="x",
+            max_tokens=8,
+            frequency_penalty=0.5,
+            presence_penalty=-0.5,
+            logit_bias={"7": 5.5},
+            extra_body=extensions,
+        )
+    )
+    kwargs = parse_request(body, CompletionRequest).sampling_kwargs()
+    assert penalties_of(kwargs) == ENGINE_PENALTIES
+    _, body = captured_body(
+        lambda c: c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            max_completion_tokens=8,
+            frequency_penalty=0.5,
+            presence_penalty=-0.5,
+            logit_bias={"7": 5.5},
+            extra_body=extensions,
+        )
+    )
+    kwargs = parse_request(body, ChatCompletionRequest).sampling_kwargs()
+    assert penalties_of(kwargs) == ENGINE_PENALTIES
+    assert SamplingParams(**kwargs).max_tokens == 8
+
+
 BAD_BODIES: list[tuple[type[Any], dict[str, Any], str | None, str]] = [
     (CompletionRequest, {"prompt": "x"}, "model", "Field required"),
     (CompletionRequest, {"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens", "integer"),
@@ -179,11 +280,50 @@ BAD_BODIES: list[tuple[type[Any], dict[str, Any], str | None, str]] = [
         "stream_options",
         "only allowed when stream is true",
     ),
+    *[
+        (model, {**base, name: value}, name, fragment)
+        for model, base in (
+            (CompletionRequest, {"model": "m", "prompt": "x"}),
+            (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        for name, value, fragment in [
+            ("presence_penalty", 2.5, "<= 2"),
+            ("frequency_penalty", -3, ">= -2"),
+            ("repetition_penalty", 0, "> 0"),
+            ("repetition_penalty", "1.1", "valid number"),
+            ("repetition_penalty", math.inf, "finite"),
+            ("min_p", 1.5, "<= 1"),
+            ("min_tokens", -1, ">= 0"),
+            ("min_tokens", 2.0, "integer"),
+            ("logit_bias", {"abc": 1}, "token ids"),
+            ("logit_bias", {"-5": 1}, "token ids"),
+            ("logit_bias", {"5": 200}, "[-100, 100]"),
+            ("logit_bias", [5], "an object"),
+        ]
+    ],
     (
         CompletionRequest,
-        {"model": "m", "prompt": "x", "presence_penalty": 0.5},
-        "presence_penalty",
-        "not supported",
+        {"model": "m", "prompt": "x", "max_tokens": 4, "min_tokens": 5},
+        "min_tokens",
+        "must not exceed the request's max_tokens (4)",
+    ),
+    (
+        CompletionRequest,  # completions' default max_tokens is 16
+        {"model": "m", "prompt": "x", "min_tokens": 17},
+        "min_tokens",
+        "must not exceed the request's max_tokens (16)",
+    ),
+    (
+        ChatCompletionRequest,  # max_completion_tokens wins over max_tokens
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 50,
+            "max_completion_tokens": 4,
+            "min_tokens": 5,
+        },
+        "min_tokens",
+        "must not exceed the request's max_tokens (4)",
     ),
     (ChatCompletionRequest, {"model": "m", "messages": []}, "messages", "at least 1"),
     (ChatCompletionRequest, {"model": "m", "messages": "hi"}, "messages", "valid array"),
@@ -276,6 +416,8 @@ JSON_VALUES = st.recursive(
 )
 FIELDS = ["model", "prompt", "messages", "max_tokens", "n", "stop", "temperature", "logprobs"]
 FIELDS += ["top_logprobs", "stream", "stream_options", "seed", "top_k", "stop_token_ids"]
+FIELDS += ["frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens"]
+FIELDS += ["logit_bias"]
 
 
 @settings(max_examples=150, deadline=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2
 from ray.serve.config import gRPCOptions
 
+from cluster.engine.sampling_params import SamplingParams
 from protos import generate, generation_pb2, generation_pb2_grpc
 
 
@@ -28,7 +30,7 @@ def test_a_proto_edit_is_detected(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     edited_root = tmp_path / "edited"
     (edited_root / "protos").mkdir(parents=True)
     source = (generate.REPO_ROOT / "protos/generation.proto").read_text()
-    edited = source.replace("bool ignore_eos = 10;", "bool ignore_eos = 10;\n  bool echo = 12;")
+    edited = source.replace("bool ignore_eos = 10;", "bool ignore_eos = 10;\n  bool echo = 99;")
     assert edited != source
     (edited_root / "protos/generation.proto").write_text(edited)
     monkeypatch.setattr(generate, "REPO_ROOT", edited_root)
@@ -64,13 +66,25 @@ def test_sampling_parameters_mirror_the_engine_fields_with_presence() -> None:
         "logprobs",
         "ignore_eos",
         "include_stop_str_in_output",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "min_tokens",
+        "logit_bias",
     }
     assert set(fields) == expected
-    # Unset scalars must be distinguishable from zero (temperature 0 means greedy).
+    # Every engine field the proto names is a SamplingParams field of the same name.
+    assert expected <= {f.name for f in dataclasses.fields(SamplingParams)}
+    # Unset scalars must be distinguishable from zero (temperature 0 means greedy; repetition
+    # penalty 0 is invalid, unset is 1).
     params = generation_pb2.SamplingParameters()
-    assert not params.HasField("temperature")
-    params.temperature = 0.0
-    assert params.HasField("temperature")
+    for name in ("temperature", "presence_penalty", "repetition_penalty", "min_tokens"):
+        assert not params.HasField(name)
+        setattr(params, name, 0)
+        assert params.HasField(name)
+    params.logit_bias[50256] = -100.0
+    assert dict(params.logit_bias) == {50256: -100.0}
 
 
 def test_generate_request_round_trips_through_the_wire_and_json() -> None:
