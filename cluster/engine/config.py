@@ -17,6 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cluster.engine.config_flags import add_section_flags, section_values
 from cluster.engine.errors import ConfigError, describe_validation_error
+from cluster.engine.vllm_args import (
+    FLAG_GROUP,
+    add_vllm_flags,
+    merge_overrides,
+    vllm_overrides,
+)
 
 if TYPE_CHECKING:
     from workers import WorkerConfig
@@ -430,6 +436,7 @@ class EngineConfig(_Section):
             "speculative settings' own flags override it)",
         )
         EngineConfig.add_section_groups(parser)
+        add_vllm_flags(parser)
 
     @staticmethod
     def add_section_groups(
@@ -470,6 +477,7 @@ class EngineConfig(_Section):
             values = section_values(args, section)
             if values:
                 overrides.setdefault(section, {}).update(values)
+        overrides = merge_overrides(overrides, vllm_overrides(section_values(args, FLAG_GROUP)))
         return base.with_overrides(overrides)
 
 

@@ -22,6 +22,8 @@ from cluster.engine.metrics import EngineMetrics
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.step_pipeline import StepPipeline, ThreadLauncher
+from cluster.engine.vllm_args import NAMES as VLLM_ONLY_NAMES
+from cluster.engine.vllm_args import merge_overrides, vllm_overrides
 from workers.plan import StepOutput
 
 
@@ -29,8 +31,10 @@ def config_from_kwargs(
     model: str | None, base: EngineConfig | None = None, **kwargs: Any
 ) -> EngineConfig:
     """An EngineConfig from flat keyword arguments (`block_size=8, tensor_parallel_size=2`, and
-    vLLM's `speculative_config={...}`) over `base`; `model=None` keeps the base's model.
-    Without a base, `backend` defaults to the in-process worker when tensor_parallel_size is 1."""
+    vLLM's `speculative_config={...}`, `swap_space=4`, `enforce_eager=True`, ...:
+    `cluster.engine.vllm_args`) over `base`; `model=None` keeps the base's model. Without a
+    base, `backend` defaults to the in-process worker when tensor_parallel_size is 1."""
+    vllm_values = {name: kwargs.pop(name) for name in list(kwargs) if name in VLLM_ONLY_NAMES}
     overrides: dict[str, dict[str, Any]] = {}
     if model is not None:
         overrides["model"] = {"model": model}
@@ -42,6 +46,7 @@ def config_from_kwargs(
         if section is None:
             raise ConfigError(f"LLM() got an unknown setting {name!r}")
         overrides.setdefault(section, {})[name] = value
+    overrides = merge_overrides(overrides, vllm_overrides(vllm_values))
     config = (base or EngineConfig()).with_overrides(overrides)
     return config if base is not None else config.single_rank_in_process("backend" in kwargs)
 

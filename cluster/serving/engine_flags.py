@@ -25,6 +25,12 @@ from typing import Any
 from cluster.engine.config import EngineConfig
 from cluster.engine.config_flags import section_values
 from cluster.engine.errors import ConfigError
+from cluster.engine.vllm_args import (
+    FLAG_GROUP,
+    add_vllm_flags,
+    merge_overrides,
+    vllm_overrides,
+)
 from cluster.serving.pd_config import ENGINE_DEPLOYMENTS
 from workers.model_source import resolve_model_path
 
@@ -53,6 +59,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     EngineConfig.add_section_groups(
         parser, exclude=SECTIONS_ELSEWHERE, default_source="the config file's"
     )
+    add_vllm_flags(parser)
 
 
 def given_model(args: argparse.Namespace) -> str | None:
@@ -78,7 +85,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     model = given_model(args)
     if model is not None:
         overrides.setdefault("model", {})["model"] = model
-    return overrides
+    return merge_overrides(overrides, vllm_overrides(section_values(args, FLAG_GROUP)))
 
 
 def apply_engine_flags(config: dict[str, Any], args: argparse.Namespace) -> None:
