@@ -43,14 +43,22 @@ def draw_seed(worker_seed: int, request_seed: int, branch: int, output_index: in
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
-def filtered_probabilities(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
-    """Softmax of logits/temperature restricted to the min-p and top-k tokens, then the top-p
-    nucleus.
+NUCLEUS_FIRST_K = 64
+"""Top-p looks for its nucleus among the `NUCLEUS_FIRST_K` most likely tokens first, then 4x as
+many until their mass reaches `top_p` (a full sort of a 49k vocabulary takes ~3 ms on CPU, a
+top-64 ~0.1 ms, and a nucleus is usually small)."""
+
+
+def candidates(
+    logits: torch.Tensor, settings: SamplingSettings
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens a draw may pick and their probabilities (summing to 1): softmax of
+    logits/temperature restricted to the min-p and top-k tokens, then the top-p nucleus.
 
     Min-p keeps the tokens at least `min_p` times as likely as the most likely one. Top-p keeps
     the smallest prefix of the descending-probability tokens whose mass reaches `top_p` (always
-    at least the most likely token). Returns probabilities over the vocabulary.
-    """
+    at least the most likely token). Token ids are None when the probabilities are over the
+    whole vocabulary in order (no top-p)."""
     scaled = logits / settings.temperature
     if settings.min_p > 0.0:
         floor = scaled.max() + math.log(settings.min_p)
@@ -59,13 +67,47 @@ def filtered_probabilities(logits: torch.Tensor, settings: SamplingSettings) -> 
         kth = torch.topk(scaled, settings.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if settings.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= settings.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum()
-    return probs
+    if settings.top_p >= 1.0:
+        return None, probs
+    vocab = probs.shape[-1]
+    k = NUCLEUS_FIRST_K
+    while True:
+        if k >= vocab:
+            values, ids = torch.sort(probs, descending=True)
+        else:
+            values, ids = torch.topk(probs, k)
+        mass = torch.cumsum(values, dim=-1)
+        if k >= vocab or mass[-1] >= settings.top_p:
+            break
+        k *= 4
+    kept = (mass - values) < settings.top_p
+    values = values[kept]
+    return ids[kept], values / values.sum()
+
+
+def filtered_probabilities(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """`candidates` as probabilities over the whole vocabulary (zero where not kept)."""
+    ids, probs = candidates(logits, settings)
+    if ids is None:
+        return probs
+    return torch.zeros_like(logits).scatter_(-1, ids, probs)
+
+
+def draw(ids: torch.Tensor | None, probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `candidates`' (ids, probabilities) by inverse transform sampling: a
+    uniform number from `generator` against the cumulative mass (in float64). The first token
+    whose cumulative mass exceeds it is drawn, so a token of probability 0 never is.
+    `torch.multinomial` draws from the same distribution about 15x slower on CPU."""
+    cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    total = float(cumulative[-1])
+    if not total > 0.0:  # also NaN: every token was masked out
+        raise ValueError("no token can be drawn: every token has probability 0")
+    uniform = float(torch.rand(1, generator=generator, dtype=torch.float64))
+    target = torch.tensor([uniform * total], dtype=torch.float64)
+    index = int(torch.searchsorted(cumulative, target, right=True))
+    if index >= probs.shape[-1]:  # rounding put the target at the very end
+        index = int(torch.nonzero(probs).max())
+    return index if ids is None else int(ids[index])
 
 
 def mask_disallowed(row: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -157,11 +199,10 @@ def sample_rows(
         logprobs = (
             torch.log_softmax(logits[index], dim=-1) if settings.logprobs is not None else None
         )
-        row = processed[index]
-        probs = None if settings.temperature == 0 else filtered_probabilities(row, settings)
+        kept = None if settings.temperature == 0 else candidates(processed[index], settings)
         tokens: list[SampledToken] = []
         for i in range(request.num_samples):
-            if probs is None:
+            if kept is None:
                 token = greedy[index]
             else:
                 generator = torch.Generator().manual_seed(
@@ -169,7 +210,7 @@ def sample_rows(
                         worker_seed, settings.seed, request.branch_index + i, request.output_index
                     )
                 )
-                token = int(torch.multinomial(probs, 1, generator=generator))
+                token = draw(*kept, generator)
             tokens.append(_with_logprobs(token, logprobs, settings.logprobs))
         results.append(tokens)
     return results

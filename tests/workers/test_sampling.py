@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers import SamplingSettings, SequenceWork, StepPlan, WorkerGroup
-from workers.sampling import SampleRequest, sample_rows
+from workers.sampling import SampleRequest, draw, filtered_probabilities, sample_rows
 
 LOGITS = [2.0, 1.5, 0.3, -1.0, 0.9, -3.0]
 
@@ -147,3 +147,53 @@ def test_token_bitmask_masks_only_its_row() -> None:
     drawn = sample_rows(logits, [constrained, plain], 0)
     assert {t.token_id for t in drawn[0]} <= allowed
     assert drawn[1] == sample_rows(logits[1:], [plain], 0)[0]
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 6.0])
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.999])
+def test_nucleus_of_a_large_vocabulary_equals_a_full_sort(scale: float, top_p: float) -> None:
+    """The nucleus found among the top k (k growing) is the one a full descending sort finds,
+    from peaked rows (a handful of tokens) to flat ones (thousands: k grows past the first
+    guess, up to the whole vocabulary)."""
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(int(scale * 100))) * scale
+    ours = filtered_probabilities(logits, SamplingSettings(top_p=top_p))
+    probs = torch.softmax(logits.double(), dim=-1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    nucleus, mass = [], 0.0
+    for token in order:
+        if mass >= top_p:
+            break
+        nucleus.append(token)
+        mass += probs[token]
+    kept = set(torch.nonzero(ours).flatten().tolist())
+    assert kept == set(nucleus)
+    for token in nucleus:
+        assert ours[token].item() == pytest.approx(probs[token] / mass, rel=1e-4)
+
+
+def test_draws_from_a_large_vocabulary_follow_its_probabilities() -> None:
+    """Inverse transform sampling over 5000 tokens: frequencies of the likeliest tokens and of
+    the rest in bulk match their probabilities; a token of probability 0 is never drawn."""
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 2
+    logits[::7] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    draws = 4000
+    counts = collections.Counter(
+        draw(None, probs, torch.Generator().manual_seed(seed)) for seed in range(draws)
+    )
+    assert all(token % 7 for token in counts)
+    top = torch.topk(probs, 5).indices.tolist()
+    for token in top:
+        p = probs[token].item()
+        assert abs(counts[token] / draws - p) <= 4 * math.sqrt(p * (1 - p) / draws) + 1e-3
+    rest = 1 - sum(probs[t].item() for t in top)
+    drawn_rest = sum(c for t, c in counts.items() if t not in top) / draws
+    assert abs(drawn_rest - rest) <= 4 * math.sqrt(rest * (1 - rest) / draws) + 1e-3
+
+
+def test_a_draw_maps_back_to_the_candidates_token_ids() -> None:
+    ids = torch.tensor([40, 7, 19])
+    probs = torch.tensor([0.0, 1.0, 0.0])
+    assert {draw(ids, probs, torch.Generator().manual_seed(s)) for s in range(20)} == {7}
+    with pytest.raises(ValueError, match="probability 0"):
+        draw(None, torch.zeros(4), torch.Generator().manual_seed(0))
