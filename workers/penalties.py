@@ -1,15 +1,15 @@
-"""Rank 0's logits processors: logit bias, `min_tokens`' ban on stop tokens, and the
-repetition, frequency and presence penalties, as vLLM applies them.
+"""Rank 0's logits processors: allowed token ids, logit bias, `min_tokens`' ban on stop tokens,
+bad words, and the repetition, frequency and presence penalties, as vLLM applies them.
 
 `penalized_logits` runs after the structured-outputs mask and before the greedy choice, the
-temperature and the filters, in this order per row: logit bias, the stop-token ban, the
-repetition penalty, then the frequency and presence penalties.
+temperature and the filters, in this order per row: the allowed-token mask, logit bias, the
+stop-token and bad-word bans, the repetition penalty, then the frequency and presence penalties.
 
 Invariants: a row whose settings ask for none of these is left exactly as it was (no copy when no
 row asks); a row is a pure function of its logits, its settings, its output index and the
 sequence's tokens before the drawing position, so batching, preemption and speculation change
 nothing. A ban that would leave a row without any allowed token (a grammar that allows only
-EOS before `min_tokens`) is not applied: the grammar wins.
+EOS before `min_tokens`, or only a bad word) is not applied: the grammar wins.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def processes(settings: SamplingSettings, output_index: int) -> bool:
     """Whether `penalized_logits` changes a row drawn with these settings at this output index."""
     return (
         bool(settings.logit_bias)
+        or bool(settings.allowed_token_ids)
+        or bool(settings.bad_words)
         or (output_index < settings.min_tokens and bool(settings.stop_token_ids))
         or settings.needs_history
     )
@@ -54,12 +56,17 @@ def penalized_logits(
     presence = torch.zeros(len(rows))
     for i in changed:
         settings, output_index, history = rows[i]
+        if settings.needs_history and history is None:
+            raise ValueError("penalties and bad words need the sequence's earlier tokens")
+        if settings.allowed_token_ids:
+            _keep_only(processed, i, settings.allowed_token_ids)
         bias.extend((i, token, value) for token, value in settings.logit_bias)
         if output_index < settings.min_tokens:
             banned.extend((i, t) for t in settings.stop_token_ids if 0 <= t < vocab)
-        if settings.needs_history:
-            if history is None:
-                raise ValueError("penalties need the sequence's earlier tokens")
+        outputs = history[settings.prompt_len :] if history is not None else ()
+        banned.extend((i, t) for t in bad_word_ends(settings.bad_words, outputs) if t < vocab)
+        if settings.penalizes:
+            assert history is not None
             repetition[i] = settings.repetition_penalty
             frequency[i] = settings.frequency_penalty
             presence[i] = settings.presence_penalty
@@ -93,3 +100,24 @@ def _ban(processed: torch.Tensor, banned: list[tuple[int, int]]) -> None:
         kept[tokens] = float("-inf")
         if bool(torch.isfinite(kept).any()):
             processed[i] = kept
+
+
+def bad_word_ends(bad_words: Sequence[Sequence[int]], outputs: Sequence[int]) -> list[int]:
+    """The tokens that would complete one of `bad_words` after `outputs`: a word's last token
+    when the outputs end with the rest of it (always, for a word of one token)."""
+    ends = []
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix == 0 or (
+            len(outputs) >= prefix and list(outputs[len(outputs) - prefix :]) == list(word[:-1])
+        ):
+            ends.append(word[-1])
+    return ends
+
+
+def _keep_only(processed: torch.Tensor, row: int, allowed: Sequence[int]) -> None:
+    """Row `row` keeps its logits at `allowed` (ids inside the vocabulary) and -inf elsewhere."""
+    ids = torch.tensor([t for t in allowed if 0 <= t < processed.shape[-1]], dtype=torch.int64)
+    kept = processed[row, ids]
+    processed[row].fill_(float("-inf"))
+    processed[row, ids] = kept

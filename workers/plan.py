@@ -66,17 +66,28 @@ class SamplingSettings:
     it ignores EOS, the model's EOS ids) cannot be drawn."""
     prompt_len: int = 0
     """The sequence's first `prompt_len` tokens are its prompt: the repetition penalty counts
-    them, the presence and frequency penalties count only the tokens after them."""
+    them, the presence and frequency penalties and the bad words read only the tokens after
+    them."""
+    allowed_token_ids: tuple[int, ...] = ()
+    """When not empty, the only tokens that can be drawn (vLLM's `allowed_token_ids`)."""
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    """Token sequences the output must not contain: a sequence's last token cannot be drawn
+    right after the output's last tokens equal the rest of it (a one-token sequence never)."""
 
     @property
-    def needs_history(self) -> bool:
-        """A penalty reads the sequence's earlier tokens (the rank keeps them, see
-        `SequenceWork.history`)."""
+    def penalizes(self) -> bool:
+        """The repetition, frequency or presence penalty is on."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def needs_history(self) -> bool:
+        """A penalty or a bad word of several tokens reads the sequence's earlier tokens (the
+        rank keeps them, see `SequenceWork.history`)."""
+        return self.penalizes or any(len(word) > 1 for word in self.bad_words)
 
 
 @dataclass

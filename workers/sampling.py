@@ -168,6 +168,10 @@ def check_settings(settings: SamplingSettings) -> None:
         raise ValueError(f"min_tokens must be >= 0, got {settings.min_tokens}")
     if settings.prompt_len < 0:
         raise ValueError(f"prompt_len must be >= 0, got {settings.prompt_len}")
+    if any(token < 0 for token in settings.allowed_token_ids):
+        raise ValueError(f"allowed_token_ids must be >= 0, got {settings.allowed_token_ids}")
+    if any(not word or min(word) < 0 for word in settings.bad_words):
+        raise ValueError(f"bad_words must be non-empty token ids >= 0, got {settings.bad_words}")
     for name, value in (
         ("presence_penalty", settings.presence_penalty),
         ("frequency_penalty", settings.frequency_penalty),

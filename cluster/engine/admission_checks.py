@@ -51,11 +51,15 @@ def check_fits(
 ) -> None:
     """RequestRejected when the prompt and its `n` branches can never be served here, or a
     token id its parameters name is outside the vocabulary."""
-    outside = sorted(t for t in (params.logit_bias or {}) if t >= vocab_size)
-    if outside:
-        raise RequestRejected(
-            f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab_size})"
-        )
+    for name, tokens in (
+        ("logit_bias", params.logit_bias or {}),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+    ):
+        outside = sorted(t for t in tokens if t >= vocab_size)
+        if outside:
+            raise RequestRejected(
+                f"{name} names token id {outside[0]}, outside the vocabulary [0, {vocab_size})"
+            )
     if len(ids) >= max_model_len:
         raise RequestRejected(
             f"the prompt has {len(ids)} tokens; the model's context is {max_model_len} "

@@ -180,7 +180,12 @@ class EngineCore:
             prompt=generate.prompt.text,
             prompt_token_ids=list(ids),
             params=params,
-            settings=params.to_settings(seed, len(ids), self.limits.eos_token_ids),
+            settings=params.to_settings(
+                seed,
+                len(ids),
+                self.limits.eos_token_ids,
+                self.renderer.bad_words_token_ids(params.bad_words or ()),
+            ),
             cache_key=cache_key,
             max_tokens=max_tokens,
             branches=[

@@ -53,6 +53,8 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +127,23 @@ class SamplingParams:
                 f"{self.logit_bias!r}",
             )
 
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            _require(
+                bool(self.allowed_token_ids)
+                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids must be a non-empty list of token ids (ints >= 0), got "
+                f"{self.allowed_token_ids!r}",
+            )
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            self.bad_words = list(self.bad_words)
+            _require(
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                f"bad_words must be a list of non-blank strings, got {self.bad_words!r}",
+            )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -135,11 +154,17 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def to_settings(
-        self, seed: int, prompt_len: int = 0, eos_token_ids: Collection[int] = ()
+        self,
+        seed: int,
+        prompt_len: int = 0,
+        eos_token_ids: Collection[int] = (),
+        bad_words: tuple[tuple[int, ...], ...] = (),
     ) -> SamplingSettings:
         """The worker-side settings; `seed` is the request's effective seed, `prompt_len` its
-        prompt's length (what the frequency and presence penalties leave out) and
-        `eos_token_ids` the model's (banned before `min_tokens` unless `ignore_eos`)."""
+        prompt's length (what the frequency and presence penalties leave out),
+        `eos_token_ids` the model's (banned before `min_tokens` unless `ignore_eos`) and
+        `bad_words` this request's bad words as token ids
+        (`PromptRenderer.bad_words_token_ids`)."""
         stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
         return SamplingSettings(
             temperature=self.temperature,
@@ -155,6 +180,8 @@ class SamplingParams:
             min_tokens=self.min_tokens,
             stop_token_ids=tuple(sorted(stops)) if self.min_tokens else (),
             prompt_len=prompt_len,
+            allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
+            bad_words=bad_words,
         )
 
 

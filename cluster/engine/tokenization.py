@@ -109,6 +109,24 @@ class PromptRenderer:
             raise RequestRejected("the prompt is empty after tokenization")
         return ids
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """`SamplingParams.bad_words` as token sequences: each word's tokens as it starts a text
+        (leading spaces stripped), and also as it follows a space when that spelling is other
+        tokens, so the word is banned at the start and within the text. (vLLM adds the spaced
+        spelling only when it has as many tokens as the bare one, which leaves " dinner", one
+        token, allowed when "dinner" is two.) Raises RequestRejected for a word with no
+        tokens."""
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not bare:
+                raise RequestRejected(f"bad word {word!r} has no tokens")
+            sequences.append(bare)
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced != bare:
+                sequences.append(spaced)
+        return tuple(sequences)
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """`tokenizer.decode`, straight from the Rust tokenizer when that is the same text
         (the incremental detokenizer calls this twice per generated token)."""

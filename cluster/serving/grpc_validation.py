@@ -118,6 +118,10 @@ def sampling_fields(proto: pb.SamplingParameters, *, chat: bool) -> dict[str, An
             fields["logprobs"] = proto.logprobs
     fields["ignore_eos"] = proto.ignore_eos
     fields["include_stop_str_in_output"] = proto.include_stop_str_in_output
+    if proto.allowed_token_ids:
+        fields["allowed_token_ids"] = list(proto.allowed_token_ids)
+    if proto.bad_words:
+        fields["bad_words"] = list(proto.bad_words)
     if proto.logit_bias:
         # HTTP's shape: token ids as strings (OpenAI's JSON object keys).
         fields["logit_bias"] = {str(token): bias for token, bias in proto.logit_bias.items()}

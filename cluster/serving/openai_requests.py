@@ -61,6 +61,13 @@ def _token_biases(biases: dict[str, float]) -> dict[str, float]:
     return biases
 
 
+def _non_blank(word: str) -> str:
+    """A bad word: text with something besides whitespace."""
+    if not word.strip():
+        raise ValueError(f"a bad word must not be blank, got {word!r}")
+    return word
+
+
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 """`presence_penalty` / `frequency_penalty`: OpenAI's range."""
 
@@ -75,8 +82,9 @@ class StreamOptions(_Edge):
 
 class _SamplingRequest(_Edge):
     """Fields shared by completions and chat completions; `top_k`, `ignore_eos`,
-    `stop_token_ids`, `include_stop_str_in_output`, `repetition_penalty`, `min_p` and
-    `min_tokens` are vLLM's extensions beyond OpenAI's API. Float fields take JSON integers too
+    `stop_token_ids`, `include_stop_str_in_output`, `repetition_penalty`, `min_p`,
+    `min_tokens`, `allowed_token_ids` and `bad_words` are vLLM's extensions beyond OpenAI's
+    API. Float fields take JSON integers too
     (`"temperature": 1`), as OpenAI's API does; `logit_bias` maps token ids written as strings
     (`{"50256": -100}`) to biases. `min_tokens` never exceeds the request's token limit
     (checked by `check_supported`, as the limit's default depends on the route)."""
@@ -108,6 +116,10 @@ class _SamplingRequest(_Edge):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     logit_bias: Annotated[dict[str, float], AfterValidator(_token_biases)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = (
+        None
+    )
+    bad_words: list[Annotated[str, AfterValidator(_non_blank)]] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     _constraint: tuple[StructuredOutputsParams | None] | None = PrivateAttr(default=None)
@@ -175,6 +187,8 @@ class SamplingKwargs(TypedDict):
     min_p: float
     min_tokens: int
     logit_bias: dict[int, float] | None
+    allowed_token_ids: list[int] | None
+    bad_words: list[str] | None
 
 
 def _sampling_kwargs(request: _SamplingRequest, logprobs: int | None) -> SamplingKwargs:
@@ -203,6 +217,8 @@ def _sampling_kwargs(request: _SamplingRequest, logprobs: int | None) -> Samplin
         logit_bias=(
             {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
         ),
+        allowed_token_ids=request.allowed_token_ids,
+        bad_words=request.bad_words or None,
     )
 
 

@@ -62,6 +62,8 @@ GRPC_PENALTIES = {
     "min_p": 0.0625,
     "min_tokens": 3,
     "logit_bias": {7: 5.5},
+    "allowed_token_ids": [3, 7, 11],
+    "bad_words": ["spam", "eggs and ham"],
 }
 """Valid values, exact in float32 (the proto's float)."""
 
@@ -81,6 +83,7 @@ def test_grpc_penalty_fields_reach_the_sampling_params(prompt: dict[str, object]
     _, unset = validated_generate(pb.GenerateRequest(**prompt))
     assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0, 0, 1)
     assert (unset.min_p, unset.min_tokens, unset.logit_bias) == (0.0, 0, None)
+    assert (unset.allowed_token_ids, unset.bad_words) == (None, None)
 
 
 @pytest.mark.parametrize(
@@ -94,6 +97,7 @@ def test_grpc_penalty_fields_reach_the_sampling_params(prompt: dict[str, object]
         ({"min_tokens": 17}, {"min_tokens": 17, "max_tokens": 16}),  # gRPC's default limit: 16
         ({"max_tokens": 4, "min_tokens": 5}, {"max_tokens": 4, "min_tokens": 5}),
         ({"logit_bias": {5: 200.0}}, {"logit_bias": {"5": 200.0}}),
+        ({"bad_words": ["ok", " "]}, {"bad_words": ["ok", " "]}),
     ],
 )
 def test_grpc_refuses_bad_penalties_with_the_http_message(
@@ -107,7 +111,7 @@ def test_grpc_refuses_bad_penalties_with_the_http_message(
         parse_request(json.dumps(body).encode(), CompletionRequest)
     assert grpc_error.value.details == http_error.value.message
     field = next(name for name in proto if name != "max_tokens")
-    assert f"'{field}'" in grpc_error.value.details or f"{field} (" in grpc_error.value.details
+    assert f"'{field}" in grpc_error.value.details or f"{field} (" in grpc_error.value.details
 
 
 def test_grpc_defaults_match_the_documented_ones() -> None:

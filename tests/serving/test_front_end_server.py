@@ -73,6 +73,8 @@ def test_penalties_over_http_decode_as_the_offline_llm_does(tiny_model_dir: path
         "plain": SamplingParams(**greedy),
         "frequency": SamplingParams(**greedy, frequency_penalty=1.5),
         "bias": SamplingParams(**greedy, logit_bias={7395: 100.0}),
+        "allowed": SamplingParams(**greedy, allowed_token_ids=[7395, 11]),
+        "bad_words": SamplingParams(**greedy, bad_words=["dinner"]),
     }
     with LLM(config=args.engine_config()) as llm:
         offline = {
@@ -81,6 +83,8 @@ def test_penalties_over_http_decode_as_the_offline_llm_does(tiny_model_dir: path
         }
     assert offline["frequency"].token_ids != offline["plain"].token_ids
     assert offline["bias"].token_ids == [7395] * 12
+    assert set(offline["allowed"].token_ids) <= {7395, 11}
+    assert offline["bad_words"].token_ids != offline["plain"].token_ids
 
     async def body() -> None:
         async with local_ingress(args) as ingress:
@@ -101,6 +105,14 @@ def test_penalties_over_http_decode_as_the_offline_llm_does(tiny_model_dir: path
             assert frequency.choices[0].text == offline["frequency"].text
             assert frequency.choices[0].text != plain.choices[0].text
             assert bias.choices[0].text == offline["bias"].text
+            allowed, bad_words = await asyncio.gather(
+                client.completions.create(
+                    **params, extra_body={**extra, "allowed_token_ids": [7395, 11]}
+                ),
+                client.completions.create(**params, extra_body={**extra, "bad_words": ["dinner"]}),
+            )
+            assert allowed.choices[0].text == offline["allowed"].text
+            assert bad_words.choices[0].text == offline["bad_words"].text
 
             vocab_size = ingress.engine.model_info().vocab_size
             outside = await http.post(
@@ -109,5 +121,13 @@ def test_penalties_over_http_decode_as_the_offline_llm_does(tiny_model_dir: path
             )
             assert outside.status_code == 400
             assert "logit_bias" in outside.json()["error"]["message"]
+            for body in (
+                {"allowed_token_ids": [1, vocab_size]},
+                {"allowed_token_ids": []},
+                {"bad_words": [""]},
+            ):
+                refused = await http.post("/v1/completions", json={**params, **body})
+                assert refused.status_code == 400, body
+                assert next(iter(body)) in refused.json()["error"]["message"]
 
     asyncio.run(asyncio.wait_for(body(), 120))

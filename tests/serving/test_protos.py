@@ -72,6 +72,8 @@ def test_sampling_parameters_mirror_the_engine_fields_with_presence() -> None:
         "min_p",
         "min_tokens",
         "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
     }
     assert set(fields) == expected
     # Every engine field the proto names is a SamplingParams field of the same name.
