@@ -17,7 +17,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cluster.engine.sampling_params import SamplingParams
@@ -119,12 +119,17 @@ class RequestBuilder:
         shared_prefix_tokens: int | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> GenerateRequest:
-        """Renders `prompt` once. Raises RequestRejected for a prompt that cannot be rendered.
+        """Renders `prompt` once, keeping only its last `params.truncate_prompt_tokens` tokens
+        when that is set (the prompt text stays as given). Raises RequestRejected for a prompt
+        that cannot be rendered.
 
         `shared_prefix_tokens` None derives it from the operator's shared prefixes; an explicit
         value is passed through (the engine checks it against the prompt's length). `tools` go
         to the chat template."""
         rendered = self.renderer.render(prompt, chat_template=chat_template, tools=tools)
+        keep = params.truncate_prompt_tokens
+        if keep is not None and 0 < keep < len(rendered.token_ids):
+            rendered = replace(rendered, token_ids=rendered.token_ids[-keep:])
         if shared_prefix_tokens is None:
             shared_prefix_tokens = self.shared_tokens(rendered.token_ids)
         return GenerateRequest(

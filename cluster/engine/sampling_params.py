@@ -55,6 +55,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last this many tokens (vLLM's; -1, the model's context, keeps
+    what fits anyway: a longer prompt is refused either way)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -143,6 +146,17 @@ class SamplingParams:
                 all(isinstance(w, str) and w.strip() for w in self.bad_words),
                 f"bad_words must be a list of non-blank strings, got {self.bad_words!r}",
             )
+
+        _require(
+            self.truncate_prompt_tokens is None
+            or (
+                isinstance(self.truncate_prompt_tokens, int)
+                and not isinstance(self.truncate_prompt_tokens, bool)
+                and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
+            ),
+            "truncate_prompt_tokens must be None, -1 or an int >= 1, got "
+            f"{self.truncate_prompt_tokens!r}",
+        )
 
     @property
     def greedy(self) -> bool:

@@ -94,6 +94,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "repetition_penalty",
     "min_p",
     "min_tokens",
+    "truncate_prompt_tokens",
 )
 """`SamplingParameters` fields with presence that map one to one onto HTTP fields of that name."""
 

@@ -83,8 +83,8 @@ class StreamOptions(_Edge):
 class _SamplingRequest(_Edge):
     """Fields shared by completions and chat completions; `top_k`, `ignore_eos`,
     `stop_token_ids`, `include_stop_str_in_output`, `repetition_penalty`, `min_p`,
-    `min_tokens`, `allowed_token_ids` and `bad_words` are vLLM's extensions beyond OpenAI's
-    API. Float fields take JSON integers too
+    `min_tokens`, `allowed_token_ids`, `bad_words` and `truncate_prompt_tokens` are vLLM's
+    extensions beyond OpenAI's API. Float fields take JSON integers too
     (`"temperature": 1`), as OpenAI's API does; `logit_bias` maps token ids written as strings
     (`{"50256": -100}`) to biases. `min_tokens` never exceeds the request's token limit
     (checked by `check_supported`, as the limit's default depends on the route)."""
@@ -120,6 +120,7 @@ class _SamplingRequest(_Edge):
         None
     )
     bad_words: list[Annotated[str, AfterValidator(_non_blank)]] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     _constraint: tuple[StructuredOutputsParams | None] | None = PrivateAttr(default=None)
@@ -135,6 +136,10 @@ class _SamplingRequest(_Edge):
                 f"min_tokens ({self.min_tokens}) must not exceed the request's max_tokens "
                 f"({limit})",
                 "min_tokens",
+            )
+        if self.truncate_prompt_tokens == 0:
+            raise invalid_request(
+                "truncate_prompt_tokens (0) must be -1 or at least 1", "truncate_prompt_tokens"
             )
         if isinstance(self.stop, list) and any(s == "" for s in self.stop):
             raise invalid_request("stop sequences must not be empty", "stop")
@@ -189,6 +194,7 @@ class SamplingKwargs(TypedDict):
     logit_bias: dict[int, float] | None
     allowed_token_ids: list[int] | None
     bad_words: list[str] | None
+    truncate_prompt_tokens: int | None
 
 
 def _sampling_kwargs(request: _SamplingRequest, logprobs: int | None) -> SamplingKwargs:
@@ -219,6 +225,7 @@ def _sampling_kwargs(request: _SamplingRequest, logprobs: int | None) -> Samplin
         ),
         allowed_token_ids=request.allowed_token_ids,
         bad_words=request.bad_words or None,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
     )
 
 

@@ -64,6 +64,7 @@ GRPC_PENALTIES = {
     "logit_bias": {7: 5.5},
     "allowed_token_ids": [3, 7, 11],
     "bad_words": ["spam", "eggs and ham"],
+    "truncate_prompt_tokens": 5,
 }
 """Valid values, exact in float32 (the proto's float)."""
 
@@ -84,6 +85,7 @@ def test_grpc_penalty_fields_reach_the_sampling_params(prompt: dict[str, object]
     assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0, 0, 1)
     assert (unset.min_p, unset.min_tokens, unset.logit_bias) == (0.0, 0, None)
     assert (unset.allowed_token_ids, unset.bad_words) == (None, None)
+    assert unset.truncate_prompt_tokens is None
 
 
 @pytest.mark.parametrize(
@@ -98,6 +100,8 @@ def test_grpc_penalty_fields_reach_the_sampling_params(prompt: dict[str, object]
         ({"max_tokens": 4, "min_tokens": 5}, {"max_tokens": 4, "min_tokens": 5}),
         ({"logit_bias": {5: 200.0}}, {"logit_bias": {"5": 200.0}}),
         ({"bad_words": ["ok", " "]}, {"bad_words": ["ok", " "]}),
+        ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": 0}),
+        ({"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": -2}),
     ],
 )
 def test_grpc_refuses_bad_penalties_with_the_http_message(

@@ -129,5 +129,9 @@ def test_penalties_over_http_decode_as_the_offline_llm_does(tiny_model_dir: path
                 refused = await http.post("/v1/completions", json={**params, **body})
                 assert refused.status_code == 400, body
                 assert next(iter(body)) in refused.json()["error"]["message"]
+            cut = await client.completions.create(
+                **params, extra_body={**extra, "truncate_prompt_tokens": 3}
+            )
+            assert cut.usage.prompt_tokens == 3
 
     asyncio.run(asyncio.wait_for(body(), 120))

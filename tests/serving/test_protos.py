@@ -74,6 +74,7 @@ def test_sampling_parameters_mirror_the_engine_fields_with_presence() -> None:
         "logit_bias",
         "allowed_token_ids",
         "bad_words",
+        "truncate_prompt_tokens",
     }
     assert set(fields) == expected
     # Every engine field the proto names is a SamplingParams field of the same name.
