@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor
 
 from cluster.engine.errors import RequestRejected
 from cluster.engine.llm import LLM
@@ -25,7 +25,13 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from tests.engine.test_sampling_penalties import REGIMES
 from tests.engine.test_speculative_decoding import REPEATING
-from tests.engine.tiny_engine import GREEDY, PROMPTS, assert_all_free, tiny_config
+from tests.engine.tiny_engine import (
+    GREEDY,
+    PROMPTS,
+    assert_all_free,
+    hf_greedy_tokens,
+    tiny_config,
+)
 
 ALL_PROMPTS = PROMPTS + REPEATING
 
@@ -67,23 +73,12 @@ def bad_word_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
 def hf_greedy(
     model: Any, prompt_ids: list[int], params: SamplingParams, bad_ids: list[list[int]]
 ) -> list[int]:
-    ids = torch.tensor([prompt_ids])
     processors: list[LogitsProcessor] = []
     if params.allowed_token_ids:
         processors.append(AllowedOnly(params.allowed_token_ids))
     if bad_ids:
         processors.append(BadWordsInOutput(len(prompt_ids), bad_ids))
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=params.max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            logits_processor=LogitsProcessorList(processors),
-        )
-    return out[0, ids.shape[1] :].tolist()
+    return hf_greedy_tokens(model, prompt_ids, params.max_tokens or 0, processors)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import torch
 import transformers
 from transformers import (
     LogitsProcessor,
-    LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
@@ -29,7 +28,14 @@ from cluster.engine.llm import LLM
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from tests.engine.test_speculative_decoding import NGRAM, REPEATING
-from tests.engine.tiny_engine import GREEDY, PREEMPTING, PROMPTS, assert_all_free, tiny_config
+from tests.engine.tiny_engine import (
+    GREEDY,
+    PREEMPTING,
+    PROMPTS,
+    assert_all_free,
+    hf_greedy_tokens,
+    tiny_config,
+)
 
 PENALIZED = dataclasses.replace(
     GREEDY,
@@ -68,7 +74,6 @@ class OpenAIPenalties(LogitsProcessor):
 def hf_greedy(model: Any, prompt_ids: list[int], params: SamplingParams) -> list[int]:
     """HF's greedy tokens with `params`' processors, in vLLM's order: bias, the min-tokens
     ban, the repetition penalty, the frequency and presence penalties."""
-    ids = torch.tensor([prompt_ids])
     processors: list[LogitsProcessor] = []
     if params.logit_bias:
         processors.append(
@@ -86,17 +91,9 @@ def hf_greedy(model: Any, prompt_ids: list[int], params: SamplingParams) -> list
         processors.append(
             OpenAIPenalties(len(prompt_ids), params.frequency_penalty, params.presence_penalty)
         )
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=params.max_tokens,
-            do_sample=False,
-            eos_token_id=params.stop_token_ids or None,
-            pad_token_id=0,
-            logits_processor=LogitsProcessorList(processors),
-        )
-    return out[0, ids.shape[1] :].tolist()
+    return hf_greedy_tokens(
+        model, prompt_ids, params.max_tokens or 0, processors, params.stop_token_ids
+    )
 
 
 @pytest.fixture(scope="module")

@@ -6,30 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any
 
 import pytest
-import torch
 import transformers
 
 from cluster.engine.errors import RequestRejected
 from cluster.engine.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
-from tests.engine.tiny_engine import GREEDY, PROMPTS, tiny_config
-
-
-def hf_greedy(model: Any, ids: list[int], max_tokens: int) -> list[int]:
-    prompt = torch.tensor([ids])
-    with torch.no_grad():
-        out = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
+from tests.engine.tiny_engine import GREEDY, PROMPTS, hf_greedy_tokens, tiny_config
 
 
 def test_a_truncated_prompt_runs_as_its_last_tokens(tiny_model_dir: pathlib.Path) -> None:
@@ -45,7 +29,7 @@ def test_a_truncated_prompt_runs_as_its_last_tokens(tiny_model_dir: pathlib.Path
             assert cut.prompt_token_ids == full[-keep:]
             assert cut.prompt == long_prompt  # the text stays as given
             assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
-            assert cut.outputs[0].token_ids == hf_greedy(hf_model, full[-keep:], 16)
+            assert cut.outputs[0].token_ids == hf_greedy_tokens(hf_model, full[-keep:], 16)
         for keep in (len(full), len(full) + 7, -1):
             params = dataclasses.replace(GREEDY, max_tokens=4, truncate_prompt_tokens=keep)
             [whole] = llm.generate(long_prompt, params)

@@ -1,9 +1,14 @@
-"""Shared pieces of the tiny-Llama engine tests: prompts, greedy params and the config builder."""
+"""Shared pieces of the tiny-Llama engine tests: prompts, greedy params, the config builder and
+HF's greedy tokens as the oracle."""
 
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Sequence
 from typing import Any
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.llm import LLM
@@ -53,3 +58,26 @@ def assert_all_free(llm: LLM) -> None:
     pressure = llm.engine.block_manager.pressure()
     assert pressure.device.used == 0 and pressure.cpu.used == 0
     assert llm.engine.block_manager.num_free_device_blocks() == pressure.device.total
+
+
+def hf_greedy_tokens(
+    model: Any,
+    prompt_ids: list[int],
+    max_tokens: int,
+    processors: Sequence[LogitsProcessor] = (),
+    stop_ids: Sequence[int] = (),
+) -> list[int]:
+    """HF transformers' greedy `generate` over `prompt_ids` with `processors` (the oracle of the
+    sampling tests): `max_tokens` new tokens, fewer only when one of `stop_ids` is drawn."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=list(stop_ids) or None,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList(processors),
+        )
+    return out[0, ids.shape[1] :].tolist()
