@@ -49,8 +49,7 @@ def penalized_logits(
     vocab = processed.shape[-1]
     bias: list[tuple[int, int, float]] = []
     banned: list[tuple[int, int]] = []
-    seen: list[torch.Tensor] = []
-    counted: list[torch.Tensor] = []
+    penalized = _PenalizedRows()
     repetition = torch.ones(len(rows))
     frequency = torch.zeros(len(rows))
     presence = torch.zeros(len(rows))
@@ -63,32 +62,61 @@ def penalized_logits(
         bias.extend((i, token, value) for token, value in settings.logit_bias)
         if output_index < settings.min_tokens:
             banned.extend((i, t) for t in settings.stop_token_ids if 0 <= t < vocab)
-        outputs = history[settings.prompt_len :] if history is not None else ()
-        banned.extend((i, t) for t in bad_word_ends(settings.bad_words, outputs) if t < vocab)
+        if settings.bad_words:
+            outputs = history[settings.prompt_len :] if history is not None else ()
+            ends = bad_word_ends(settings.bad_words, outputs)
+            banned.extend((i, t) for t in ends if t < vocab)
         if settings.penalizes:
             assert history is not None
             repetition[i] = settings.repetition_penalty
             frequency[i] = settings.frequency_penalty
             presence[i] = settings.presence_penalty
-            tokens = torch.tensor(history, dtype=torch.int64)
-            seen.append(tokens + i * vocab)  # flat indices into `processed`
-            counted.append(tokens[settings.prompt_len :] + i * vocab)
+            penalized.add(i, history, settings.prompt_len)
     flat = processed.view(-1)
     if bias:
         where = torch.tensor([i * vocab + token for i, token, _ in bias])
         flat.index_add_(0, where, torch.tensor([value for _, _, value in bias]))
     if banned:
         _ban(processed, banned)
-    if seen:
-        where = torch.unique(torch.cat(seen))
+    if penalized.rows:
+        seen, counted = penalized.flat_indices(vocab)
+        where = torch.unique(seen)
         values = flat[where]
         penalty = repetition[where // vocab]
         flat[where] = torch.where(values > 0, values / penalty, values * penalty)
-    if counted:
-        where, counts = torch.unique(torch.cat(counted), return_counts=True)
+        where, counts = torch.unique(counted, return_counts=True)
         row = where // vocab
         flat[where] -= frequency[row] * counts.to(flat.dtype) + presence[row]
     return processed
+
+
+class _PenalizedRows:
+    """The earlier tokens of the penalized rows, gathered into one tensor (one conversion from
+    Python ints for the whole batch, not one per row)."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.lengths: list[int] = []
+        self.prompt_lens: list[int] = []
+        self.tokens: list[int] = []
+
+    def add(self, row: int, history: Sequence[int], prompt_len: int) -> None:
+        self.rows.append(row)
+        self.lengths.append(len(history))
+        self.prompt_lens.append(prompt_len)
+        self.tokens.extend(history)
+
+    def flat_indices(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices into the flattened logits of every earlier token (what the repetition
+        penalty reads) and of the output tokens among them (the frequency and presence
+        penalties: positions at or after each row's prompt)."""
+        lengths = torch.tensor(self.lengths)
+        row = torch.repeat_interleave(torch.tensor(self.rows), lengths)
+        seen = torch.tensor(self.tokens, dtype=torch.int64) + row * vocab
+        starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        position = torch.arange(len(self.tokens)) - starts
+        counted = seen[position >= torch.repeat_interleave(torch.tensor(self.prompt_lens), lengths)]
+        return seen, counted
 
 
 def _ban(processed: torch.Tensor, banned: list[tuple[int, int]]) -> None:
