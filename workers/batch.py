@@ -18,7 +18,7 @@ import torch
 from pagedserve_kernels.range_attention import contiguous_runs
 from workers.model import AttentionMetadata
 from workers.plan import PlanRejected, SamplingSettings, SequenceWork, StepPlan
-from workers.sampling import SampleRequest
+from workers.sampling import PromptRows, SampleRequest
 
 
 @dataclass
@@ -46,6 +46,8 @@ class PackedBatch:
     sample_requests: list[SampleRequest]
     lora_slots: torch.Tensor | None = None
     """`[tokens]` int64, each token's LoRA slot (-1: base model); None when no token has one."""
+    prompt_rows: PromptRows | None = None
+    """The rows whose logits give prompt logprobs (None: no work asks for them)."""
 
 
 class SequenceRegistry:
@@ -118,6 +120,18 @@ def _check_work(plan: StepPlan, work: SequenceWork, state: SequenceState, block_
     if not work.token_ids:
         raise PlanRejected(
             f"step {plan.step_id}: sequence {work.seq_id} has no tokens", (work.seq_id,)
+        )
+    if work.prompt_targets and (
+        work.num_draft_tokens
+        or len(work.prompt_targets) > len(work.token_ids)
+        or state.sampling is None
+        or state.sampling.prompt_logprobs is None
+    ):
+        raise PlanRejected(
+            f"step {plan.step_id}: sequence {work.seq_id} asks for {len(work.prompt_targets)} "
+            f"prompt logprobs over {len(work.token_ids)} tokens without drafts, with settings "
+            "that ask for them",
+            (work.seq_id,),
         )
     if work.start_pos < 0:
         raise PlanRejected(
@@ -193,11 +207,21 @@ def pack_batch(
     logits_rows: list[int] = []
     sample_seq_ids: list[int] = []
     requests: list[SampleRequest] = []
+    prompt_rows: PromptRows | None = None
     lora_slots: list[int] = []
     for work in plan.sequences:
         state = registry.states[work.seq_id]
         _check_work(plan, work, state, block_size)
         table = state.block_table
+        if work.prompt_targets:
+            prompt_rows = prompt_rows or PromptRows()
+            targets = work.prompt_targets
+            first = len(token_ids)
+            prompt_rows.rows.extend(range(first, first + len(targets)))
+            prompt_rows.targets.extend(targets)
+            assert state.sampling is not None
+            top = state.sampling.prompt_logprobs or 0
+            prompt_rows.spans.append((work.seq_id, len(targets), top))
         for position, (start, count, output_index) in enumerate(_query_spans(work)):
             end = start + count
             token_ids.extend(work.token_ids[start - work.start_pos : end - work.start_pos])
@@ -246,4 +270,5 @@ def pack_batch(
         sample_seq_ids,
         requests,
         tensor(lora_slots, torch.int64) if any_lora else None,
+        prompt_rows,
     )

@@ -73,6 +73,9 @@ class SamplingSettings:
     bad_words: tuple[tuple[int, ...], ...] = ()
     """Token sequences the output must not contain: a sequence's last token cannot be drawn
     right after the output's last tokens equal the rest of it (a one-token sequence never)."""
+    prompt_logprobs: int | None = None
+    """Prompt logprobs: how many top alternatives to report beside each prompt token's own
+    log-probability (None: the rank computes none; see `SequenceWork.prompt_targets`)."""
 
     @property
     def penalizes(self) -> bool:
@@ -131,6 +134,11 @@ class SequenceWork:
     """Sent with `sampling` when its penalties read earlier tokens (`needs_history`): the
     sequence's tokens at positions `[0, start_pos)`. The rank then keeps every token it is fed,
     by position, so a draw at position p sees the tokens at `[0, p]`."""
+    prompt_targets: list[int] | None = None
+    """Prompt logprobs: the prompt's tokens at positions `start_pos + 1 ...` (at most one per
+    token of `token_ids`); rank 0 returns the log-probability of each under the logits of the
+    position before it, with `sampling.prompt_logprobs` top alternatives
+    (`StepOutput.prompt_logprobs`)."""
 
 
 @dataclass(frozen=True)
@@ -207,5 +215,8 @@ class StepOutput:
     samples: dict[int, list[SampledToken]] = field(default_factory=dict)
     forward_seconds: float = 0.0
     corrupt_swap_ins: list[BlockPair] = field(default_factory=list)
+    prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)
+    """For every sequence whose work carried `prompt_targets`: one entry per target, in order
+    (`token_id` the target, `logprob` its log-probability, `top_logprobs` the alternatives)."""
     """(CPU block, device block) pairs of `swap_in` / `promote` whose CPU bytes failed their
     checksum (`verify_swaps`): the engine fails every sequence holding the device block."""

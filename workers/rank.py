@@ -28,7 +28,7 @@ from workers.model import AttentionMetadata, CausalLM
 from workers.parallel import TensorParallel, head_layout
 from workers.plan import BlockPair, PlanRejected, StepOutput, StepPlan
 from workers.pool_layouts import KVPoolLayout, pool_layout_for
-from workers.sampling import check_settings, sample_rows
+from workers.sampling import check_settings, prompt_logprobs, sample_rows
 
 PROFILE_TOKENS = 2048
 """Tokens in the CUDA profiling forward pass (a large prefill chunk)."""
@@ -351,6 +351,11 @@ class WorkerRank:
                     drawn = sample_rows(logits, batch.sample_requests, self.config.seed)
                     for seq_id, tokens in zip(batch.sample_seq_ids, drawn, strict=True):
                         output.samples.setdefault(seq_id, []).extend(tokens)
+            if batch.prompt_rows is not None:  # every rank: the LM head may be a collective
+                rows = torch.tensor(batch.prompt_rows.rows, device=hidden.device)
+                prompt_logits = self.model.logits(hidden[rows])
+                if self.tp.rank == 0:
+                    output.prompt_logprobs = prompt_logprobs(prompt_logits, batch.prompt_rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         output.forward_seconds = time.perf_counter() - began

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -228,3 +228,37 @@ def _with_logprobs(token: int, logprobs: torch.Tensor | None, top: int | None) -
         values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
         alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
     return SampledToken(token, float(logprobs[token]), alternatives)
+
+
+@dataclass
+class PromptRows:
+    """Rows of a packed batch whose next token is a known prompt token: `rows` index the
+    batch's tokens, `targets` are those next tokens, and `spans` say whose they are
+    (sequence id, number of rows, top alternatives to report), in row order."""
+
+    rows: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_rows: PromptRows) -> dict[int, list[SampledToken]]:
+    """Each prompt row's target token with its log-probability under the row's raw logits (the
+    model's own distribution: no temperature, penalty or filter) and the span's top
+    alternatives, by sequence id in row order."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    targets = torch.tensor(prompt_rows.targets, device=logprobs.device)
+    chosen = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+    most = max(top for _, _, top in prompt_rows.spans)
+    top_values, top_ids = torch.topk(logprobs, most, dim=-1) if most else (None, None)
+    results: dict[int, list[SampledToken]] = {}
+    row = 0
+    for seq_id, count, top in prompt_rows.spans:
+        entries = results.setdefault(seq_id, [])
+        for i in range(row, row + count):
+            alternatives = None
+            if top_values is not None and top_ids is not None and top:
+                pairs = zip(top_ids[i, :top].tolist(), top_values[i, :top].tolist(), strict=True)
+                alternatives = tuple(pairs)
+            entries.append(SampledToken(prompt_rows.targets[i], chosen[i], alternatives))
+        row += count
+    return results

@@ -9,6 +9,7 @@ but those of an operator-shared prefix, see `unsalted_blocks`).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from block_manager import CacheIdentity, CacheKey, prompt_block_hashes
 from cluster.engine.errors import AdapterNotFound, RequestRejected
@@ -74,7 +75,11 @@ class RequestKeys:
 
         An adapter's weights digest (never its name or path) is in the identity that seeds the
         chain and in every salted block's extra keys, so the same prompt under two adapters
-        shares no block and the same weights under two names share every block."""
+        shares no block and the same weights under two names share every block.
+
+        A request that asks for prompt logprobs needs every prompt position computed, so its
+        key is salted with a fresh random nonce: none of its blocks is ever a cache hit (its
+        own, after a preemption, included)."""
         shared = request.shared_prefix_tokens
         num_prompt_tokens = request.num_prompt_tokens
         valid = isinstance(shared, int) and not isinstance(shared, bool)
@@ -88,12 +93,16 @@ class RequestKeys:
             digest = self.adapters.get(request.adapter)
             if digest is None:
                 raise AdapterNotFound(f"adapter {request.adapter!r} is not loaded")
+        salt = request.tenant_salt
+        uncached = request.params.prompt_logprobs is not None
+        if uncached:
+            salt = (salt or b"") + b"\x00prompt-logprobs\x00" + os.urandom(16)
         return self.factory.key(
             chat_template_digest=request.prompt.chat_template_digest,
             adapter_id=None if digest is None else self.LORA_KIND,
             adapter_weights_digest=digest,
-            tenant_salt=request.tenant_salt,
-            unsalted_blocks=shared // self.block_size,
+            tenant_salt=salt,
+            unsalted_blocks=0 if uncached else shared // self.block_size,
         )
 
     def block_hashes(self, request: GenerateRequest) -> list[bytes]:

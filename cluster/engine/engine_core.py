@@ -171,6 +171,11 @@ class EngineCore:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         check_handoff(generate.resume, generate.prefill_only, params.n, max_tokens)
+        if params.prompt_logprobs is not None and (generate.resume or generate.prefill_only):
+            raise RequestRejected(
+                "prompt_logprobs cannot be served with prefill/decode disaggregation: the "
+                "prompt is computed on another engine"
+            )
         if params.structured_outputs is not None and constraint is None:
             constraint = self.compile_constraint(generate)
         seed = params.seed if params.seed is not None else self._default_seed(arrival)
@@ -195,6 +200,7 @@ class EngineCore:
             adapter_name=generate.adapter,
             adapter_digest=digest,
             prefill_only=generate.prefill_only,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         resume_request(request, generate.resume, self.limits)
         for branch in request.branches:  # what a range layout reserves at admission

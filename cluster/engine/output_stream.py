@@ -59,6 +59,8 @@ class RequestDelta:
     prompt_token_ids: list[int] | None = None
     metrics: RequestMetrics | None = None
     served_by: str | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
+    """Set once, on the first delta after the whole prompt's logprobs are recorded."""
 
 
 def chunk_tokens(stream_interval: int, chunks_per_step: int | None, running: int) -> int:
@@ -123,6 +125,8 @@ class _Coalesced:
         head.error = later.error if later.error is not None else head.error
         head.metrics = later.metrics if later.metrics is not None else head.metrics
         head.served_by = later.served_by if later.served_by is not None else head.served_by
+        if later.prompt_logprobs is not None:
+            head.prompt_logprobs = later.prompt_logprobs
         self.count += 1
         self.tokens = self._most_tokens()
 
@@ -238,6 +242,7 @@ class OutputAccumulator:
         self._prompt: str | None = None
         self._prompt_token_ids: list[int] = []
         self._metrics: RequestMetrics | None = None
+        self._prompt_logprobs: list[Logprob | None] | None = None
 
     def apply(self, delta: RequestDelta) -> RequestOutput:
         if delta.prompt_token_ids is not None:
@@ -245,6 +250,8 @@ class OutputAccumulator:
             self._prompt_token_ids = delta.prompt_token_ids
         if delta.metrics is not None:
             self._metrics = delta.metrics
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
         changes = {branch.index: branch for branch in delta.branches}
         for index, branch in changes.items():
             if index not in self._branches:
@@ -263,4 +270,5 @@ class OutputAccumulator:
             metrics=self._metrics if self._metrics is not None else RequestMetrics(0.0),
             error=delta.error,
             served_by=delta.served_by,
+            prompt_logprobs=self._prompt_logprobs,
         )

@@ -124,6 +124,9 @@ class RequestOutput:
     """Set when the engine gave up on the request (e.g. it can never fit the KV cache)."""
     served_by: str | None = None
     """The engine replica that produced it, when it crossed a deployment handle."""
+    prompt_logprobs: list[Logprob | None] | None = None
+    """With `SamplingParams.prompt_logprobs`: one entry per prompt token, None for the first
+    (vLLM's: `out.prompt_logprobs[i][out.prompt_token_ids[i]].logprob`)."""
 
     @property
     def usage(self) -> Usage:

@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from block_manager import CacheKey
@@ -22,7 +23,7 @@ from cluster.engine.output_stream import BranchDelta, RequestDelta
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.speculation import NgramIndex
-from workers.plan import SamplingSettings
+from workers.plan import SampledToken, SamplingSettings
 
 
 class RequestStatus(enum.Enum):
@@ -91,6 +92,33 @@ class Request:
     """The adapter's weights digest: what the scheduler's slot limit and the slots key on."""
     prefill_only: bool = False
     """Ends after its first token, handed off to a decode engine (`cluster.engine.handoff`)."""
+    prompt_logprobs: list[Logprob | None] | None = None
+    """With `params.prompt_logprobs`: one entry per prompt token recorded so far (the first is
+    None: nothing predicts it), filled in position order as the prompt's chunks run."""
+    prompt_logprobs_sent: bool = False
+    """The complete prompt logprobs went out in a delta (they travel once)."""
+
+    def record_prompt_logprobs(self, first_position: int, entries: Sequence[SampledToken]) -> None:
+        """Records the log-probabilities of the prompt tokens at `first_position`, ... (a
+        recomputed chunk's entries for positions recorded already are dropped)."""
+        recorded = self.prompt_logprobs
+        if recorded is None:
+            return
+        if first_position > len(recorded):
+            raise RuntimeError(
+                f"request {self.request_id}: prompt logprobs from position {first_position}, "
+                f"but only {len(recorded)} are recorded"
+            )
+        for entry in entries[len(recorded) - first_position :]:
+            top = dict(entry.top_logprobs) if entry.top_logprobs else {}
+            recorded.append(Logprob(entry.token_id, entry.logprob, top))
+
+    def complete_prompt_logprobs(self) -> list[Logprob | None] | None:
+        """The prompt logprobs once every prompt token has its entry, else None."""
+        recorded = self.prompt_logprobs
+        if recorded is None or len(recorded) < len(self.prompt_token_ids):
+            return None
+        return recorded
 
     @property
     def n(self) -> int:
@@ -137,6 +165,10 @@ class Request:
                 )
             )
         finished = self.finished
+        prompt_logprobs = None
+        if not self.prompt_logprobs_sent:
+            prompt_logprobs = self.complete_prompt_logprobs()
+            self.prompt_logprobs_sent = prompt_logprobs is not None
         return RequestDelta(
             request_id=self.request_id,
             branches=branches,
@@ -146,6 +178,7 @@ class Request:
             prompt=self.prompt if first else None,
             prompt_token_ids=self.prompt_token_ids if first else None,
             metrics=self.metrics if first or finished else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def make_output(self) -> RequestOutput:
@@ -179,4 +212,5 @@ class Request:
             num_cached_tokens=self.num_cached_tokens or 0,
             metrics=self.metrics,
             error=self.error,
+            prompt_logprobs=(None if self.prompt_logprobs is None else list(self.prompt_logprobs)),
         )

@@ -55,6 +55,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    """Log-probabilities of the prompt's tokens (vLLM's): each prompt token's own and this many
+    top alternatives at its position (0: its own only); the first token has none. The prompt is
+    then computed whole, never read from the prefix cache."""
     truncate_prompt_tokens: int | None = None
     """Keep only the prompt's last this many tokens (vLLM's; -1, the model's context, keeps
     what fits anyway: a longer prompt is refused either way)."""
@@ -148,6 +152,15 @@ class SamplingParams:
             )
 
         _require(
+            self.prompt_logprobs is None
+            or (
+                isinstance(self.prompt_logprobs, int)
+                and not isinstance(self.prompt_logprobs, bool)
+                and 0 <= self.prompt_logprobs <= 20
+            ),
+            f"prompt_logprobs must be None or an int in [0, 20], got {self.prompt_logprobs!r}",
+        )
+        _require(
             self.truncate_prompt_tokens is None
             or (
                 isinstance(self.truncate_prompt_tokens, int)
@@ -196,6 +209,7 @@ class SamplingParams:
             prompt_len=prompt_len,
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
             bad_words=bad_words,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

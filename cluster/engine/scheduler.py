@@ -301,6 +301,10 @@ class Scheduler:
                 branch.grammar.sync(branch.output_token_ids)
                 bitmask = branch.grammar.bitmasks(drafts)
             tokens = token_ids[computed:end]
+            targets = None
+            if request.prompt_logprobs is not None:  # the prompt tokens after these positions
+                prompt = request.prompt_token_ids
+                targets = prompt[computed + 1 : min(end + 1, len(prompt))] or None
             step.plan.sequences.append(
                 sequence_work(
                     bm,
@@ -312,6 +316,7 @@ class Scheduler:
                     len(drafts),
                     bitmask,
                     False,
+                    targets,
                 )
             )
 

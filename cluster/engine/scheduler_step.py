@@ -92,10 +92,11 @@ def sequence_work(
     num_drafts: int,
     bitmask: object,
     placeholder: bool,
+    prompt_targets: list[int] | None = None,
 ) -> SequenceWork:
     """The branch's `SequenceWork` for tokens from `start` (the table delta taken now; the
     settings and, when its penalties need them, the tokens before `start`, the first time the
-    worker sees the branch).
+    worker sees the branch; `prompt_targets` the prompt tokens whose logprobs the chunk gives).
     A placeholder (async scheduling's one token for the token in flight) has its output
     index one past the branch's. The dataclass is built by position: keyword arguments cost
     more than the rest of the construction, once per sequence per step."""
@@ -117,6 +118,7 @@ def sequence_work(
         bitmask,  # token_bitmask
         placeholder,
         history,  # the tokens before `start`, when the penalties read them
+        prompt_targets,
     )
     branch.worker_knows = True
     return work

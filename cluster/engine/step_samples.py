@@ -35,6 +35,7 @@ def take_samples(
     the module doc)."""
     sampled: list[tuple[Request, Branch, SampledToken]] = []
     samples = output.samples
+    prompt_logprobs = output.prompt_logprobs
     mark_computed = bm.mark_computed
     fill = placeholders.fill if placeholders else None
     running = RequestStatus.RUNNING
@@ -43,6 +44,8 @@ def take_samples(
         if branch.finish_reason is not None or request.status is not running:
             continue  # ended, or left the device, while the step ran
         seq_id = branch.seq_id
+        if prompt_logprobs and seq_id in prompt_logprobs:
+            request.record_prompt_logprobs(work.start + 1, prompt_logprobs[seq_id])
         tokens = samples.get(seq_id)
         num_samples, drafts = work.num_samples, work.drafts
         if num_samples and (tokens is None or len(tokens) != num_samples + len(drafts)):
