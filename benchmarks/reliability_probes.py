@@ -75,7 +75,7 @@ BAD_COMPLETION: list[tuple[str, Any]] = [
     ("prompt", 7),
     ("prompt", None),
     ("logprobs", 21),
-    ("echo", True),
+    ("echo", "yes"),
 ]
 BAD_CHAT: list[tuple[str, Any]] = [
     ("messages", []),

@@ -195,6 +195,7 @@ class SamplingKwargs(TypedDict):
     allowed_token_ids: list[int] | None
     bad_words: list[str] | None
     truncate_prompt_tokens: int | None
+    prompt_logprobs: int | None
 
 
 def _sampling_kwargs(request: _SamplingRequest, logprobs: int | None) -> SamplingKwargs:
@@ -226,6 +227,7 @@ def _sampling_kwargs(request: _SamplingRequest, logprobs: int | None) -> Samplin
         allowed_token_ids=request.allowed_token_ids,
         bad_words=request.bad_words or None,
         truncate_prompt_tokens=request.truncate_prompt_tokens,
+        prompt_logprobs=None,
     )
 
 
@@ -252,8 +254,8 @@ class CompletionRequest(_SamplingRequest):
     def check_supported(self) -> None:
         """Raise a 400 for a valid request this server cannot honour."""
         self._check_supported()
-        if self.echo:
-            raise invalid_request("echo is not supported by this server", "echo")
+        if self.echo and self.stream:
+            raise invalid_request("echo is not supported with stream by this server", "echo")
         if self.suffix:
             raise invalid_request("suffix is not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -271,7 +273,12 @@ class CompletionRequest(_SamplingRequest):
         return 16 if self.max_tokens is None else self.max_tokens
 
     def sampling_kwargs(self) -> SamplingKwargs:
-        return _sampling_kwargs(self, self.logprobs)
+        """`echo` with `logprobs` asks the engine for the prompt's logprobs too (the choice's
+        logprobs then start with the prompt's tokens, the first without any)."""
+        kwargs = _sampling_kwargs(self, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            kwargs["prompt_logprobs"] = self.logprobs
+        return kwargs
 
 
 class ContentPart(_Edge):

@@ -258,11 +258,30 @@ class OpenAIServing:
         return CompletionLogprobs(
             tokens=tokens,
             token_logprobs=[e.logprob for e in entries],
-            top_logprobs=[{self.token_text(t): lp for t, lp in e.top.items()} for e in entries],
+            top_logprobs=[
+                None
+                if e.logprob is None and not e.top
+                else {self.token_text(t): lp for t, lp in e.top.items()}
+                for e in entries
+            ],
             text_offset=list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
             if tokens
             else [],
         )
+
+    def echoed(self, final: RequestOutput) -> tuple[str, list[Logprob]]:
+        """What `echo` puts before a choice's text and logprobs: the prompt's text (decoded
+        from its token ids where it was given as ids) and, when the engine computed them, the
+        prompt tokens' logprobs (the first token's empty, as OpenAI writes it)."""
+        ids = final.prompt_token_ids
+        text = final.prompt
+        if text is None:
+            text = self.frontend.renderer.decode(ids, skip_special_tokens=False)
+        entries = final.prompt_logprobs
+        if entries is None:
+            return text, []
+        first = Logprob(token_id=ids[0], logprob=None)
+        return text, [first, *(e for e in entries[1:] if e is not None)]
 
     def completion_choice(
         self,
@@ -303,13 +322,22 @@ class OpenAIServing:
         prompts = [engine_prompt(p) for p in request.prompts()]
         submission = await self.submit(request.model, prompts, params, rid, salt, meta)
         finals = await self.finals(submission.streams)
-        choices = [
-            self.completion_choice(
-                i * params.n + output.index, output.text, output.logprobs, 0, finish_reason(output)
-            )
-            for i, final in enumerate(finals)
-            for output in final.outputs
-        ]
+        choices = []
+        for i, final in enumerate(finals):
+            echoed, echoed_logprobs = self.echoed(final) if request.echo else ("", [])
+            for output in final.outputs:
+                logprobs = output.logprobs
+                if logprobs is not None and request.echo:
+                    logprobs = echoed_logprobs + logprobs
+                choices.append(
+                    self.completion_choice(
+                        i * params.n + output.index,
+                        echoed + output.text,
+                        logprobs,
+                        0,
+                        finish_reason(output),
+                    )
+                )
         return CompletionResponse(
             id=rid,
             created=int(time.time()),

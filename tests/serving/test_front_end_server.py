@@ -10,6 +10,8 @@ import pathlib
 
 import httpx
 import openai
+import torch
+import transformers
 
 from benchmarks.front_end_server import local_ingress
 from cluster.engine.llm import LLM
@@ -133,5 +135,61 @@ def test_penalties_over_http_decode_as_the_offline_llm_does(tiny_model_dir: path
                 **params, extra_body={**extra, "truncate_prompt_tokens": 3}
             )
             assert cut.usage.prompt_tokens == 3
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hf_does(tiny_model_dir: pathlib.Path) -> None:
+    """What an evaluation harness sends to score a continuation: token ids, `echo`,
+    `logprobs: 1`, `max_tokens: 1`; each prompt token's logprob must be HF's."""
+    args = ServeAppArgs.model_validate(
+        {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt_ids = tokenizer.encode("Paged attention keeps the cache in blocks of tokens")
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt_ids])).logits[0].to(torch.float32)
+    reference = torch.log_softmax(logits, dim=-1)
+
+    async def body() -> None:
+        async with local_ingress(args) as ingress:
+            transport = httpx.ASGITransport(app=build_http_api(ingress))
+            http = httpx.AsyncClient(transport=transport, base_url="http://front-end")
+            client = openai.AsyncOpenAI(
+                api_key="none", base_url="http://front-end/v1", http_client=http
+            )
+            common = {"model": MODEL, "max_tokens": 1, "temperature": 0, "echo": True}
+            scored, plain, text = await asyncio.gather(
+                client.completions.create(prompt=prompt_ids, logprobs=1, **common),
+                client.completions.create(prompt=prompt_ids, **common),
+                client.completions.create(prompt="Once upon a time", logprobs=0, **common),
+            )
+            choice = scored.choices[0]
+            logprobs = choice.logprobs
+            assert logprobs is not None and logprobs.token_logprobs is not None
+            assert len(logprobs.token_logprobs) == len(prompt_ids) + 1
+            assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+            for i in range(1, len(prompt_ids)):
+                expected = float(reference[i - 1, prompt_ids[i]])
+                assert abs(logprobs.token_logprobs[i] - expected) < 1e-4, i
+                (best,) = logprobs.top_logprobs[i].values()
+                assert abs(best - float(reference[i - 1].max())) < 1e-4
+            generated = int(reference[-1].argmax())
+            assert abs(logprobs.token_logprobs[-1] - float(reference[-1, generated])) < 1e-4
+            assert len(logprobs.tokens) == len(prompt_ids) + 1
+            decoded = tokenizer.decode(prompt_ids)
+            assert choice.text.startswith(decoded) and plain.choices[0].text == choice.text
+            assert plain.choices[0].logprobs is None
+            assert text.choices[0].text.startswith("Once upon a time")
+            assert (
+                len(text.choices[0].logprobs.tokens)
+                == len(tokenizer.encode("Once upon a time")) + 1
+            )
+
+            streamed = await http.post(
+                "/v1/completions", json={**common, "prompt": "x", "stream": True}
+            )
+            assert streamed.status_code == 400 and "echo" in streamed.json()["error"]["message"]
 
     asyncio.run(asyncio.wait_for(body(), 120))

@@ -272,7 +272,12 @@ BAD_BODIES: list[tuple[type[Any], dict[str, Any], str | None, str]] = [
     (CompletionRequest, {"model": "m", "prompt": "x", "stream": "yes"}, "stream", "boolean"),
     (CompletionRequest, {"model": "m", "prompt": "x", "seed": -1}, "seed", ">= 0"),
     (CompletionRequest, {"model": "m", "prompt": "x", "stop": [""]}, "stop", "empty"),
-    (CompletionRequest, {"model": "m", "prompt": "x", "echo": True}, "echo", "not supported"),
+    (
+        CompletionRequest,
+        {"model": "m", "prompt": "x", "echo": True, "stream": True},
+        "echo",
+        "not supported with stream",
+    ),
     (CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 21}, "logprobs", "<= 20"),
     (
         CompletionRequest,
