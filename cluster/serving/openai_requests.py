@@ -83,8 +83,8 @@ class StreamOptions(_Edge):
 class _SamplingRequest(_Edge):
     """Fields shared by completions and chat completions; `top_k`, `ignore_eos`,
     `stop_token_ids`, `include_stop_str_in_output`, `repetition_penalty`, `min_p`,
-    `min_tokens`, `allowed_token_ids`, `bad_words` and `truncate_prompt_tokens` are vLLM's
-    extensions beyond OpenAI's API. Float fields take JSON integers too
+    `min_tokens`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens` and
+    `prompt_logprobs` are vLLM's extensions beyond OpenAI's API. Float fields take JSON integers too
     (`"temperature": 1`), as OpenAI's API does; `logit_bias` maps token ids written as strings
     (`{"50256": -100}`) to biases. `min_tokens` never exceeds the request's token limit
     (checked by `check_supported`, as the limit's default depends on the route)."""
@@ -121,6 +121,7 @@ class _SamplingRequest(_Edge):
     )
     bad_words: list[Annotated[str, AfterValidator(_non_blank)]] | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     _constraint: tuple[StructuredOutputsParams | None] | None = PrivateAttr(default=None)
@@ -136,6 +137,10 @@ class _SamplingRequest(_Edge):
                 f"min_tokens ({self.min_tokens}) must not exceed the request's max_tokens "
                 f"({limit})",
                 "min_tokens",
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid_request(
+                "prompt_logprobs is not supported with stream by this server", "prompt_logprobs"
             )
         if self.truncate_prompt_tokens == 0:
             raise invalid_request(
@@ -227,7 +232,7 @@ def _sampling_kwargs(request: _SamplingRequest, logprobs: int | None) -> Samplin
         allowed_token_ids=request.allowed_token_ids,
         bad_words=request.bad_words or None,
         truncate_prompt_tokens=request.truncate_prompt_tokens,
-        prompt_logprobs=None,
+        prompt_logprobs=request.prompt_logprobs,
     )
 
 
@@ -277,7 +282,7 @@ class CompletionRequest(_SamplingRequest):
         logprobs then start with the prompt's tokens, the first without any)."""
         kwargs = _sampling_kwargs(self, self.logprobs)
         if self.echo and self.logprobs is not None:
-            kwargs["prompt_logprobs"] = self.logprobs
+            kwargs["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return kwargs
 
 

@@ -58,6 +58,7 @@ from cluster.serving.openai_requests import (
     Prompt,
     SamplingKwargs,
 )
+from cluster.serving.prompt_logprobs import echoed, vllm_prompt_logprobs
 from cluster.serving.tool_calls import (
     ToolPlan,
     ToolSettings,
@@ -191,6 +192,10 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         return self.frontend.token_text(token_id)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens kept (a prompt given as ids, echoed)."""
+        return self.frontend.renderer.decode(token_ids, skip_special_tokens=False)
+
     async def submit(
         self,
         model: str,
@@ -269,20 +274,6 @@ class OpenAIServing:
             else [],
         )
 
-    def echoed(self, final: RequestOutput) -> tuple[str, list[Logprob]]:
-        """What `echo` puts before a choice's text and logprobs: the prompt's text (decoded
-        from its token ids where it was given as ids) and, when the engine computed them, the
-        prompt tokens' logprobs (the first token's empty, as OpenAI writes it)."""
-        ids = final.prompt_token_ids
-        text = final.prompt
-        if text is None:
-            text = self.frontend.renderer.decode(ids, skip_special_tokens=False)
-        entries = final.prompt_logprobs
-        if entries is None:
-            return text, []
-        first = Logprob(token_id=ids[0], logprob=None)
-        return text, [first, *(e for e in entries[1:] if e is not None)]
-
     def completion_choice(
         self,
         index: int,
@@ -324,20 +315,25 @@ class OpenAIServing:
         finals = await self.finals(submission.streams)
         choices = []
         for i, final in enumerate(finals):
-            echoed, echoed_logprobs = self.echoed(final) if request.echo else ("", [])
+            echoed_text, echoed_logprobs = (
+                echoed(final, self.decode, request.logprobs) if request.echo else ("", [])
+            )
+            shown_prompt = None
+            if request.prompt_logprobs is not None:
+                shown_prompt = vllm_prompt_logprobs(final, self.token_text, request.prompt_logprobs)
             for output in final.outputs:
                 logprobs = output.logprobs
                 if logprobs is not None and request.echo:
                     logprobs = echoed_logprobs + logprobs
-                choices.append(
-                    self.completion_choice(
-                        i * params.n + output.index,
-                        echoed + output.text,
-                        logprobs,
-                        0,
-                        finish_reason(output),
-                    )
+                choice = self.completion_choice(
+                    i * params.n + output.index,
+                    echoed_text + output.text,
+                    logprobs,
+                    0,
+                    finish_reason(output),
                 )
+                choice.prompt_logprobs = shown_prompt
+                choices.append(choice)
         return CompletionResponse(
             id=rid,
             created=int(time.time()),
@@ -383,6 +379,11 @@ class OpenAIServing:
             model=submission.adapter or self.model,
             choices=choices,
             usage=whole_usage([final]),
+            prompt_logprobs=(
+                None
+                if request.prompt_logprobs is None
+                else vllm_prompt_logprobs(final, self.token_text, request.prompt_logprobs)
+            ),
         )
 
     async def stream_chat(

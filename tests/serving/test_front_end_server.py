@@ -192,4 +192,39 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_does(tiny_model_dir: pathlib
             )
             assert streamed.status_code == 400 and "echo" in streamed.json()["error"]["message"]
 
+            # vLLM's field: token id -> logprob, rank and text, on completions and chat
+            body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+            completion, chat = await asyncio.gather(
+                http.post("/v1/completions", json={**body, "prompt": prompt_ids}),
+                http.post(
+                    "/v1/chat/completions",
+                    json={**body, "messages": [{"role": "user", "content": "Hi there"}]},
+                ),
+            )
+            shown = completion.json()["choices"][0]["prompt_logprobs"]
+            chat_shown = chat.json()["prompt_logprobs"]
+            assert shown[0] is None and chat_shown[0] is None
+            assert len(shown) == len(prompt_ids) and len(chat_shown) > 3
+            for i in range(1, len(prompt_ids)):
+                own = shown[i][str(prompt_ids[i])]
+                assert abs(own["logprob"] - float(reference[i - 1, prompt_ids[i]])) < 1e-4
+                ranked = sorted(v["rank"] for v in shown[i].values() if "rank" in v)
+                assert ranked == [1, 2] and len(shown[i]) <= 3
+                top_two = torch.topk(reference[i - 1], 2).indices.tolist()
+                by_rank = sorted((v["rank"], int(t)) for t, v in shown[i].items() if "rank" in v)
+                assert [token for _, token in by_rank] == top_two
+            assert (
+                "prompt_logprobs"
+                not in (
+                    await http.post(
+                        "/v1/completions", json={**body, "prompt": "x", "prompt_logprobs": None}
+                    )
+                ).json()["choices"][0]
+            )
+            refused = await http.post(
+                "/v1/completions", json={**body, "prompt": "x", "stream": True}
+            )
+            assert refused.status_code == 400
+            assert "prompt_logprobs" in refused.json()["error"]["message"]
+
     asyncio.run(asyncio.wait_for(body(), 120))

@@ -281,6 +281,12 @@ BAD_BODIES: list[tuple[type[Any], dict[str, Any], str | None, str]] = [
     (CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 21}, "logprobs", "<= 20"),
     (
         CompletionRequest,
+        {"model": "m", "prompt": "x", "prompt_logprobs": 21},
+        "prompt_logprobs",
+        "<= 20",
+    ),
+    (
+        CompletionRequest,
         {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
         "stream_options",
         "only allowed when stream is true",

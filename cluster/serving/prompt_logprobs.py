@@ -1,0 +1,64 @@
+"""The prompt's log-probabilities in OpenAI responses: `echo` on completions (OpenAI's legacy
+shape, the prompt's tokens before the choice's) and vLLM's `prompt_logprobs` field (per prompt
+token, token id -> logprob, rank and text).
+
+Invariant: both read `RequestOutput.prompt_logprobs` as the engine recorded it (None for the
+first token, then one entry per prompt token) and show at most the number of alternatives the
+request asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cluster.engine.outputs import Logprob, RequestOutput
+from cluster.serving.openai_protocol import PromptTokenLogprob
+
+
+def echoed(
+    final: RequestOutput, decode: Callable[[list[int]], str], top: int | None
+) -> tuple[str, list[Logprob]]:
+    """What `echo` puts before a choice's text and logprobs: the prompt's text (`decode`d
+    from its token ids where it was given as ids) and, when the engine computed them, the
+    prompt tokens' logprobs with `top` alternatives each (the first token's empty, as OpenAI
+    writes it)."""
+    ids = final.prompt_token_ids
+    text = final.prompt if final.prompt is not None else decode(ids)
+    entries = final.prompt_logprobs
+    if entries is None or top is None:
+        return text, []
+    first = Logprob(token_id=ids[0], logprob=None)
+    return text, [first, *(_trimmed(e, top) for e in entries[1:] if e is not None)]
+
+
+def vllm_prompt_logprobs(
+    final: RequestOutput, token_text: Callable[[int], str], top: int
+) -> list[dict[str, PromptTokenLogprob] | None] | None:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then token id (a JSON key)
+    -> its logprob, its rank among the alternatives (absent where it is not one) and its text,
+    the prompt token first."""
+    entries = final.prompt_logprobs
+    if entries is None:
+        return None
+    shown: list[dict[str, PromptTokenLogprob] | None] = [None]
+    for entry in entries[1:]:
+        if entry is None:
+            shown.append(None)
+            continue
+        shown.append(
+            {
+                str(token): PromptTokenLogprob(
+                    logprob=value.logprob, rank=value.rank, decoded_token=token_text(token)
+                )
+                for token, value in _trimmed(entry, top).items()
+            }
+        )
+    return shown
+
+
+def _trimmed(entry: Logprob, top: int) -> Logprob:
+    """`entry` with its `top` most likely alternatives only."""
+    if len(entry.top) <= top:
+        return entry
+    best = sorted(entry.top.items(), key=lambda item: -item[1])[:top]
+    return Logprob(entry.token_id, entry.logprob, dict(best))
