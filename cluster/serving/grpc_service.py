@@ -95,7 +95,8 @@ def completion_delta(branch: BranchDelta, decode: Decode) -> pb.CompletionDelta:
 class GenerateStreamEncoder:
     """Turns one request's stream of `RequestDelta`s into `GenerateResponse` messages: a branch
     appears in a response when the engine's delta carries it (new tokens or text, or a finish,
-    each reported once); the final response carries the usage."""
+    each reported once); the final response carries the usage, and the first response after
+    the prompt's logprobs are complete carries them (when asked)."""
 
     def __init__(self, decode: Decode, tools: ToolStream | None = None) -> None:
         self._decode = decode
@@ -126,6 +127,9 @@ class GenerateStreamEncoder:
                 if choice.finish_reason == pb.FINISH_REASON_STOP and called:
                     choice.finish_reason = pb.FINISH_REASON_TOOL_CALLS
             response.choices.append(choice)
+        if delta.prompt_logprobs is not None:
+            entries = [entry for entry in delta.prompt_logprobs[1:] if entry is not None]
+            response.prompt_logprobs.extend(position_logprobs(entries, self._decode))
         if delta.finished:
             tally = self._tally
             response.usage.CopyFrom(
@@ -136,7 +140,7 @@ class GenerateStreamEncoder:
                     cached_prompt_tokens=tally.cached_tokens,
                 )
             )
-        if not response.choices and not delta.finished:
+        if not response.choices and not delta.finished and not response.prompt_logprobs:
             return None
         return response
 

@@ -95,6 +95,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "min_p",
     "min_tokens",
     "truncate_prompt_tokens",
+    "prompt_logprobs",
 )
 """`SamplingParameters` fields with presence that map one to one onto HTTP fields of that name."""
 

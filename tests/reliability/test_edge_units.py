@@ -10,7 +10,10 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
+from cluster.engine.output_stream import BranchDelta, RequestDelta
+from cluster.engine.outputs import Logprob
 from cluster.serving.app_args import ServeAppArgs
+from cluster.serving.grpc_service import GenerateStreamEncoder
 from cluster.serving.grpc_validation import CorruptRequest, GrpcAbort, validated_generate
 from cluster.serving.grpc_wire import LenientDeserializer
 from cluster.serving.openai_protocol import OpenAIError
@@ -65,6 +68,7 @@ GRPC_PENALTIES = {
     "allowed_token_ids": [3, 7, 11],
     "bad_words": ["spam", "eggs and ham"],
     "truncate_prompt_tokens": 5,
+    "prompt_logprobs": 2,
 }
 """Valid values, exact in float32 (the proto's float)."""
 
@@ -85,7 +89,7 @@ def test_grpc_penalty_fields_reach_the_sampling_params(prompt: dict[str, object]
     assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0, 0, 1)
     assert (unset.min_p, unset.min_tokens, unset.logit_bias) == (0.0, 0, None)
     assert (unset.allowed_token_ids, unset.bad_words) == (None, None)
-    assert unset.truncate_prompt_tokens is None
+    assert unset.truncate_prompt_tokens is None and unset.prompt_logprobs is None
 
 
 @pytest.mark.parametrize(
@@ -102,6 +106,7 @@ def test_grpc_penalty_fields_reach_the_sampling_params(prompt: dict[str, object]
         ({"bad_words": ["ok", " "]}, {"bad_words": ["ok", " "]}),
         ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": 0}),
         ({"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": -2}),
+        ({"prompt_logprobs": 21}, {"prompt_logprobs": 21}),
     ],
 )
 def test_grpc_refuses_bad_penalties_with_the_http_message(
@@ -140,3 +145,27 @@ def test_limits_defaults_and_metrics_port_validation() -> None:
         ServeAppArgs.model_validate({"limits": {"metrics": {"access": "port"}}})
     with_port = {"limits": {"metrics": {"access": "port", "port": 9100}}}
     assert ServeAppArgs.model_validate(with_port).limits.metrics.port == 9100
+
+
+def test_grpc_sends_the_prompt_logprobs_once_on_the_response_that_has_them() -> None:
+    encoder = GenerateStreamEncoder(lambda ids: "".join(f"<{i}>" for i in ids))
+    entries = [None, Logprob(7, -1.5, {9: -0.5, 7: -1.5}), Logprob(3, -2.0, {})]
+    first = encoder.encode(
+        RequestDelta(
+            "r",
+            [BranchDelta(0, "a", [5])],
+            False,
+            0,
+            prompt_token_ids=[1, 7, 3],
+            prompt_logprobs=entries,
+        )
+    )
+    assert first is not None
+    shown = [
+        (p.sampled.token_id, p.sampled.logprob, [(t.token_id, t.logprob) for t in p.top])
+        for p in first.prompt_logprobs
+    ]
+    assert shown == [(7, -1.5, [(9, -0.5), (7, -1.5)]), (3, -2.0, [])]
+    assert first.prompt_logprobs[0].sampled.token == "<7>"
+    later = encoder.encode(RequestDelta("r", [BranchDelta(0, "b", [6])], True, 0))
+    assert later is not None and not later.prompt_logprobs

@@ -75,6 +75,7 @@ def test_sampling_parameters_mirror_the_engine_fields_with_presence() -> None:
         "allowed_token_ids",
         "bad_words",
         "truncate_prompt_tokens",
+        "prompt_logprobs",
     }
     assert set(fields) == expected
     # Every engine field the proto names is a SamplingParams field of the same name.
