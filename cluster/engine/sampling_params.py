@@ -153,18 +153,13 @@ class SamplingParams:
 
         _require(
             self.prompt_logprobs is None
-            or (
-                isinstance(self.prompt_logprobs, int)
-                and not isinstance(self.prompt_logprobs, bool)
-                and 0 <= self.prompt_logprobs <= 20
-            ),
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
             f"prompt_logprobs must be None or an int in [0, 20], got {self.prompt_logprobs!r}",
         )
         _require(
             self.truncate_prompt_tokens is None
             or (
-                isinstance(self.truncate_prompt_tokens, int)
-                and not isinstance(self.truncate_prompt_tokens, bool)
+                _is_int(self.truncate_prompt_tokens)
                 and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
             ),
             "truncate_prompt_tokens must be None, -1 or an int >= 1, got "
@@ -211,6 +206,11 @@ class SamplingParams:
             bad_words=bad_words,
             prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (True would pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:

@@ -6,7 +6,10 @@ penalty fields reach the engine as the offline `LLM` takes them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import openai
@@ -23,21 +26,34 @@ from tests.serving.conftest import MODEL, GreedyOracle, engine_section
 PROMPTS = ["The quick brown fox", "Once upon a time"]
 
 
+def tiny_args(model_dir: pathlib.Path) -> ServeAppArgs:
+    return ServeAppArgs.model_validate(
+        {"served_model_name": MODEL, "engine": engine_section(model_dir)}
+    )
+
+
+@contextlib.asynccontextmanager
+async def front_end(
+    args: ServeAppArgs,
+) -> AsyncIterator[tuple[Any, httpx.AsyncClient, openai.AsyncOpenAI]]:
+    """The no-Ray ingress over an in-process engine, with a raw HTTP client and OpenAI's."""
+    async with local_ingress(args) as ingress:
+        transport = httpx.ASGITransport(app=build_http_api(ingress))
+        http = httpx.AsyncClient(transport=transport, base_url="http://front-end")
+        client = openai.AsyncOpenAI(
+            api_key="none", base_url="http://front-end/v1", http_client=http
+        )
+        yield ingress, http, client
+
+
 def test_front_end_server_answers_hf_greedy_and_openai_errors(
     tiny_model_dir: pathlib.Path, oracle: GreedyOracle
 ) -> None:
-    args = ServeAppArgs.model_validate(
-        {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
-    )
+    args = tiny_args(tiny_model_dir)
     expected = [oracle.text(oracle.generate(oracle.prompt_ids(p), 8)[0]) for p in PROMPTS]
 
     async def body() -> None:
-        async with local_ingress(args) as ingress:
-            transport = httpx.ASGITransport(app=build_http_api(ingress))
-            http = httpx.AsyncClient(transport=transport, base_url="http://front-end")
-            client = openai.AsyncOpenAI(
-                api_key="none", base_url="http://front-end/v1", http_client=http
-            )
+        async with front_end(args) as (_, http, client):
             params = {"model": MODEL, "max_tokens": 8, "temperature": 0}
             extra = {"ignore_eos": True}
             whole = await asyncio.gather(
@@ -67,9 +83,7 @@ REPEATING_PROMPT = "out out out out out out out out"
 
 
 def test_penalties_over_http_decode_as_the_offline_llm_does(tiny_model_dir: pathlib.Path) -> None:
-    args = ServeAppArgs.model_validate(
-        {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
-    )
+    args = tiny_args(tiny_model_dir)
     greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
     offline_params = {
         "plain": SamplingParams(**greedy),
@@ -89,12 +103,7 @@ def test_penalties_over_http_decode_as_the_offline_llm_does(tiny_model_dir: path
     assert offline["bad_words"].token_ids != offline["plain"].token_ids
 
     async def body() -> None:
-        async with local_ingress(args) as ingress:
-            transport = httpx.ASGITransport(app=build_http_api(ingress))
-            http = httpx.AsyncClient(transport=transport, base_url="http://front-end")
-            client = openai.AsyncOpenAI(
-                api_key="none", base_url="http://front-end/v1", http_client=http
-            )
+        async with front_end(args) as (ingress, http, client):
             params = {"model": MODEL, "prompt": REPEATING_PROMPT, "max_tokens": 12}
             params["temperature"] = 0
             extra = {"ignore_eos": True}
@@ -142,9 +151,7 @@ def test_penalties_over_http_decode_as_the_offline_llm_does(tiny_model_dir: path
 def test_echo_with_logprobs_scores_the_prompt_as_hf_does(tiny_model_dir: pathlib.Path) -> None:
     """What an evaluation harness sends to score a continuation: token ids, `echo`,
     `logprobs: 1`, `max_tokens: 1`; each prompt token's logprob must be HF's."""
-    args = ServeAppArgs.model_validate(
-        {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
-    )
+    args = tiny_args(tiny_model_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt_ids = tokenizer.encode("Paged attention keeps the cache in blocks of tokens")
@@ -153,12 +160,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_does(tiny_model_dir: pathlib
     reference = torch.log_softmax(logits, dim=-1)
 
     async def body() -> None:
-        async with local_ingress(args) as ingress:
-            transport = httpx.ASGITransport(app=build_http_api(ingress))
-            http = httpx.AsyncClient(transport=transport, base_url="http://front-end")
-            client = openai.AsyncOpenAI(
-                api_key="none", base_url="http://front-end/v1", http_client=http
-            )
+        async with front_end(args) as (_, http, client):
             common = {"model": MODEL, "max_tokens": 1, "temperature": 0, "echo": True}
             scored, plain, text = await asyncio.gather(
                 client.completions.create(prompt=prompt_ids, logprobs=1, **common),
