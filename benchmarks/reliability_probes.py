@@ -64,6 +64,16 @@ BAD_SAMPLING: list[tuple[str, Any]] = [
     ("repetition_penalty", 0),
     ("min_p", 1.5),
     ("min_tokens", -1),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [-1]),
+    ("allowed_token_ids", [10**9]),  # outside the vocabulary: the engine refuses it
+    ("bad_words", [""]),
+    ("bad_words", [" "]),
+    ("bad_words", "word"),
+    ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", -2),
+    ("prompt_logprobs", 21),
+    ("prompt_logprobs", -1),
     ("min_tokens", 2),  # above the body's max_tokens (1)
     ("model", "gpt-4"),
     ("stop_token_ids", [-1]),
@@ -188,6 +198,10 @@ BAD_PROTO_SAMPLING: list[dict[str, Any]] = [
     {"min_tokens": 17},  # above the default max_tokens (16)
     {"logit_bias": {1: 101.0}},
     {"logit_bias": {2**32 - 1: 1.0}},  # outside the vocabulary: the engine refuses it
+    {"allowed_token_ids": [2**32 - 1]},
+    {"bad_words": ["ok", " "]},
+    {"truncate_prompt_tokens": 0},
+    {"prompt_logprobs": 21},
 ]
 
 
