@@ -63,8 +63,7 @@ def penalized_logits(
         if output_index < settings.min_tokens:
             banned.extend((i, t) for t in settings.stop_token_ids if 0 <= t < vocab)
         if settings.bad_words:
-            outputs = history[settings.prompt_len :] if history is not None else ()
-            ends = bad_word_ends(settings.bad_words, outputs)
+            ends = bad_word_ends(settings.bad_words, history or (), settings.prompt_len)
             banned.extend((i, t) for t in ends if t < vocab)
         if settings.penalizes:
             assert history is not None
@@ -130,14 +129,19 @@ def _ban(processed: torch.Tensor, banned: list[tuple[int, int]]) -> None:
             processed[i] = kept
 
 
-def bad_word_ends(bad_words: Sequence[Sequence[int]], outputs: Sequence[int]) -> list[int]:
-    """The tokens that would complete one of `bad_words` after `outputs`: a word's last token
-    when the outputs end with the rest of it (always, for a word of one token)."""
+def bad_word_ends(
+    bad_words: Sequence[Sequence[int]], history: Sequence[int], prompt_len: int
+) -> list[int]:
+    """The tokens that would complete one of `bad_words` after the output so far (`history`
+    past its first `prompt_len` tokens): a word's last token when the output ends with the rest
+    of it (always, for a word of one token). Reads only the output's last tokens, not a copy of
+    it."""
+    outputs = len(history) - prompt_len
     ends = []
     for word in bad_words:
         prefix = len(word) - 1
         if prefix == 0 or (
-            len(outputs) >= prefix and list(outputs[len(outputs) - prefix :]) == list(word[:-1])
+            outputs >= prefix and list(history[len(history) - prefix :]) == list(word[:-1])
         ):
             ends.append(word[-1])
     return ends

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -33,6 +32,12 @@ from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.error_map import ANSWERED, http_error
 from cluster.serving.frontend import DeltaStream, FrontEnd, StreamTally, Submission
+from cluster.serving.logprob_shapes import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed,
+    vllm_prompt_logprobs,
+)
 from cluster.serving.openai_protocol import (
     SSE_DONE,
     AssistantMessage,
@@ -41,13 +46,10 @@ from cluster.serving.openai_protocol import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprobs,
-    ChatTokenLogprob,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionResponse,
     FinishReason,
-    TopLogprob,
+    PromptLogprobs,
     Usage,
     invalid_request,
     sse_event,
@@ -58,7 +60,6 @@ from cluster.serving.openai_requests import (
     Prompt,
     SamplingKwargs,
 )
-from cluster.serving.prompt_logprobs import echoed, vllm_prompt_logprobs
 from cluster.serving.tool_calls import (
     ToolPlan,
     ToolSettings,
@@ -258,22 +259,6 @@ class OpenAIServing:
             yield sse_event(encoder.usage_chunk(total_usage(tallies)))
         yield SSE_DONE
 
-    def completion_logprobs(self, entries: list[Logprob], offset: int) -> CompletionLogprobs:
-        tokens = [self.token_text(e.token_id) for e in entries]
-        return CompletionLogprobs(
-            tokens=tokens,
-            token_logprobs=[e.logprob for e in entries],
-            top_logprobs=[
-                None
-                if e.logprob is None and not e.top
-                else {self.token_text(t): lp for t, lp in e.top.items()}
-                for e in entries
-            ],
-            text_offset=list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
-            if tokens
-            else [],
-        )
-
     def completion_choice(
         self,
         index: int,
@@ -281,29 +266,17 @@ class OpenAIServing:
         logprobs: list[Logprob] | None,
         offset: int,
         finish: FinishReason | None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> CompletionChoice:
         return CompletionChoice(
             index=index,
             text=text,
-            logprobs=None if logprobs is None else self.completion_logprobs(logprobs, offset),
+            logprobs=(
+                None if logprobs is None else completion_logprobs(logprobs, offset, self.token_text)
+            ),
             finish_reason=finish,
+            prompt_logprobs=prompt_logprobs,
         )
-
-    def chat_logprobs(self, entries: list[Logprob]) -> ChatLogprobs:
-        def top(token_id: int, logprob: float) -> TopLogprob:
-            text = self.token_text(token_id)
-            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
-
-        content = []
-        for entry in entries:
-            sampled = top(entry.token_id, entry.logprob if entry.logprob is not None else 0.0)
-            alternatives = sorted(entry.top.items(), key=lambda kv: -kv[1])
-            content.append(
-                ChatTokenLogprob(
-                    **sampled.model_dump(), top_logprobs=[top(t, lp) for t, lp in alternatives]
-                )
-            )
-        return ChatLogprobs(content=content)
 
     async def completion(
         self, request: CompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
@@ -325,15 +298,16 @@ class OpenAIServing:
                 logprobs = output.logprobs
                 if logprobs is not None and request.echo:
                     logprobs = echoed_logprobs + logprobs
-                choice = self.completion_choice(
-                    i * params.n + output.index,
-                    echoed_text + output.text,
-                    logprobs,
-                    0,
-                    finish_reason(output),
+                choices.append(
+                    self.completion_choice(
+                        i * params.n + output.index,
+                        echoed_text + output.text,
+                        logprobs,
+                        0,
+                        finish_reason(output),
+                        shown_prompt,
+                    )
                 )
-                choice.prompt_logprobs = shown_prompt
-                choices.append(choice)
         return CompletionResponse(
             id=rid,
             created=int(time.time()),
@@ -367,7 +341,7 @@ class OpenAIServing:
             message, reason = self.assistant_message(output, plan)
             logprobs = None
             if output.logprobs is not None:
-                logprobs = self.chat_logprobs(output.logprobs)
+                logprobs = chat_logprobs(output.logprobs, self.token_text)
             choices.append(
                 ChatChoice(
                     index=output.index, message=message, logprobs=logprobs, finish_reason=reason
@@ -485,7 +459,7 @@ class ChatChunks(_StreamChunks):
             self.started.add(branch.index)
             logprobs = None
             if branch.logprobs is not None:
-                logprobs = self.serving.chat_logprobs(branch.logprobs)
+                logprobs = chat_logprobs(branch.logprobs, self.serving.token_text)
             delta_out = ChatDelta(role=role, content=branch.text)
             reason = finish_reason(branch)
             if self.tools is not None:  # tool calls are read back as the text grows
