@@ -8,10 +8,9 @@ variant in turn, round after round (interleaved, so all see the same machine loa
 the model to each variant for its own steps only (`_variant`). One group, so one rank thread and
 one OpenMP team, as served: a group per variant would keep a team per rank thread alive, and with
 more OpenMP threads than cores libgomp stops spinning at barriers for all of them, which slowed
-every variant (benchmarks/README.md, "a native 4-bit matmul for decode batches"). Reported per
-batch: each variant's median step time and decode tokens/s, and `ratio_over_<first>` = the
-median over rounds of (first's time / this one's time), which is robust to load that changes
-between rounds.
+every variant (up to 1.8x). Reported per batch: each variant's median step time and decode
+tokens/s, and `ratio_over_<first>` = the median over rounds of (first's time / this one's time),
+which is robust to load that changes between rounds.
 
 Variants (the optimizations switched off one by one on the shipped bfloat16 model):
 - `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked;

@@ -1,6 +1,6 @@
 """Decode and prefill tokens/s of each model family on tiny random models (CPU, float32).
 
-The models are the parity tests' (`tests.workers.tiny_families`, a 128-wide 2-7 layer decoder
+The models are the parity tests' (`benchmarks.tiny_models`, a 128-wide 2-7 layer decoder
 per family): the figures compare families' per-token overheads against each other, not real
 model sizes. Each family runs on one in-process rank at batch 1 and 16, best of `repeats`
 after a warm-up.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tests.workers.tiny_families import FAMILY_MODELS, write_family_model
+from benchmarks.tiny_models import FAMILY_MODELS, write_family_model
 from workers import SamplingSettings, SequenceWork, StepPlan, WorkerConfig, WorkerGroup
 
 BATCHES = (1, 16)

@@ -164,13 +164,8 @@ def save_plots(directory: pathlib.Path, results: dict[str, list[RunResult]]) -> 
 
 
 def _tiny_model(directory: pathlib.Path) -> str:
-    try:
-        from tests.tiny_model import make_tiny_llama
-    except ImportError:
-        raise SystemExit(
-            "the default tiny model is built by tests/tiny_model.py: run from the repository "
-            "root, or pass --model PATH"
-        ) from None
+    from benchmarks.tiny_models import make_tiny_llama
+
     return str(make_tiny_llama(directory / "tiny_llama"))
 
 

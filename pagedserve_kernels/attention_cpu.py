@@ -7,7 +7,7 @@ The plain-torch path (`pagedserve_kernels.torch_cpu`) gathers each group of deco
 buffer, then multiplies, masks and softmaxes it in a dozen torch calls per layer; this replaces all
 of that for the decodes of a float32 or bfloat16 cache. A prefill chunk's query rows run through
 the same kernel, each as the decode of its own position (`DecodeRows.of_queries`): about twice
-SDPA's speed on the chunks of a chat prompt, and no mask to build (benchmarks/README.md).
+SDPA's speed on the chunks of a chat prompt, and no mask to build.
 
 Invariants: `decode_attention` equals `pagedserve_kernels.reference.paged_attention` on the rows it
 fills (float32 arithmetic throughout, the result rounded once to the query's dtype) up to float32

