@@ -1,13 +1,20 @@
 """The x86 CPU features the precision defaults and native kernels depend on, read once.
 
-`CpuFeatures.detect()` reads the running CPU (Linux `/proc/cpuinfo` vendor and flags; torch's own
-checks elsewhere). `auto_dtype` and `auto_quantized_activations` are the one rule behind `dtype:
-auto`: bfloat16 where its products are native and faster than float32 (CUDA; AMX-BF16, where
-oneDNN's tiles ran 1.47x float32 with int8 products end to end; AVX512-BF16 on AMD's cores); everywhere else float32 (where oneDNN only emulates
-bfloat16, and on Intel cores with AVX512-BF16 but no AMX, Cooper Lake or a virtual machine that
-hides AMX, where its bfloat16 products ran 0.92-0.94x float32) with the products on a GGUF file's codes taking int8-quantized activations where the
-CPU has AVX2 (`quantized_activations`, 1.8-2x float32's output rate end to end). Tests pass a `CpuFeatures` of another CPU
-kind to force its path. `auto_max_num_seqs` is what `scheduler.max_num_seqs: auto` means.
+`CpuFeatures.detect()` reads the running CPU (Linux `/proc/cpuinfo` vendor and flags through
+`CpuFeatures.from_cpuinfo`; torch's own checks where there is none). `auto_dtype` and
+`auto_quantized_activations` are the one rule behind `dtype: auto`:
+
+- bfloat16 where its products are native and faster than float32: CUDA; AMX-BF16 (oneDNN's
+  tiles ran 1.47x float32 with int8 products end to end); AVX512-BF16 on AMD's cores (1.54x
+  float32 on Zen 4);
+- float32 everywhere else, with the products on a GGUF file's codes taking int8-quantized
+  activations where the CPU has AVX2 (`quantized_activations`, 1.8-2x float32's output rate end
+  to end): where oneDNN only emulates bfloat16 (Ice Lake, Skylake-SP, AVX2-only CPUs), and on
+  Intel cores with AVX512-BF16 but no AMX (Cooper Lake, or a virtual machine that hides AMX),
+  where oneDNN's bfloat16 products ran 0.92-0.94x float32.
+
+Tests pass a `CpuFeatures` of another CPU kind (or its /proc/cpuinfo text) to force its path.
+`auto_max_num_seqs` is what `scheduler.max_num_seqs: auto` means.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class CpuFeatures:
 
     @staticmethod
     def from_flags(flags: set[str], vendor: str = "") -> CpuFeatures:
+        """The features a set of /proc/cpuinfo flag names says the CPU has."""
         return CpuFeatures(
             vendor=vendor,
             avx2="avx2" in flags,
@@ -65,6 +73,19 @@ class CpuFeatures:
             avx512_bf16="avx512_bf16" in flags,
             amx_bf16="amx_bf16" in flags,
         )
+
+    @staticmethod
+    def from_cpuinfo(text: str) -> CpuFeatures | None:
+        """The features Linux's /proc/cpuinfo `text` lists for its first CPU (its `vendor_id` and
+        `flags` lines), or None where it lists no flags (another OS, an unusual kernel)."""
+        vendor = ""
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                vendor = value.strip()
+            elif key.strip() == "flags":
+                return CpuFeatures.from_flags(set(value.split()), vendor)
+        return None
 
     @staticmethod
     def detect() -> CpuFeatures:
@@ -77,13 +98,9 @@ class CpuFeatures:
 def _running_cpu() -> CpuFeatures:
     """`CpuFeatures.detect()`'s one reading of this process's CPU."""
     cpuinfo = pathlib.Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        vendor = ""
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("vendor_id"):
-                vendor = line.partition(":")[2].strip()
-            if line.startswith("flags"):
-                return CpuFeatures.from_flags(set(line.partition(":")[2].split()), vendor)
+    listed = CpuFeatures.from_cpuinfo(cpuinfo.read_text()) if cpuinfo.exists() else None
+    if listed is not None:
+        return listed
     capability = torch.backends.cpu.get_cpu_capability()
     return CpuFeatures(
         avx2=capability in ("AVX2", "AVX512"),

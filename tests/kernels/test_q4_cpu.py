@@ -114,10 +114,12 @@ def test_kernel_reads_each_weight_exactly_as_dequantize_gives_it(isa: str) -> No
 
 @needs_kernel
 @each_isa
-@pytest.mark.parametrize("rows", [1, 4, 6, 8])
+@pytest.mark.parametrize("rows", [1, 4, 6, 8, 13, 32])
 def test_bfloat16_product_is_the_float32_product_rounded(isa: str, rows: int) -> None:
     """bfloat16 inputs are widened exactly and the float32 result rounded once (nearest even):
-    the weights are the exact float32 ones, not rounded to bfloat16."""
+    the weights are the exact float32 ones, not rounded to bfloat16. Up to the most rows any
+    instruction set's layers send the kernel (`Q4_MAX_ROWS_BY_ISA`: 32 bfloat16 rows on an
+    AVX2-only CPU), so an AVX-512 machine checks the AVX2 path over its whole range too."""
     _, dequantized = gguf_q4_1(64, 576, seed=rows)
     weight = Q4Weight.recover(dequantized)
     assert weight is not None

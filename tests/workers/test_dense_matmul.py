@@ -63,6 +63,22 @@ def test_packed_float32_product_matches_f_linear(rows: int) -> None:
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_weights_take_f_linear_where_onednn_has_no_bfloat16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As on an AVX2-only CPU (oneDNN without bfloat16 kernels), forced here on any CPU: the
+    weight stays unpacked and the product is `F.linear`'s, bit for bit."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    weight = torch.randn(12, 64).bfloat16()
+    assert not can_pack(weight)
+    assert can_pack(weight.float())
+    matmul = DenseMatmul(weight)
+    matmul.pack()
+    assert matmul.packed is None
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(matmul(x), F.linear(x, weight))
+
+
 def test_float16_weights_take_f_linear() -> None:
     weight = torch.randn(12, 10).half()
     matmul = DenseMatmul(weight)
