@@ -23,6 +23,9 @@ The in-process Ray cluster (`ray_cluster`) is one per session: started by the fi
 needs it, kept until the session ends. Tests marked `own_ray` start a Ray cluster of their own
 (a `ray.cluster_utils.Cluster`, a `pagedserve serve` process): they are ordered before every
 other test, so they run before the shared cluster starts.
+
+Hypothesis runs its default budget (`tests/hypothesis_profiles.py`; `--hypothesis-profile=
+thorough` for a longer search).
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from tests import hypothesis_profiles
+
+hypothesis_profiles.register()
 
 RAY_FIXTURES = frozenset({"ray_cluster", "served"})
 SMOLLM2_FIXTURES = frozenset({"smollm2_hf"})

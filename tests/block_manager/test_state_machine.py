@@ -14,7 +14,6 @@ writers shows up as wrong KV. `check_integrity()` runs after every rule too.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -457,7 +456,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("BLOCK_MANAGER_EXAMPLES", "200")),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -106,7 +106,7 @@ def smollm2_renderer(smollm2_tokenizer: Any) -> PromptRenderer:
     return PromptRenderer(smollm2_tokenizer, vocab_size=49152)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(
     ids=st.lists(st.integers(min_value=0, max_value=49151), max_size=12),
     skip=st.booleans(),

@@ -184,7 +184,7 @@ def brute_force_proposal(tokens: list[int], count: int, min_n: int, max_n: int) 
     return []
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40),
     cuts=st.lists(st.integers(1, 40), max_size=4),

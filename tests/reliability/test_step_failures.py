@@ -94,9 +94,13 @@ async def run_scenario(engine: AsyncEngine) -> list[list[int] | BaseException]:
     return [await first, *rest]
 
 
-def expected_tokens(model_dir: pathlib.Path) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: pathlib.Path) -> list[list[int]]:
+    """Each good prompt's greedy tokens from a healthy engine, one request at a time: what every
+    scenario's surviving requests must produce (computed once; no scenario changes them)."""
+
     async def scenario() -> list[list[int]]:
-        engine = await AsyncEngine.create(tiny_config(model_dir))
+        engine = await AsyncEngine.create(tiny_config(tiny_model_dir))
         build = engine.request_builder.build
         results = [
             await collect(engine_outputs(engine, build({"prompt_token_ids": ids}, params_of(i))))
@@ -111,9 +115,8 @@ def expected_tokens(model_dir: pathlib.Path) -> list[list[int]]:
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async_scheduling"])
 @pytest.mark.parametrize("mode", ["blame", "refuse"])
 def test_a_refused_plan_fails_only_its_requests(
-    tiny_model_dir: pathlib.Path, mode: str, overlap: bool
+    tiny_model_dir: pathlib.Path, expected: list[list[int]], mode: str, overlap: bool
 ) -> None:
-    expected = expected_tokens(tiny_model_dir)
 
     async def scenario() -> None:
         config = tiny_config(tiny_model_dir, scheduler={"async_scheduling": overlap})
@@ -161,10 +164,11 @@ def test_a_worker_failure_marks_the_engine_dead(
     asyncio.run(scenario())
 
 
-def test_the_offline_path_isolates_a_refused_plan_alike(tiny_model_dir: pathlib.Path) -> None:
+def test_the_offline_path_isolates_a_refused_plan_alike(
+    tiny_model_dir: pathlib.Path, expected: list[list[int]]
+) -> None:
     """`EngineCore.step` (what `LLM` runs) judges a refusal as the async loop does: the blamed
     request fails alone, the others of its step are recomputed to their exact greedy tokens."""
-    expected = expected_tokens(tiny_model_dir)
     config = tiny_config(tiny_model_dir)
     workers = FaultyWorkers(WorkerGroup(config.to_worker_config()), "blame")
     core = EngineCore(config, workers)  # type: ignore[arg-type]
@@ -188,9 +192,8 @@ def test_the_offline_path_isolates_a_refused_plan_alike(tiny_model_dir: pathlib.
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async_scheduling"])
 def test_llm_raises_request_failed_and_serves_the_next_call(
-    tiny_model_dir: pathlib.Path, overlap: bool
+    tiny_model_dir: pathlib.Path, expected: list[list[int]], overlap: bool
 ) -> None:
-    expected = expected_tokens(tiny_model_dir)
     config = tiny_config(tiny_model_dir, scheduler={"async_scheduling": overlap})
     workers = FaultyWorkers(WorkerGroup(config.to_worker_config()), "refuse")
     with LLM(config=config) as llm:

@@ -94,7 +94,7 @@ steps = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(steps=steps, chain_len=st.integers(1, len(HASHES)))
 def test_the_index_matches_a_plain_model(
     steps: list[tuple[str, str, list[tuple[bool, int, str]]]], chain_len: int

@@ -431,7 +431,7 @@ FIELDS += ["frequency_penalty", "presence_penalty", "repetition_penalty", "min_p
 FIELDS += ["logit_bias"]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(deadline=None)
 @given(body=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=6))
 def test_any_json_object_either_parses_or_is_a_clean_400(body: dict[str, Any]) -> None:
     for model in (CompletionRequest, ChatCompletionRequest):

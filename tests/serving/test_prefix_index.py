@@ -150,7 +150,7 @@ operations = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(deadline=None)
 @given(capacity=st.integers(1, 8), ops=operations, query=chains)
 def test_prefix_index_matches_a_plain_model(
     capacity: int, ops: list[tuple[str, str, list[bytes]]], query: list[bytes]
