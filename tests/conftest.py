@@ -186,6 +186,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_hf(tiny_model_dir: pathlib.Path) -> Any:
+    """HF transformers' float32 model of the tiny Llama, loaded once per session: the oracle of
+    the tiny-model tests. Shared, so a test only reads it (no adapters, no weight changes)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf() -> Any:
     """HF transformers' float32 SmolLM2-135M-Instruct from the default model's GGUF file: the
     oracle of every SmolLM2 parity test (loaded once per session)."""

@@ -82,8 +82,8 @@ def hf_greedy(
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_model_dir: pathlib.Path) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+def hf_model(tiny_hf: Any) -> Any:
+    return tiny_hf
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,9 @@ CASES: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def test_roomy_pool_matches_hf_greedy(
-    tiny_model_dir: pathlib.Path, roomy_outputs: list[RequestOutput]
+    tiny_hf: transformers.PreTrainedModel, roomy_outputs: list[RequestOutput]
 ) -> None:
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    model = tiny_hf
     for output in roomy_outputs:
         ids = torch.tensor([output.prompt_token_ids])
         with torch.no_grad():
@@ -121,7 +121,7 @@ def test_stop_string_spanning_tokens_on_the_real_workers(
 
 
 def test_logprobs_read_as_vllms_dict_per_position_and_equal_hf(
-    tiny_model_dir: pathlib.Path,
+    tiny_model_dir: pathlib.Path, tiny_hf: transformers.PreTrainedModel
 ) -> None:
     """`completion.logprobs[i]` reads as vLLM's `dict[int, Logprob]`: the sampled token first,
     then the top alternatives by rank, each value with `.logprob` and `.rank`; the numbers are
@@ -132,9 +132,8 @@ def test_logprobs_read_as_vllms_dict_per_position_and_equal_hf(
         (output,) = llm.generate([PROMPTS[1]], params)
     completion = output.outputs[0]
     ids = output.prompt_token_ids + completion.token_ids
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
+        logits = tiny_hf(torch.tensor([ids])).logits[0].float()
     reference = torch.log_softmax(logits, dim=-1)[len(output.prompt_token_ids) - 1 : -1]
     assert completion.logprobs is not None and len(completion.logprobs) == len(reference)
     for token_id, position, expected in zip(

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.errors import RequestRejected
@@ -36,8 +35,8 @@ CHUNKED = {"scheduler": {"max_num_batched_tokens": 16, "max_num_seqs": 4}}
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_model_dir: pathlib.Path) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+def hf_model(tiny_hf: Any) -> Any:
+    return tiny_hf
 
 
 def hf_prompt_logprobs(model: Any, ids: list[int]) -> torch.Tensor:

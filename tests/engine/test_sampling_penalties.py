@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from transformers import (
     LogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
@@ -97,8 +96,8 @@ def hf_greedy(model: Any, prompt_ids: list[int], params: SamplingParams) -> list
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_model_dir: pathlib.Path) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+def hf_model(tiny_hf: Any) -> Any:
+    return tiny_hf
 
 
 @pytest.fixture(scope="module")

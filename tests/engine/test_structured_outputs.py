@@ -152,7 +152,9 @@ def test_regex_and_choice_and_grammar(tiny_model_dir: pathlib.Path) -> None:
         assert isinstance(json.loads(texts[3]), dict)
 
 
-def test_greedy_constrained_output_is_masked_argmax(tiny_model_dir: pathlib.Path) -> None:
+def test_greedy_constrained_output_is_masked_argmax(
+    tiny_model_dir: pathlib.Path, tiny_hf: transformers.PreTrainedModel
+) -> None:
     """Oracle: HF transformers with the same weights, teacher-forced on the engine's output;
     at each position the engine's token must be the argmax over what a fresh matcher allows."""
     import xgrammar as xgr
@@ -163,9 +165,8 @@ def test_greedy_constrained_output_is_masked_argmax(tiny_model_dir: pathlib.Path
         tokenizer = llm.engine.tokenizer
         vocab = llm.engine.model_info.vocab_size
     prompt_ids, generated = output.prompt_token_ids, output.outputs[0].token_ids
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids + generated])).logits[0, len(prompt_ids) - 1 :]
+        logits = tiny_hf(torch.tensor([prompt_ids + generated])).logits[0, len(prompt_ids) - 1 :]
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=[2])
     compiled = xgr.GrammarCompiler(info).compile_json_schema(
         json.dumps(SCHEMA), any_whitespace=False

@@ -16,8 +16,10 @@ from cluster.engine.sampling_params import SamplingParams
 from tests.engine.tiny_engine import GREEDY, PROMPTS, hf_greedy_tokens, tiny_config
 
 
-def test_a_truncated_prompt_runs_as_its_last_tokens(tiny_model_dir: pathlib.Path) -> None:
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+def test_a_truncated_prompt_runs_as_its_last_tokens(
+    tiny_model_dir: pathlib.Path, tiny_hf: transformers.PreTrainedModel
+) -> None:
+    hf_model = tiny_hf
     long_prompt = PROMPTS[3]
     with LLM(config=tiny_config(tiny_model_dir, model={"max_model_len": 40})) as llm:
         full = llm.get_tokenizer().encode(long_prompt)

@@ -142,10 +142,9 @@ class GreedyOracle:
 
 
 @pytest.fixture(scope="session")
-def oracle(tiny_model_dir: pathlib.Path) -> GreedyOracle:
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+def oracle(tiny_model_dir: pathlib.Path, tiny_hf: transformers.PreTrainedModel) -> GreedyOracle:
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-    return GreedyOracle(model.eval(), tokenizer)
+    return GreedyOracle(tiny_hf, tokenizer)
 
 
 def run_two_engine_app(name: str, route_prefix: str, args: dict[str, Any]) -> Any:

@@ -148,11 +148,13 @@ def test_penalties_over_http_decode_as_the_offline_llm_does(tiny_model_dir: path
     asyncio.run(asyncio.wait_for(body(), 120))
 
 
-def test_echo_with_logprobs_scores_the_prompt_as_hf_does(tiny_model_dir: pathlib.Path) -> None:
+def test_echo_with_logprobs_scores_the_prompt_as_hf_does(
+    tiny_model_dir: pathlib.Path, tiny_hf: transformers.PreTrainedModel
+) -> None:
     """What an evaluation harness sends to score a continuation: token ids, `echo`,
     `logprobs: 1`, `max_tokens: 1`; each prompt token's logprob must be HF's."""
     args = tiny_args(tiny_model_dir)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    hf = tiny_hf
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt_ids = tokenizer.encode("Paged attention keeps the cache in blocks of tokens")
     with torch.no_grad():

@@ -45,13 +45,6 @@ def weights_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return tmp_path_factory.mktemp("weights_cache")
 
 
-@pytest.fixture(scope="session")
-def tiny_hf(tiny_model_dir: pathlib.Path) -> transformers.PreTrainedModel:
-    """The HF transformers reference with the tiny model's weights (float32, eval)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def tiny_group(tiny_model_dir: pathlib.Path, weights_cache: pathlib.Path) -> Iterator[WorkerGroup]:
     """The tiny model on one in-process rank: 96 blocks of 4 tokens, 16 CPU swap blocks."""
