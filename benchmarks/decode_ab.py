@@ -5,12 +5,12 @@
 [--threads 1] [--prefill] [--dtype bfloat16|float32] [--variants round2,unpacked,...]`
 builds one in-process `WorkerGroup`, prefills each batch, then times `--steps` decode steps per
 variant in turn, round after round (interleaved, so all see the same machine load), switching
-the model to each variant for its own steps only (`_variant`). One group, so one rank thread and
-one OpenMP team, as served: a group per variant would keep a team per rank thread alive, and with
-more OpenMP threads than cores libgomp stops spinning at barriers for all of them, which slowed
-every variant (up to 1.8x). Reported per batch: each variant's median step time and decode
-tokens/s, and `ratio_over_<first>` = the median over rounds of (first's time / this one's time),
-which is robust to load that changes between rounds.
+the model to each variant for its own steps only (`_variant`). One group, so one rank thread and one
+OpenMP team, as served: a group per variant would keep a team per rank thread alive, and with more
+OpenMP threads than cores libgomp stops spinning at barriers for all of them, which slowed every
+variant (up to 1.8x). Reported per batch: each variant's median step time and decode tokens/s, and
+`ratio_over_<first>` = the median over rounds of (first's time / this one's time), which is robust
+to load that changes between rounds.
 
 Variants (the optimizations switched off one by one on the shipped bfloat16 model):
 - `shipped`: as loaded (LM head screened in bfloat16 and refined in float32, weights prepacked;

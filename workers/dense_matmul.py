@@ -10,14 +10,14 @@ copy instead of MKL's sgemm: equal up to float32 summation order; the float32 LM
 packed as well): in float32 1.5-1.9x faster decode and 1.7-2x faster prefill than sgemm.
 
 Decode batches read every weight for a few rows, so there the product is bound by reading the
-weights. A layer whose float32 checkpoint values are exactly GGUF Q4_1 blocks (a model loaded from
-a Q4_1 file) is handed those values once (`adopt_exact_source`) and keeps them as 4-bit codes
+weights. A layer whose float32 checkpoint values are exactly GGUF Q4_1 blocks (a model loaded from a
+Q4_1 file) is handed those values once (`adopt_exact_source`) and keeps them as 4-bit codes
 (`pagedserve_kernels.q4_cpu`: 0.75 bytes per weight with its scales, against 2 in bfloat16); calls
-of at most `Q4_MAX_ROWS[dtype]` rows (per instruction set: `Q4_MAX_ROWS_BY_ISA`) multiply those. They compute over
-the checkpoint's exact float32 weights: in float32 the packed product up to summation order, in
-bfloat16 a more exact one than the packed bfloat16 weight gives (the weights are not rounded,
-the sums are float32, the result is rounded once), so a bfloat16 model's decode rows are closer
-to float32 than its larger batches.
+of at most `Q4_MAX_ROWS[dtype]` rows (per instruction set: `Q4_MAX_ROWS_BY_ISA`) multiply those.
+They compute over the checkpoint's exact float32 weights: in float32 the packed product up to
+summation order, in bfloat16 a more exact one than the packed bfloat16 weight gives (the weights are
+not rounded, the sums are float32, the result is rounded once), so a bfloat16 model's decode rows
+are closer to float32 than its larger batches.
 
 With `quantized_activations` (the model's setting, off by default) such a layer also keeps its
 codes in the layout of `pagedserve_kernels.quant_dot_cpu` (as does a layer whose GGUF blocks are

@@ -131,8 +131,8 @@ LOCAL_CLUSTER_ENV: Mapping[str, str] = MappingProxyType(
   whose threads fill the cores: 12-16 % of a core after a deploy);
 - Ray keeps no idle worker process (it would keep the one that ran Serve's application build,
   as many as the node has CPUs): an idle Ray worker still wakes ~100 times a second, which on
-  2 cores slows the served decode step by a few percent. A task then starts a worker (about a second); serving runs
-  on actors only."""
+  2 cores slows the served decode step by a few percent. A task then starts a worker (about a
+  second); serving runs on actors only."""
 
 NO_DASHBOARD_CLUSTER_ENV: Mapping[str, str] = MappingProxyType(
     {
@@ -141,11 +141,10 @@ NO_DASHBOARD_CLUSTER_ENV: Mapping[str, str] = MappingProxyType(
         "RAY_event_stats": "0",
     }
 )
-"""...and, when that cluster has no dashboard to show them, no Ray metrics, no task events and
-no event-loop statistics: every Ray process records and reports them on timers, about 0.01
-cores of an idle server's 0.146 and 2 % of a served burst's output rate on 2 cores.
-pagedserve's `/metrics` and Serve's
-autoscaling do not read them."""
+"""...and, when that cluster has no dashboard to show them, no Ray metrics, no task events and no
+event-loop statistics: every Ray process records and reports them on timers, about 0.01 cores of an
+idle server's 0.146 and 2 % of a served burst's output rate on 2 cores. pagedserve's `/metrics` and
+Serve's autoscaling do not read them."""
 
 
 def cluster_options(address: str, ray_dashboard: bool) -> dict[str, Any]:
