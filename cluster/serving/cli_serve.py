@@ -28,6 +28,7 @@ from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S, ServeAppArgs
 from cluster.serving.engine_flags import add_model_arguments, apply_engine_flags
 from cluster.serving.lora_args import parse_module_item
 from cluster.serving.pd_config import ENGINE_DEPLOYMENTS, disaggregated
+from cluster.serving.port_check import GRPC_BIND_HOST, ServedPort, check_ports_free
 from cluster.serving.serve_runner import apply_grace_period, run_config
 from workers.config import available_cores
 
@@ -368,6 +369,17 @@ def describe_endpoints(config: dict[str, Any]) -> list[str]:
     return lines
 
 
+def served_ports(config: dict[str, Any]) -> list[ServedPort]:
+    """The ports the resolved `config` listens on: HTTP on its host, gRPC (when it serves any
+    gRPC service) on every address, as Serve binds them."""
+    http = config.get("http_options", {})
+    grpc = config.get("grpc_options", {})
+    ports = [ServedPort("HTTP", "--port", http.get("host", "127.0.0.1"), http.get("port", 8000))]
+    if grpc.get("grpc_servicer_functions"):
+        ports.append(ServedPort("gRPC", "--grpc-port", GRPC_BIND_HOST, grpc.get("port", 9000)))
+    return ports
+
+
 def check_applications(config: dict[str, Any]) -> None:
     """Validates the args of each application built by `APP_IMPORT_PATH` and checks its engine
     against the model's metadata (architecture, GGUF tensor types, context, parallel degrees)
@@ -393,6 +405,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config, sort_keys=False))
         return 0
+    check_ports_free(served_ports(config))
     check_applications(config)
     print("pagedserve serve: starting a local Ray cluster and the Serve application; once ready:")
     for line in describe_endpoints(config):
