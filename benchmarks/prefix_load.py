@@ -1,13 +1,15 @@
-"""Shared-prefix load on engine replicas pinned past what the cores fit, every failure named.
+"""Shared-prefix load spread over two engine replicas by force, every failure named.
 
 ``python -m benchmarks.prefix_load --json`` starts `pagedserve serve --replicas 2` (the shipped
-model unless ``--model DIR``; ``--url`` drives a running server instead), then sends
-``--prefixes`` distinct prefixes of ``--prefix-tokens`` token ids, each followed by a unique
-64-token tail, ``--repeats`` requests per prefix in shuffled order, as a Poisson arrival at
-``--rate`` per second, streamed with ``--max-tokens`` each. It reports how many completed, and
-every other outcome by kind: HTTP status with the error's code and message (and whether a 503
-carried Retry-After, and what it said), an error event inside the stream, or a transport error.
-The goal: nothing but completions and 503s with Retry-After.
+model unless ``--model DIR``) with the engine deployment as benchmarks/kv_transfer.py sets it
+to spread repeats: 16 ongoing requests per replica, the router counting a replica overloaded
+from ``--overload-fraction`` (0.2) of them, so a hot prefix's repeats go to the other replica
+too and pull its blocks. It sends that benchmark's prompts (``--prefixes`` prefixes of
+``--prefix-tokens`` token ids, ``--repeats`` requests each: the first of every prefix, then
+each prefix's repeats back to back) as a Poisson arrival at ``--rate`` per second, streamed,
+``--max-tokens`` each, and reports how many completed and every other outcome by kind: HTTP
+status with the error's code and message (a 503's Retry-After too), an error event inside the
+stream, or a transport error. The goal: nothing but completions and 503s with Retry-After.
 """
 
 from __future__ import annotations
@@ -23,18 +25,9 @@ from typing import Any
 
 import httpx
 
+from benchmarks.kv_transfer import workload
 from benchmarks.reliability_server import LocalServer, derived_config, tiny_engine
-
-TAIL_TOKENS = 64
-
-
-def prompts(seed: int, prefixes: int, prefix_tokens: int, repeats: int) -> list[list[int]]:
-    """Token-id prompts in shuffled order; ids stay below 250 (any vocabulary)."""
-    rng = random.Random(seed)
-    heads = [[rng.randrange(3, 250) for _ in range(prefix_tokens)] for _ in range(prefixes)]
-    order = [i for i in range(prefixes) for _ in range(repeats)]
-    rng.shuffle(order)
-    return [heads[i] + [rng.randrange(3, 250) for _ in range(TAIL_TOKENS)] for i in order]
+from cluster.serving.routing import ROUTER_CLASS_PATH
 
 
 def error_kind(status: int, body: bytes, headers: httpx.Headers) -> str:
@@ -75,7 +68,12 @@ async def one(client: httpx.AsyncClient, model: str, ids: list[int], max_tokens:
 
 async def drive(args: argparse.Namespace, base: str, model: str) -> dict[str, Any]:
     rng = random.Random(args.seed + 1)
-    jobs = prompts(args.seed, args.prefixes, args.prefix_tokens, args.repeats)
+    jobs = [
+        ids
+        for _, ids in workload(
+            random.Random(args.seed), args.prefixes, args.prefix_tokens, args.repeats
+        )
+    ]
     limits = httpx.Limits(max_connections=len(jobs))
     started = time.perf_counter()
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
@@ -103,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefixes", type=int, default=16)
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=2)
+    parser.add_argument("--overload-fraction", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -111,7 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     base, model = args.url, args.served_name
     if base is None:
         engine = tiny_engine(args.model) if args.model else None
-        config = derived_config(engine=engine, limits=None, engine_deployment=None)
+        spread = {
+            "max_ongoing_requests": 16,
+            "request_router_config": {
+                "request_router_class": ROUTER_CLASS_PATH,
+                "request_routing_stats_period_s": 1.0,
+                "request_router_kwargs": {"overload_fraction": args.overload_fraction},
+            },
+        }
+        config = derived_config(engine=engine, limits=None, engine_deployment=spread)
         server = LocalServer(config, replicas=args.replicas)
         server.start()
         base = server.base

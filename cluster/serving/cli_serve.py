@@ -31,7 +31,12 @@ from cluster.serving.engine_flags import add_model_arguments, apply_engine_flags
 from cluster.serving.lora_args import parse_module_item
 from cluster.serving.pd_config import ENGINE_DEPLOYMENTS, disaggregated
 from cluster.serving.port_check import GRPC_BIND_HOST, ServedPort, check_ports_free
-from cluster.serving.serve_runner import STOP_RESERVE_S, apply_grace_period, run_config
+from cluster.serving.serve_runner import (
+    STOP_RESERVE_S,
+    apply_grace_period,
+    exit_at_once,
+    run_config,
+)
 from workers.config import available_cores
 
 BENCHMARKS: tuple[str, ...] = (
@@ -413,11 +418,13 @@ def run_serve(args: argparse.Namespace) -> int:
     for line in describe_endpoints(config):
         print(f"  {line}")
     sys.stdout.flush()
-    return run_config(
-        config,
-        grace_s=shutdown_grace_s(config),
-        ready_file=args.ready_file,
-        ray_dashboard=args.ray_dashboard,
+    exit_at_once(
+        run_config(
+            config,
+            grace_s=shutdown_grace_s(config),
+            ready_file=args.ready_file,
+            ray_dashboard=args.ray_dashboard,
+        )
     )
 
 
