@@ -11,6 +11,7 @@ never leaves that process group running.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
@@ -80,6 +81,9 @@ class LocalServer:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="reliability-")))
     extra_args: list[str] = field(default_factory=list)
     """More `pagedserve serve` arguments (a positional model, engine flags)."""
+    signal_group: bool = False
+    """`signal` sends to the server's whole process group (as systemd, `timeout` or a
+    container's init do) instead of to its process alone."""
 
     @property
     def base(self) -> str:
@@ -149,7 +153,10 @@ class LocalServer:
 
     def signal(self, signum: int) -> None:
         assert self.process is not None
-        self.process.send_signal(signum)
+        if self.signal_group:
+            os.killpg(self.process.pid, signum)  # it leads its group: started in a new session
+        else:
+            self.process.send_signal(signum)
 
     def wait(self, timeout_s: float) -> int:
         assert self.process is not None
@@ -167,8 +174,14 @@ class LocalServer:
             return None
 
     def kill(self) -> None:
+        """SIGKILL to the server's process group and to every process it started (Ray's run in
+        a session of their own)."""
         if self.process is not None and self.process.poll() is None:
+            descendants = psutil.Process(self.process.pid).children(recursive=True)
             os.killpg(self.process.pid, signal.SIGKILL)
+            for process in descendants:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
             self.process.wait(30)
 
     # --- figures --------------------------------------------------------------------------

@@ -93,8 +93,9 @@ class ShutdownArgs(BaseModel):
         DEFAULT_SHUTDOWN_GRACE_S,
         ge=0,
         le=3600,
-        description="seconds in-flight requests may run on after the signal before they end "
-        "with an error event (new requests are refused at once)",
+        description="seconds from the signal to the exit: in-flight requests may run on for "
+        "all but the last few (serve_runner.STOP_RESERVE_S), then end with an error event "
+        "(new requests are refused at once)",
     )
 
 

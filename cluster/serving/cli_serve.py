@@ -2,10 +2,12 @@
 
 `serve` runs the Ray Serve application of `cluster/serving/serve_config.yaml` (the file
 `serve run` takes, shipped inside the package) as `serve run` would, after applying the few
-overrides given as flags, and prints where each API listens. SIGINT and SIGTERM stop it
-gracefully: new requests are refused, in-flight requests get `--shutdown-grace-s` seconds (else
-the app's `shutdown.grace_s`) to finish before they end with an error event, then Ray shuts down
-and it exits 0 (cluster/serving/serve_runner.py). `bench NAME` runs
+overrides given as flags, and prints where each API listens; it refuses to start on a port
+another process listens on (cluster/serving/port_check.py). SIGINT and SIGTERM, to the process
+or its whole group, stop it gracefully: new requests are refused, in-flight requests get all but
+the last few seconds of `--shutdown-grace-s` (else the app's `shutdown.grace_s`) to finish
+before they end with an error event, then Ray stops and it exits 0 within the grace period
+(cluster/serving/serve_runner.py). `bench NAME` runs
 `python -m benchmarks.NAME` with the remaining arguments.
 """
 
@@ -28,7 +30,13 @@ from cluster.serving.app_args import DEFAULT_SHUTDOWN_GRACE_S, ServeAppArgs
 from cluster.serving.engine_flags import add_model_arguments, apply_engine_flags
 from cluster.serving.lora_args import parse_module_item
 from cluster.serving.pd_config import ENGINE_DEPLOYMENTS, disaggregated
-from cluster.serving.serve_runner import apply_grace_period, run_config
+from cluster.serving.port_check import GRPC_BIND_HOST, ServedPort, check_ports_free
+from cluster.serving.serve_runner import (
+    STOP_RESERVE_S,
+    apply_grace_period,
+    exit_at_once,
+    run_config,
+)
 from workers.config import available_cores
 
 BENCHMARKS: tuple[str, ...] = (
@@ -132,9 +140,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         dest="grace_period",
         type=float,
         default=None,
-        help="seconds in-flight requests may run after SIGINT/SIGTERM before they end with an "
-        "error event (default: the app's shutdown.grace_s, "
-        f"{DEFAULT_SHUTDOWN_GRACE_S:g} s unless set)",
+        help="seconds from SIGINT/SIGTERM to the exit: in-flight requests run for all but the "
+        f"last {STOP_RESERVE_S:g}, then end with an error event (default: the app's "
+        f"shutdown.grace_s, {DEFAULT_SHUTDOWN_GRACE_S:g} s unless set)",
     )
     parser.add_argument(
         "--ready-file",
@@ -368,6 +376,17 @@ def describe_endpoints(config: dict[str, Any]) -> list[str]:
     return lines
 
 
+def served_ports(config: dict[str, Any]) -> list[ServedPort]:
+    """The ports the resolved `config` listens on: HTTP on its host, gRPC (when it serves any
+    gRPC service) on every address, as Serve binds them."""
+    http = config.get("http_options", {})
+    grpc = config.get("grpc_options", {})
+    ports = [ServedPort("HTTP", "--port", http.get("host", "127.0.0.1"), http.get("port", 8000))]
+    if grpc.get("grpc_servicer_functions"):
+        ports.append(ServedPort("gRPC", "--grpc-port", GRPC_BIND_HOST, grpc.get("port", 9000)))
+    return ports
+
+
 def check_applications(config: dict[str, Any]) -> None:
     """Validates the args of each application built by `APP_IMPORT_PATH` and checks its engine
     against the model's metadata (architecture, GGUF tensor types, context, parallel degrees)
@@ -393,16 +412,19 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config, sort_keys=False))
         return 0
+    check_ports_free(served_ports(config))
     check_applications(config)
     print("pagedserve serve: starting a local Ray cluster and the Serve application; once ready:")
     for line in describe_endpoints(config):
         print(f"  {line}")
     sys.stdout.flush()
-    return run_config(
-        config,
-        grace_s=shutdown_grace_s(config),
-        ready_file=args.ready_file,
-        ray_dashboard=args.ray_dashboard,
+    exit_at_once(
+        run_config(
+            config,
+            grace_s=shutdown_grace_s(config),
+            ready_file=args.ready_file,
+            ray_dashboard=args.ray_dashboard,
+        )
     )
 
 

@@ -36,6 +36,9 @@ STALE_AFTER_S = 3.0
 """Silence after which a writer counts as gone: six beats and fifteen gate polls long, so a
 busy process is not taken for a dead one."""
 
+CLOSE_WAIT_S = 1.0
+"""How long `RunnerBoard.close` waits for its heartbeat thread once the cluster is gone."""
+
 PHASES: tuple[Phase, ...] = get_args(Phase)
 
 
@@ -127,11 +130,15 @@ class RunnerBoard:
         self._thread = threading.Thread(target=self._beat_loop, name="drain-beat", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, remove_keys: bool = True) -> None:
+        """Stops the heartbeat and, if `remove_keys`, removes the board's keys (not when the
+        cluster, and its store with it, is gone: a beat in flight may then hang, so it is
+        waited for only briefly)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
-        self.kv.delete("", by_prefix=True)
+            self._thread.join(None if remove_keys else CLOSE_WAIT_S)
+        if remove_keys:
+            self.kv.delete("", by_prefix=True)
 
     def begin(self) -> None:
         """Stop admitting (a second call changes nothing)."""

@@ -1,16 +1,24 @@
 """Runs a Serve config in this process until SIGINT or SIGTERM, then shuts down cleanly: what
 `pagedserve serve` does (`serve run` with a config file, plus a graceful, signal-safe exit).
 
-On the first SIGINT or SIGTERM (what Ctrl-C and Kubernetes send) it drains
-(cluster/serving/drain.py):
+On the first SIGINT or SIGTERM (what Ctrl-C and Kubernetes send), to this process alone or to
+its whole process group (systemd's `KillMode=control-group`, `timeout`, a container's init) it
+drains (cluster/serving/drain.py):
 - the ingress replicas refuse new requests with a JSON 503 and Retry-After (gRPC
   RESOURCE_EXHAUSTED) and /health answers 503, while admitted requests run on;
-- once none is in flight, or after the grace period (`--shutdown-grace-s`, else the app's
-  `shutdown.grace_s`), the requests still running end with an error event in OpenAI's shape
-  followed by `[DONE]` (gRPC UNAVAILABLE), and their engine calls are cancelled;
-- only then are Serve and Ray shut down (Serve's own shutdown stops the HTTP proxies first, which
-  would cut open streams), and the process exits 0 with no native stack trace.
-A second signal while draining ends the requests still running at once; a third is ignored.
+- once none is in flight, or when only `STOP_RESERVE_S` of the grace period
+  (`--shutdown-grace-s`, else the app's `shutdown.grace_s`) is left, the requests still running
+  end with an error event in OpenAI's shape followed by `[DONE]` (gRPC UNAVAILABLE), and their
+  engine calls are cancelled;
+- only then is the cluster stopped (Serve's own shutdown stops the HTTP proxies first, which
+  would cut open streams): a local cluster this process started is stopped whole, Ray's
+  processes and every worker of theirs (cluster/serving/ray_processes.py; nothing answers on
+  the ports afterwards); on a cluster it joined (RAY_ADDRESS) Serve is shut down;
+- the process exits 0, within the grace period, with no native stack trace.
+A signal to the process group reaches this process only: the local cluster's processes run in
+sessions of their own (cluster/serving/ray_processes.py), so that they are stopped after the
+drain, not killed under it. A second signal while draining ends the requests still running at
+once; later ones are ignored.
 
 Invariant: the only process-wide state is the signal handlers this runner installs while it
 runs; they are restored before it returns.
@@ -25,13 +33,14 @@ import sys
 import threading
 import time
 from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import FrameType, MappingProxyType
-from typing import Any
+from typing import Any, NoReturn
 
 from cluster.serving.drain import POLL_PERIOD_S, SETTLE_S
 from cluster.serving.drain_board import GcsKeyValue, RunnerBoard
+from cluster.serving.ray_processes import own_session_for_ray_processes, reap_after
 
 EXPIRE_WAIT_S = 5.0
 """How long the runner waits for expired requests to end before it stops Serve anyway."""
@@ -40,7 +49,18 @@ INGRESS_EXTRA_GRACE_S = 5.0
 """How much longer than the engines an ingress replica may drain: it must outlive them to turn
 their end into error events."""
 
+STOP_RESERVE_S = 6.0
+"""Of the grace period, what ending the requests still running (an error event each), letting
+the front ends write their last bytes and stopping Serve and Ray take after the drain."""
+
 log = logging.getLogger("pagedserve.serve")
+
+
+def drain_budget_s(grace_s: float) -> float:
+    """How long in-flight requests may run after the signal: the grace period less what
+    ending them and stopping Serve and Ray take (`STOP_RESERVE_S`), so that the process exits
+    within the grace period."""
+    return max(0.0, grace_s - STOP_RESERVE_S)
 
 
 def apply_grace_period(
@@ -187,26 +207,57 @@ def run_config(
     started_ray = not ray.is_initialized()
     if started_ray:
         os.environ.update(local_cluster_env(address, os.environ, ray_dashboard))
-        ray.init(
-            address=address, namespace=SERVE_NAMESPACE, **cluster_options(address, ray_dashboard)
-        )
+        with own_session_for_ray_processes() if address == "local" else nullcontext():
+            ray.init(
+                address=address,
+                namespace=SERVE_NAMESPACE,
+                **cluster_options(address, ray_dashboard),
+            )
+    own_cluster = started_ray and address == "local"
     try:
         # After ray.init: Ray's core worker installs a native SIGTERM handler that prints a
-        # stack trace and aborts; the Python handlers installed here replace it.
+        # stack trace and aborts; the Python handlers installed here replace it, and stay until
+        # Ray is down (a signal while stopping changes nothing).
         with shutdown_requested() as signals:
-            # Before the deploy, so every ingress replica finds the phase when it starts; closed
-            # only after Serve has shut down, so no replica goes back to admitting work.
+            # Before the deploy, so every ingress replica finds the phase when it starts; its
+            # keys are removed only after Serve has stopped, so no replica goes back to
+            # admitting work.
             board = RunnerBoard(GcsKeyValue())
             board.open()
             try:
-                serve_until_drained(schema, board, signals, grace_s, ready_file)
+                serve_until_drained(
+                    schema, board, signals, grace_s, ready_file, stop_serve=not own_cluster
+                )
             finally:
-                board.close()
+                if own_cluster:
+                    stop_local_cluster(ray)
+                board.close(remove_keys=not own_cluster)
     finally:
         if started_ray:
-            ray.shutdown()
+            ray.shutdown()  # nothing left to do once `stop_local_cluster` ran
     sys.stdout.flush()
     return 0
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """Ends the process with `code` once its output is flushed, without the interpreter's
+    teardown: after the cluster has stopped, finalizing Ray's and torch's native objects took
+    another 2-7 s on 2 shared cores, time the grace period does not have. Only for the
+    command line, never for a caller that goes on."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stop_local_cluster(ray: Any) -> None:
+    """Stops the local cluster this process started, all of it: Ray's processes, and any of
+    their workers still alive `REAP_WAIT_S` later. Serve's own shutdown is skipped: the drain
+    has ended every request, and stopping each deployment gracefully (seconds per replica)
+    would only spend the grace period."""
+    started = time.monotonic()
+    with reap_after():
+        ray.shutdown()
+    print(f"pagedserve serve: Ray stopped in {time.monotonic() - started:.1f} s", flush=True)
 
 
 def serve_until_drained(
@@ -215,9 +266,11 @@ def serve_until_drained(
     signals: StopSignals,
     grace_s: float,
     ready_file: str | None,
+    stop_serve: bool = True,
 ) -> None:
-    """Deploys `schema`, serves until the first signal, drains through `board`, then shuts
-    Serve down."""
+    """Deploys `schema`, serves until the first signal, drains through `board` so that the
+    process can stop within `grace_s` of the signal, then shuts Serve down if `stop_serve`
+    (a cluster this process joined outlives it)."""
     from ray import serve
     from ray.serve._private import api as serve_api
     from ray.serve.config import gRPCOptions
@@ -233,10 +286,10 @@ def serve_until_drained(
         wait_running(serve, [app.name for app in schema.applications], signals.stop)
         with open(ready_file, "w") as handle:
             handle.write("ready\n")
-    while not signals.stop.wait(0.5):
+    while not signals.stop.wait(0.1):  # short: the grace period runs from the signal
         pass
     try:
-        drained = drain(board, grace_s, signals.hurry)
+        drained = drain(board, drain_budget_s(grace_s), signals.hurry)
     except Exception as error:  # e.g. the GCS is gone: stop Serve anyway, exit 0
         print(f"pagedserve serve: drain failed ({error!r}); stopping now", flush=True)
     else:
@@ -246,9 +299,12 @@ def serve_until_drained(
             + (", the rest ended with an error)" if drained.expired else ", all finished)"),
             flush=True,
         )
-    started = time.monotonic()
-    serve.shutdown()
-    print(f"pagedserve serve: Serve shut down in {time.monotonic() - started:.1f} s", flush=True)
+    if stop_serve:
+        started = time.monotonic()
+        serve.shutdown()
+        print(
+            f"pagedserve serve: Serve shut down in {time.monotonic() - started:.1f} s", flush=True
+        )
 
 
 def wait_running(serve: Any, names: list[str], stop: threading.Event) -> None:
