@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.engine.json_bounds import bounded_schema
+
 MAX_CONSTRAINT_CHARS = 64 * 1024
 """The largest constraint text (a schema as JSON, a regex, a grammar, all choices together)."""
 
@@ -147,10 +149,11 @@ def parse_grammar(spec: ConstraintSpec) -> Any:
 
 
 def _json_grammar(schema: str, any_whitespace: bool, *, strict: bool) -> Any:
+    """The schema's grammar, its open lengths bounded (`json_bounds.bounded_schema`)."""
     import xgrammar as xgr
 
     return xgr.Grammar.from_json_schema(
-        schema,
+        json.dumps(bounded_schema(json.loads(schema))),
         any_whitespace=any_whitespace,
         strict_mode=strict,
         max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None,

@@ -35,13 +35,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.engine.json_bounds import bounded_schema
 from cluster.engine.structured_outputs import (
     ConstraintError,
     StructuredOutputsParams,
     check_constraint,
 )
 from cluster.serving.structured_fields import FieldError
-from cluster.serving.tool_parsers import TOOL_PARSERS, ToolCallParser
+from cluster.serving.tool_parsers import TOOL_PARSERS, ParsedCall, ToolCallParser
 
 FALLBACK_TOOL_TEMPLATE = """\
 {%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' -%}
@@ -193,7 +194,7 @@ class ToolPlan:
                 "begin": form.begin(tool.function.name),
                 "content": {
                     "type": "json_schema",
-                    "json_schema": _parameters(tool),
+                    "json_schema": bounded_schema(_parameters(tool)),
                     "max_whitespace_cnt": 1,
                 },
                 "end": form.end,
@@ -334,18 +335,27 @@ def calls_of(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolCallOut]]:
     if parser is None:
         return text, []
     content = parser.feed(text).content + parser.finish().content
+    cut = _call_cut_before_its_name(plan, parser)
     calls = [
         ToolCallOut(
             id=new_call_id(),
             type="function",
             function=FunctionCallOut(name=call.name, arguments=call.arguments),
         )
-        for call in parser.calls
+        for call in (parser.calls if cut is None else [cut])
         if plan.constrained or (call.complete and _is_json(call.arguments))
     ]
     if not calls:
         return text, []
     return (content.strip() or None), calls
+
+
+def _call_cut_before_its_name(plan: ToolPlan, parser: ToolCallParser) -> ParsedCall | None:
+    """A named choice's call when `max_tokens` ended the answer before the parser read the
+    name (the name is known: the call is still the answer, its arguments empty)."""
+    if plan.mode == "named" and plan.name is not None and not parser.calls:
+        return ParsedCall(plan.name, "", complete=False)
+    return None
 
 
 def new_call_id() -> str:
@@ -393,6 +403,9 @@ class ToolStream:
             delta.content += last.content
             for call in last.calls:
                 delta.add_call(call.index, call.name, call.arguments)
+            cut = _call_cut_before_its_name(self._plan, parser)
+            if cut is not None:
+                delta.add_call(0, cut.name, cut.arguments)
         out = []
         for call in delta.calls:
             first = call.name is not None

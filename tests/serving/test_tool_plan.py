@@ -157,6 +157,40 @@ def test_a_cut_constrained_answer_is_still_a_call() -> None:
     auto = plan_tools(TOOLS, "auto", None, SERVER)
     assert auto is not None
     assert calls_of(cut, auto) == (cut, [])
+    plan = plan_tools(TOOLS, named, None, SERVER)
+    assert plan is not None
+    _, calls = calls_of('<tool_call>\n{"na', plan)  # cut before the name: still that call
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", "")]
+    stream = plan.stream()
+    assert stream is not None
+    _, streamed = stream.update(0, '<tool_call>\n{"na', finished=True)
+    assert streamed is not None and streamed[0].function.name == "get_weather"
+    assert stream.called(0)
+
+
+def test_a_stream_sends_what_the_whole_answer_holds() -> None:
+    weather = _hermes_call("get_weather", {"city": "Oslo"})
+    text = f"{weather}\n{_hermes_call('ping', {})}"
+    plan = plan_tools(TOOLS, "required", None, SERVER)
+    assert plan is not None
+    stream = plan.stream()
+    assert stream is not None
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for start in range(0, len(text), 7):
+        end = min(start + 7, len(text))
+        content, calls = stream.update(0, text[start:end], finished=end == len(text))
+        assert content is None
+        for call in calls or []:
+            assert call.index is not None
+            if call.function.name is not None:
+                assert call.id and call.type == "function"
+                names[call.index] = call.function.name
+            arguments[call.index] = arguments.get(call.index, "") + (call.function.arguments or "")
+    _, whole = calls_of(text, plan)
+    assert [(names[i], arguments[i]) for i in sorted(names)] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
 
 
 def test_fallback_template_renders_tools_calls_and_results() -> None:
