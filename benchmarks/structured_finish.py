@@ -5,7 +5,8 @@ itself, and what raises that.
 SmolLM2-135M-Instruct in process and asks 16 everyday questions, each with the schema a
 pydantic model gives (as `client.chat.completions.parse` sends it: strict, every field
 required, no additional properties), sampled as the OpenAI client does by default
-(temperature 1.0), `--seeds` seeds each. Variants (each on the same questions and seeds):
+(temperature 1.0; `--temperature 0` is greedy), `--seeds` seeds each. Variants (each on the
+same questions and seeds):
 - `plain`: the schema constrains decoding, the prompt is the question alone;
 - `prompted`: the schema also stated in a system turn (`json_bounds.schema_instruction`).
 The engine bounds open lengths (`json_bounds.bounded_schema`) and guards against a token cycle
@@ -87,7 +88,12 @@ VARIANTS = ["plain", "prompted"]
 
 
 def _request(
-    question: str, schema: dict[str, Any], variant: str, seed: int, max_tokens: int
+    question: str,
+    schema: dict[str, Any],
+    variant: str,
+    seed: int,
+    max_tokens: int,
+    temperature: float,
 ) -> tuple[list[dict[str, str]], SamplingParams]:
     messages = [{"role": "user", "content": question}]
     if variant == "prompted":
@@ -95,7 +101,7 @@ def _request(
 
         messages.insert(0, {"role": "system", "content": schema_instruction(schema)})
     params = SamplingParams(
-        temperature=1.0,
+        temperature=temperature,
         seed=seed,
         max_tokens=max_tokens,
         structured_outputs=StructuredOutputsParams(json=schema),
@@ -103,14 +109,16 @@ def _request(
     return messages, params
 
 
-def run(seeds: int, max_tokens: int, variants: list[str]) -> dict[str, Any]:
+def run(seeds: int, max_tokens: int, variants: list[str], temperature: float) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with LLM(max_model_len=2048, max_queue_wait_s=None) as llm:
         for variant in variants:
             conversations, params, schemas = [], [], []
             for question, schema in CASES:
                 for seed in range(seeds):
-                    messages, sampling = _request(question, schema, variant, seed, max_tokens)
+                    messages, sampling = _request(
+                        question, schema, variant, seed, max_tokens, temperature
+                    )
                     conversations.append(messages)
                     params.append(sampling)
                     schemas.append(schema)
@@ -143,8 +151,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     args = parser.parse_args()
-    print(json.dumps(run(args.seeds, args.max_tokens, args.variants), indent=2))
+    results = run(args.seeds, args.max_tokens, args.variants, args.temperature)
+    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
