@@ -33,7 +33,7 @@ CITY = {
 def test_open_lengths_are_bounded_and_given_ones_kept() -> None:
     original = copy.deepcopy(CITY)
     bounded = bounded_schema(CITY)
-    assert CITY == original  # a copy: the user's schema is untouched
+    assert original == CITY  # a copy: the user's schema is untouched
     props = bounded["properties"]
     assert props["name"]["maxLength"] == MAX_OPEN_STRING
     assert props["code"] == {"type": "string", "maxLength": 3}
@@ -62,8 +62,10 @@ def test_what_the_bounds_allow_the_schema_allows(
     if jsonschema.Draft202012Validator(bounded).is_valid(answer):
         jsonschema.validate(answer, CITY)
     else:
-        assert len(name) > MAX_OPEN_STRING or population >= 10**MAX_INTEGER_DIGITS or any(
-            tag is not None and len(tag) > MAX_OPEN_STRING for tag in tags
+        assert (
+            len(name) > MAX_OPEN_STRING
+            or population >= 10**MAX_INTEGER_DIGITS
+            or any(tag is not None and len(tag) > MAX_OPEN_STRING for tag in tags)
         )
 
 
