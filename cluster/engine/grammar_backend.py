@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from cluster.engine.cycle_guard import HISTORY, cut_cycles
 from cluster.engine.structured_outputs import ConstraintError, ConstraintSpec, parse_grammar
 
 
@@ -126,13 +127,15 @@ class GrammarCompilerCache:
 class BranchGrammar:
     """One branch's matcher: masks for its next positions, and the tokens it accepted.
 
-    Invariant: `num_accepted` equals the number of output tokens the branch kept (see `sync`).
+    Invariant: `num_accepted` equals the number of output tokens the branch kept (see `sync`);
+    `_recent` holds the last of them, for the guard against endless cycles (`cycle_guard`).
     """
 
     def __init__(self, matcher: Any, tokenizer_info: Any) -> None:
         self._matcher = matcher
         self._words = -(-tokenizer_info.vocab_size // 32)
         self.num_accepted = 0
+        self._recent: list[int] = []
 
     @property
     def is_terminated(self) -> bool:
@@ -144,6 +147,9 @@ class BranchGrammar:
         if not self._matcher.accept_token(token_id):
             return False
         self.num_accepted += 1
+        self._recent.append(token_id)
+        if len(self._recent) > 2 * HISTORY:
+            del self._recent[:HISTORY]
         return True
 
     def sync(self, output_token_ids: Sequence[int]) -> None:
@@ -153,6 +159,7 @@ class BranchGrammar:
             return
         self._matcher.reset()
         self.num_accepted = 0
+        self._recent.clear()
         for token in output_token_ids:
             if not self.accept(token):
                 raise RuntimeError(f"the grammar refuses token {token} of the branch's output")
@@ -170,7 +177,8 @@ class BranchGrammar:
 
     def bitmasks(self, drafts: Sequence[int] = ()) -> torch.Tensor:
         """`[1 + len(drafts), ceil(vocab / 32)]` int32 token bitmasks (bit set: allowed): row i
-        is the state after the first i drafts, which the grammar must accept (`valid_drafts`)."""
+        is the state after the first i drafts, which the grammar must accept (`valid_drafts`),
+        less the token that would continue an endless cycle (`cycle_guard.cut_cycles`)."""
         masks = torch.full((1 + len(drafts), self._words), -1, dtype=torch.int32)
         self._matcher.fill_next_token_bitmask(masks, 0)
         for row, token in enumerate(drafts, start=1):
@@ -181,4 +189,5 @@ class BranchGrammar:
             self._matcher.fill_next_token_bitmask(masks, row)
         if drafts:
             self._matcher.rollback(len(drafts))
+        cut_cycles(masks, self._recent, drafts)
         return masks

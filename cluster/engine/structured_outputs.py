@@ -2,8 +2,9 @@
 validation every front end runs on them.
 
 A constraint is one of a JSON schema (`json`), a regular expression (`regex`), a list of
-strings (`choice`), an EBNF grammar (`grammar`, xgrammar's dialect of GBNF) or "any JSON
-object" (`json_object`). `ConstraintSpec` is its exact, hashable form: the compile cache keys
+strings (`choice`), an EBNF grammar (`grammar`, xgrammar's dialect of GBNF), "any JSON
+object" (`json_object`) or an xgrammar structural tag (`structural_tag`, JSON text: the form
+tool calls are constrained to). `ConstraintSpec` is its exact, hashable form: the compile cache keys
 on it (with the tokenizer's identity), so two requests share a compiled grammar only when their
 constraints are the same text.
 
@@ -18,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.engine.json_bounds import bounded_schema
+
 MAX_CONSTRAINT_CHARS = 64 * 1024
 """The largest constraint text (a schema as JSON, a regex, a grammar, all choices together)."""
 
@@ -29,7 +32,7 @@ MAX_JSON_WHITESPACE = 16
 """Free whitespace between JSON tokens is at most this many characters per gap (enough for
 indented JSON), so that a model cannot fill `max_tokens` with whitespace."""
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 class ConstraintError(ValueError):
@@ -54,7 +57,7 @@ class ConstraintSpec:
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's structured outputs: exactly one of `json` (a JSON schema, as a dict or JSON text),
-    `regex`, `choice`, `grammar` (EBNF) or `json_object=True`.
+    `regex`, `choice`, `grammar` (EBNF), `json_object=True` or `structural_tag` (JSON text).
 
     `disable_any_whitespace` makes JSON compact (no free whitespace between tokens); otherwise
     each gap may hold up to `MAX_JSON_WHITESPACE` whitespace characters."""
@@ -64,6 +67,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
     disable_any_whitespace: bool = False
     spec: ConstraintSpec = field(init=False, repr=False, compare=False)
 
@@ -71,8 +75,8 @@ class StructuredOutputsParams:
         given = [kind for kind in KINDS if _is_set(getattr(self, kind))]
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs needs exactly one of json, regex, choice, grammar or "
-                f"json_object, got {given or 'none'}"
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object or structural_tag, got {given or 'none'}"
             )
         object.__setattr__(self, "spec", self._make_spec(given[0]))
 
@@ -129,6 +133,8 @@ def parse_grammar(spec: ConstraintSpec) -> Any:
             grammar = xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
         elif spec.kind == "grammar":
             grammar = xgr.Grammar.from_ebnf(spec.text)
+        elif spec.kind == "structural_tag":
+            grammar = xgr.Grammar.from_structural_tag(spec.text)
         else:  # any JSON object
             grammar = _json_grammar('{"type":"object"}', spec.any_whitespace, strict=False)
     except (RuntimeError, ValueError, TypeError) as error:
@@ -143,10 +149,11 @@ def parse_grammar(spec: ConstraintSpec) -> Any:
 
 
 def _json_grammar(schema: str, any_whitespace: bool, *, strict: bool) -> Any:
+    """The schema's grammar, its open lengths bounded (`json_bounds.bounded_schema`)."""
     import xgrammar as xgr
 
     return xgr.Grammar.from_json_schema(
-        schema,
+        json.dumps(bounded_schema(json.loads(schema))),
         any_whitespace=any_whitespace,
         strict_mode=strict,
         max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None,

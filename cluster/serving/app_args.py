@@ -143,12 +143,16 @@ class ServeAppArgs(BaseModel):
     )
 
     enable_auto_tool_choice: bool = Field(
-        False,
-        description='vLLM\'s --enable-auto-tool-choice: tool_choice "auto" reads calls out of '
-        "the model's text with tool_call_parser; off: such requests get a 400",
+        True,
+        description="vLLM's --enable-auto-tool-choice, on by default (as llama-server --jinja "
+        'and Ollama answer tools): tool_choice "auto", OpenAI\'s default with tools, reads '
+        "calls out of the model's text; off: such requests get a 400",
     )
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
-        None, description="vLLM's --tool-call-parser: how the model writes tool calls"
+        None,
+        description="vLLM's --tool-call-parser: how the model writes tool calls; unset: the "
+        "parser that fits the model's chat template (hermes for templates with <tool_call> "
+        "and for the fallback used by templates without tools, llama3_json for Llama 3's)",
     )
 
     directory: DirectoryArgs = Field(default_factory=DirectoryArgs)
@@ -176,12 +180,6 @@ class ServeAppArgs(BaseModel):
     @classmethod
     def _lora_module_forms(cls, value: Any) -> Any:
         return normalise_lora_modules(value)
-
-    @model_validator(mode="after")
-    def _tool_flags(self) -> ServeAppArgs:
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
-        return self
 
     @model_validator(mode="after")
     def _adapter_names(self) -> ServeAppArgs:

@@ -116,15 +116,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help='answer tool_choice "auto" by reading calls out of the text (needs '
-        "--tool-call-parser)",
+        help='answer tool_choice "auto" (the default with tools) by reading calls out of the '
+        "text (default: on; --no-enable-auto-tool-choice refuses it with a 400)",
     )
     parser.add_argument(
         "--tool-call-parser",
         default=None,
-        help="how tool calls are written in the model's text: hermes or llama3_json",
+        choices=["hermes", "llama3_json"],
+        help="how tool calls are written in the model's text (default: the one that fits the "
+        "model's chat template)",
     )
     parser.add_argument(
         "--speculative-config",

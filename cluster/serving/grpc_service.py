@@ -102,7 +102,6 @@ class GenerateStreamEncoder:
         self._decode = decode
         self._tally = StreamTally()
         self._tools = tools
-        self._texts: dict[int, str] = {}
 
     def encode(self, delta: RequestDelta) -> pb.GenerateResponse | None:
         self._tally.add(delta)
@@ -110,10 +109,8 @@ class GenerateStreamEncoder:
         for branch in delta.branches:
             choice = completion_delta(branch, self._decode)
             if self._tools is not None:  # calls read from the text as it grows
-                text = self._texts.get(branch.index, "") + branch.text
-                self._texts[branch.index] = text
                 finished = branch.finish_reason is not None
-                _, calls = self._tools.update(branch.index, text, finished)
+                _, calls = self._tools.update(branch.index, branch.text, finished)
                 for call in calls or []:
                     choice.tool_calls.append(
                         pb.ToolCallDelta(
@@ -184,7 +181,8 @@ class GenerationRpc:
     def __init__(self, frontend: FrontEnd, tools: ToolSettings | None = None) -> None:
         self.frontend = frontend
         self.adapters = frontend.adapters
-        self.tools = tools or ToolSettings()
+        model_template = frontend.renderer.tokenizer.chat_template
+        self.tools = (tools or ToolSettings()).for_template(model_template)
 
     @property
     def served_model_name(self) -> str:

@@ -267,8 +267,9 @@ def validate_generate(
             raise invalid_argument(error) from None
         render = render_options(plan, parsed.messages, model_template)
     kwargs = parsed.sampling_kwargs()
-    if plan is not None and plan.constraint() is not None:
-        kwargs["structured_outputs"] = plan.constraint()
+    constraint = None if plan is None else plan.constraint()
+    if constraint is not None:
+        kwargs["structured_outputs"] = constraint
     try:
         params = SamplingParams(**kwargs)
     except ValueError as error:

@@ -345,7 +345,7 @@ class ChatCompletionRequest(_SamplingRequest):
             plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, settings)
         except FieldError as error:
             raise invalid_request(error.message, error.param) from None
-        if plan is not None and plan.constraint() is not None and self.constraint() is not None:
+        if plan is not None and plan.constrained and self.constraint() is not None:
             raise invalid_request(
                 f"tool_choice {plan.mode!r} cannot be combined with response_format or "
                 "structured_outputs",

@@ -77,8 +77,9 @@ def engine_prompt(prompt: Prompt) -> PromptInput:
 def sampling_params(kwargs: SamplingKwargs, tools: ToolPlan | None = None) -> SamplingParams:
     """The engine's parameters; a tool plan's grammar (required or named choice) constrains
     the output."""
-    if tools is not None and tools.constraint() is not None:
-        kwargs = SamplingKwargs(**{**kwargs, "structured_outputs": tools.constraint()})
+    constraint = None if tools is None else tools.constraint()
+    if constraint is not None:
+        kwargs = SamplingKwargs(**{**kwargs, "structured_outputs": constraint})
     try:
         return SamplingParams(**kwargs)
     except ValueError as error:
@@ -168,7 +169,8 @@ class OpenAIServing:
     ) -> None:
         self.frontend = frontend
         self.model = served_model_name
-        self.tools = tools or ToolSettings()
+        model_template = frontend.renderer.tokenizer.chat_template
+        self.tools = (tools or ToolSettings()).for_template(model_template)
 
     def chat_render(self, request: ChatCompletionRequest, plan: ToolPlan | None) -> dict[str, Any]:
         model_template = self.frontend.renderer.tokenizer.chat_template
@@ -177,13 +179,12 @@ class OpenAIServing:
     def assistant_message(
         self, output: CompletionOutput, plan: ToolPlan | None
     ) -> tuple[AssistantMessage, FinishReason]:
-        """The message of a finished branch: its tool calls read back when the plan has a
-        parser (finish_reason "tool_calls" when there are any), else its text."""
+        """The message of a finished branch: its tool calls read back when the plan has any
+        (finish_reason "tool_calls" when it stopped by itself), else its text."""
         reason = finish_reason(output) or "stop"
-        parser = None if plan is None else plan.parser()
-        if parser is None:
+        if plan is None:
             return AssistantMessage(content=output.text), reason
-        content, calls = calls_of(output.text, parser)
+        content, calls = calls_of(output.text, plan)
         if not calls:
             return AssistantMessage(content=content), reason
         return AssistantMessage(content=content, tool_calls=calls), (
@@ -449,8 +450,6 @@ class ChatChunks(_StreamChunks):
         super().__init__(serving, rid, model)
         self.started: set[int] = set()
         self.tools = tools
-        self.texts: dict[int, str] = {}
-        """With tools: each branch's text so far (the parser reads the whole text)."""
 
     def chunks(self, index: int, delta: RequestDelta) -> list[BaseModel]:
         chunks = []
@@ -463,9 +462,7 @@ class ChatChunks(_StreamChunks):
             delta_out = ChatDelta(role=role, content=branch.text)
             reason = finish_reason(branch)
             if self.tools is not None:  # tool calls are read back as the text grows
-                text = self.texts.get(branch.index, "") + branch.text
-                self.texts[branch.index] = text
-                content, calls = self.tools.update(branch.index, text, reason is not None)
+                content, calls = self.tools.update(branch.index, branch.text, reason is not None)
                 delta_out = ChatDelta(role=role, content=content, tool_calls=calls)
                 if reason == "stop" and self.tools.called(branch.index):
                     reason = "tool_calls"

@@ -6,14 +6,21 @@ and read back.
   SmolLM2's) is replaced by `FALLBACK_TOOL_TEMPLATE`: ChatML with the tools listed in the system
   turn and calls written as Hermes' `<tool_call>{"name", "arguments"}</tool_call>` blocks,
   tool results as `<tool_response>` blocks in a user turn.
-- **`tool_choice`.** `none`: tools are shown, output is text. `required`: the output is
-  constrained to a JSON array of calls of listed functions, each with arguments that satisfy
-  the function's `parameters` schema (one call unless `parallel_tool_calls`). A named function:
-  the output is constrained to that function's arguments. Both are compact JSON. `auto`
-  (OpenAI's default when tools are given): free text, read back by the `--tool-call-parser`
-  (needs `--enable-auto-tool-choice`, as in vLLM).
-- **Results.** Parsed calls become `message.tool_calls` with finish_reason "tool_calls"; while
-  streaming, each call's name goes first, then its arguments as they grow.
+- **Parser.** The server reads calls with the `--tool-call-parser` it was given, else with the
+  one that fits the model's template (`parser_for_template`): `hermes` for the fallback and for
+  templates that write `<tool_call>`, `llama3_json` for Llama 3's.
+- **`tool_choice`.** `none`: tools are shown, output is text. `auto` (OpenAI's default when
+  tools are given): free text, read back by the parser. `required` and a named function: the
+  output is constrained (an xgrammar structural tag) to the parser's own call form, e.g.
+  `<tool_call>\n{"name": "f", "arguments": ` + arguments valid against `f`'s `parameters` +
+  `}\n</tool_call>`: one or more calls of listed functions, the end of the turn allowed after
+  each (exactly one with `parallel_tool_calls: false` or a named function), so the model can
+  stop after the call it meant, as it learned to.
+- **Results.** Calls become `message.tool_calls` with finish_reason "tool_calls". A constrained
+  choice always answers in `tool_calls`, also when `max_tokens` cuts it (the arguments as
+  generated, finish_reason "length", as vLLM does). While streaming, each call's name goes
+  first, then its arguments as they grow (`ToolStream`, read incrementally by the parser, the
+  same reader for HTTP and gRPC and for whole answers).
 
 Every refusal is a `FieldError` naming the field (`tools[1].function.parameters`,
 `tool_choice`), turned into a 400 by the caller.
@@ -28,20 +35,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.engine.json_bounds import bounded_schema
 from cluster.engine.structured_outputs import (
     ConstraintError,
     StructuredOutputsParams,
     check_constraint,
 )
 from cluster.serving.structured_fields import FieldError
-from cluster.serving.tool_parsers import (
-    TOOL_PARSERS,
-    JsonArrayParser,
-    ParsedText,
-    PartialCall,
-    ToolCallDeltas,
-    ToolParser,
-)
+from cluster.serving.tool_parsers import TOOL_PARSERS, ParsedCall, ToolCallParser
 
 FALLBACK_TOOL_TEMPLATE = """\
 {%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' -%}
@@ -131,9 +132,10 @@ class ToolCallOut(BaseModel):
 
 @dataclass(frozen=True)
 class ToolSettings:
-    """The server's tool flags: `--enable-auto-tool-choice` and `--tool-call-parser`."""
+    """The server's tool flags: `--enable-auto-tool-choice` (on unless turned off) and
+    `--tool-call-parser` (None: the one that fits the model's template, see `for_template`)."""
 
-    enable_auto_tool_choice: bool = False
+    enable_auto_tool_choice: bool = True
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
@@ -142,18 +144,23 @@ class ToolSettings:
                 f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got "
                 f"{self.tool_call_parser!r}"
             )
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+
+    def for_template(self, model_template: str | None) -> ToolSettings:
+        """These settings with the parser named: the flag's, else the template's."""
+        parser = self.tool_call_parser or parser_for_template(model_template)
+        return ToolSettings(self.enable_auto_tool_choice, parser)
 
 
-class NamedCallParser:
-    """The named choice's output is the arguments object of that one function."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def parse(self, text: str) -> ParsedText:
-        return ParsedText("", [PartialCall(self.name, text, complete=False)])
+def parser_for_template(model_template: str | None) -> str:
+    """The parser that reads what the template teaches: `llama3_json` for Llama 3 templates
+    (`<|python_tag|>`, header tokens), `hermes` for the fallback template, for templates that
+    write `<tool_call>` blocks and for any other."""
+    if template_for(model_template) is None and model_template is not None:
+        if "<tool_call>" in model_template:
+            return "hermes"
+        if "<|python_tag|>" in model_template or "<|start_header_id|>" in model_template:
+            return "llama3_json"
+    return "hermes"
 
 
 @dataclass(frozen=True)
@@ -164,51 +171,57 @@ class ToolPlan:
     mode: Literal["none", "auto", "required", "named"]
     name: str | None
     parallel: bool
-    parser_name: str | None
+    parser_name: str
 
     def template_tools(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
-    def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar that enforces `required` and named choices (None: unconstrained)."""
-        if self.mode == "named":
-            return StructuredOutputsParams(
-                json=_parameters(self._tool(self.name)), disable_any_whitespace=True
-            )
-        if self.mode != "required":
-            return None
-        calls = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": tool.function.name},
-                    "arguments": _parameters(tool),
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for tool in self.tools
-        ]
-        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    @property
+    def constrained(self) -> bool:
+        """The output is made to be calls (`required` or a named function)."""
+        return self.mode in ("required", "named")
 
-    def parser(self) -> ToolParser | None:
-        """What reads calls out of the output (None: the output is text)."""
-        if self.mode == "named":
-            assert self.name is not None
-            return NamedCallParser(self.name)
-        if self.mode == "required":
-            return JsonArrayParser()
-        if self.mode == "auto" and self.parser_name is not None:
-            return TOOL_PARSERS[self.parser_name]()
-        return None
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The grammar that enforces `required` and named choices (None: unconstrained): the
+        parser's call form around each function's arguments, the end allowed after each call."""
+        if not self.constrained:
+            return None
+        form = TOOL_PARSERS[self.parser_name].FORMAT
+        tools = [self._tool(self.name)] if self.mode == "named" else list(self.tools)
+        tags = [
+            {
+                "type": "tag",
+                "begin": form.begin(tool.function.name),
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": bounded_schema(_parameters(tool)),
+                    "max_whitespace_cnt": 1,
+                },
+                "end": form.end,
+            }
+            for tool in tools
+        ]
+        structure = {
+            "type": "structural_tag",
+            "format": {
+                "type": "tags_with_separator",
+                "tags": tags,
+                "separator": form.separator,
+                "at_least_one": True,
+                "stop_after_first": self.mode == "named" or not self.parallel,
+            },
+        }
+        return StructuredOutputsParams(structural_tag=json.dumps(structure, ensure_ascii=False))
+
+    def parser(self) -> ToolCallParser | None:
+        """A new reader of calls in one answer (None: the output is text)."""
+        if self.mode == "none":
+            return None
+        return TOOL_PARSERS[self.parser_name]()
 
     def stream(self) -> ToolStream | None:
         """What reads calls out of a streamed output (None: the output is text)."""
-        parser = self.parser()
-        return None if parser is None else ToolStream(parser)
+        return None if self.mode == "none" else ToolStream(self)
 
     def _tool(self, name: str | None) -> ToolDef:
         return next(tool for tool in self.tools if tool.function.name == name)
@@ -220,8 +233,10 @@ def plan_tools(
     parallel_tool_calls: bool | None,
     settings: ToolSettings,
 ) -> ToolPlan | None:
-    """The request's tool plan; FieldError for a choice that names no listed tool, an unknown
-    choice, `auto` without the server's flags, or a `parameters` schema that cannot compile."""
+    """The request's tool plan (`settings` with their parser named, see
+    `ToolSettings.for_template`); FieldError for a choice that names no listed tool, an unknown
+    choice, `auto` on a server started without auto tool choice, or a `parameters` schema that
+    cannot compile."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise FieldError("tool_choice", "tool_choice needs tools")
@@ -255,11 +270,12 @@ def plan_tools(
     if mode == "auto" and not settings.enable_auto_tool_choice:
         raise FieldError(
             "tool_choice",
-            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
-            "be set",
+            '"auto" tool choice is turned off on this server (--no-enable-auto-tool-choice); '
+            'use "required", "none" or a named function',
         )
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
-    return ToolPlan(tuple(tools), mode, name, parallel, settings.tool_call_parser)
+    parser = settings.tool_call_parser or "hermes"
+    return ToolPlan(tuple(tools), mode, name, parallel, parser)
 
 
 def template_for(model_template: str | None) -> str | None:
@@ -311,21 +327,35 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return rendered
 
 
-def calls_of(text: str, parser: ToolParser) -> tuple[str | None, list[ToolCallOut]]:
-    """A finished output's content (None when it is only calls) and its complete calls."""
-    parsed = parser.parse(text)
+def calls_of(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolCallOut]]:
+    """A finished output's content (None when it is only calls) and its calls: under `auto`
+    the complete ones whose arguments are JSON; under a constrained choice every call begun,
+    its arguments as generated (cut short by `max_tokens`, they are a prefix)."""
+    parser = plan.parser()
+    if parser is None:
+        return text, []
+    content = parser.feed(text).content + parser.finish().content
+    cut = _call_cut_before_its_name(plan, parser)
     calls = [
         ToolCallOut(
             id=new_call_id(),
             type="function",
             function=FunctionCallOut(name=call.name, arguments=call.arguments),
         )
-        for call in parsed.calls
-        if call.name is not None and _is_json(call.arguments)
+        for call in (parser.calls if cut is None else [cut])
+        if plan.constrained or (call.complete and _is_json(call.arguments))
     ]
     if not calls:
         return text, []
-    return (parsed.content or None), calls
+    return (content.strip() or None), calls
+
+
+def _call_cut_before_its_name(plan: ToolPlan, parser: ToolCallParser) -> ParsedCall | None:
+    """A named choice's call when `max_tokens` ended the answer before the parser read the
+    name (the name is known: the call is still the answer, its arguments empty)."""
+    if plan.mode == "named" and plan.name is not None and not parser.calls:
+        return ParsedCall(plan.name, "", complete=False)
+    return None
 
 
 def new_call_id() -> str:
@@ -352,23 +382,32 @@ def _is_json(text: str) -> bool:
 
 
 class ToolStream:
-    """A streamed chat's tool-call deltas, per branch (parsers are stateless, one serves every
-    branch): feed each branch's whole text so far;
-    get the content to send and the call deltas (a call's id, type and name first, then its
-    arguments' new text)."""
+    """A streamed chat's tool-call deltas, per branch: feed each branch's new text (and whether
+    it finished); get the content to send and the call deltas (a call's id, type and name
+    first, then its arguments' new text). Each branch's parser reads every character once."""
 
-    def __init__(self, parser: ToolParser) -> None:
-        self._parser = parser
-        self._branches: dict[int, ToolCallDeltas] = {}
+    def __init__(self, plan: ToolPlan) -> None:
+        self._plan = plan
+        self._parsers: dict[int, ToolCallParser] = {}
         self._ids: dict[tuple[int, int], str] = {}
 
     def update(
         self, branch: int, text: str, finished: bool
     ) -> tuple[str | None, list[ToolCallOut] | None]:
-        deltas = self._branches.setdefault(branch, ToolCallDeltas(self._parser))
-        content, calls = deltas.update(text, finished)
+        parser = self._parsers.get(branch)
+        if parser is None:
+            parser = self._parsers[branch] = TOOL_PARSERS[self._plan.parser_name]()
+        delta = parser.feed(text)
+        if finished:
+            last = parser.finish()
+            delta.content += last.content
+            for call in last.calls:
+                delta.add_call(call.index, call.name, call.arguments)
+            cut = _call_cut_before_its_name(self._plan, parser)
+            if cut is not None:
+                delta.add_call(0, cut.name, cut.arguments)
         out = []
-        for call in calls:
+        for call in delta.calls:
             first = call.name is not None
             if first:
                 self._ids[(branch, call.index)] = new_call_id()
@@ -380,8 +419,7 @@ class ToolStream:
                     function=FunctionCallOut(name=call.name, arguments=call.arguments),
                 )
             )
-        return content or None, out or None
+        return delta.content or None, out or None
 
     def called(self, branch: int) -> bool:
-        deltas = self._branches.get(branch)
-        return deltas is not None and bool(deltas.named)
+        return any(key[0] == branch for key in self._ids)

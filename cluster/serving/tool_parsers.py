@@ -1,180 +1,418 @@
-"""Tool calls read back out of a model's text, whole or while it streams.
+"""Tool calls read out of a model's text as it grows, in one pass.
 
-A parser (chosen by `--tool-call-parser`, vLLM's names) splits an assistant's text into plain
-content and tool calls:
+A parser (chosen by `--tool-call-parser`, vLLM's names, or by the served model's chat template)
+splits an assistant's text into plain content and tool calls:
 - `hermes`: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the text
   outside the tags is content.
 - `llama3_json`: the text is one or more `{"name": ..., "parameters": {...}}` objects (separated
   by `;`, optionally after `<|python_tag|>`); text that does not start with one is content.
-- `json_array` (what `tool_choice` "required" is constrained to, not a flag value): a JSON array
-  of `{"name": ..., "arguments": {...}}` objects.
 
-`scan_calls` reads a prefix of such text, so streaming can send each call's name as soon as it
-is complete and then its arguments as they grow (`ToolCallDeltas`). Arguments are passed on as
-the model wrote them (JSON text), as OpenAI does.
+A parser is fed the text piece by piece (`feed`, then `finish` once) and reads each character
+once, so a streamed answer costs time linear in its length. What it returns is what to send:
+new content, then for each call its name once (as soon as the name and the arguments' key are
+read) and then its arguments' new characters, as the model wrote them (JSON text, as OpenAI
+sends them). A whole text is read the same way (fed at once), so streamed and whole answers
+agree by construction. Whitespace-only content is held until more content follows, and dropped
+at the end when the text called a tool.
+
+Each parser also names how its format writes one call (`CallFormat`), which is what a
+constrained choice (`required`, a named function) makes the model write.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+_WHITESPACE = " \t\r\n"
 
 
 @dataclass
-class PartialCall:
-    """One tool call as far as the text goes: its name once complete, its arguments' text so
-    far, and whether the arguments are complete."""
+class CallDelta:
+    """What is new about call `index`: its name (first time only) and arguments' new text."""
 
-    name: str | None = None
-    arguments: str = ""
-    complete: bool = False
+    index: int
+    name: str | None
+    arguments: str
 
 
 @dataclass
-class ParsedText:
-    content: str
-    calls: list[PartialCall] = field(default_factory=list)
+class ParsedDelta:
+    """What a piece of text added: content to show and call deltas (one per call at most)."""
+
+    content: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
+
+    def add_call(self, index: int, name: str | None = None, arguments: str = "") -> None:
+        last = self.calls[-1] if self.calls else None
+        if last is not None and last.index == index:
+            last.name = last.name if name is None else name
+            last.arguments += arguments
+        else:
+            self.calls.append(CallDelta(index, name, arguments))
 
 
-_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*')
-_SCALAR = re.compile(r"[^,}\]\s]*")
-_CLOSE = re.compile(r"\s*\}")
+@dataclass
+class ParsedCall:
+    """A call as far as the text went: its name, arguments' text, and whether the arguments
+    (a whole JSON value) are complete."""
+
+    name: str
+    arguments: str
+    complete: bool
 
 
-def _json_value_end(text: str, start: int) -> int | None:
-    """The index after the JSON value starting at `start` (an object, array or string are
-    scanned; other values end at a delimiter), or None when the text ends first."""
-    depth, in_string, escaped = 0, False, False
-    opening = text[start] if start < len(text) else ""
-    if opening not in '{["':
-        match = _SCALAR.match(text, start)
-        end = match.end() if match else start
-        return end if end < len(text) else None
-    for index in range(start, len(text)):
-        char = text[index]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
+@dataclass(frozen=True)
+class CallFormat:
+    """How a template writes calls: `begin(name)` + arguments (a JSON value) + `end`, several
+    joined by `separator`."""
+
+    prefix: str
+    args_key: str
+    end: str
+    separator: str
+
+    def begin(self, name: str) -> str:
+        return f'{self.prefix}{{"name": {json.dumps(name)}, "{self.args_key}": '
+
+
+class ToolCallParser(Protocol):
+    """One answer's reader: `feed` each new piece of text, then `finish` once."""
+
+    calls: list[ParsedCall]
+
+    def feed(self, text: str) -> ParsedDelta: ...
+    def finish(self) -> ParsedDelta: ...
+
+
+class _ValueScanner:
+    """Where one JSON value ends, read piece by piece: an object, array or string ends with its
+    closing character; any other value at the first `,`, `}`, `]` or whitespace (not its own)."""
+
+    def __init__(self) -> None:
+        self.kind = ""
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def scan(self, text: str, start: int) -> int | None:
+        """The index just after the value in `text` (None: it goes on past `text`)."""
+        for index in range(start, len(text)):
+            char = text[index]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                    if self.kind == "string":
+                        return index + 1
+            elif not self.kind:
+                if char in "{[":
+                    self.kind, self.depth = "nested", 1
+                elif char == '"':
+                    self.kind, self.in_string = "string", True
+                else:
+                    self.kind = "scalar"
+                    if char in ",}]" or char in _WHITESPACE:
+                        return index
+            elif self.kind == "scalar":
+                if char in ",}]" or char in _WHITESPACE:
+                    return index
             elif char == '"':
-                in_string = False
-                if depth == 0:
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
                     return index + 1
-            continue
-        if char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return index + 1
-    return None
+        return None
 
 
-def scan_object(text: str, start: int, args_key: str) -> tuple[PartialCall, int | None]:
-    """Reads `{"name": "...", "<args_key>": {...}}` from `start` (what the text holds so far);
-    returns the call and the index after the object (None: not complete yet)."""
-    call = PartialCall()
-    match = _NAME.match(text, start)
-    if match is None:
-        return call, None
-    name_end = _json_value_end(text, match.end())
-    if name_end is None:
-        return call, None
-    try:
-        call.name = json.loads(text[match.end() : name_end])
-    except json.JSONDecodeError:
-        return PartialCall(), None
-    key = re.compile(r'\s*,\s*"' + re.escape(args_key) + r'"\s*:\s*').match(text, name_end)
-    if key is None:
-        return call, None
-    args_end = _json_value_end(text, key.end())
-    if args_end is None:
-        call.arguments = text[key.end() :].rstrip()
-        return call, None
-    call.arguments, call.complete = text[key.end() : args_end], True
-    close = _CLOSE.match(text, args_end)
-    return call, None if close is None else close.end()
+_SPACE, _STRING = " ", '"'
 
 
-def scan_calls(text: str, start: int, args_key: str, separator: str) -> list[PartialCall]:
-    """Consecutive call objects from `start`, separated by `separator` characters/whitespace."""
-    calls: list[PartialCall] = []
-    position: int | None = start
-    while position is not None:
-        call, end = scan_object(text, position, args_key)
-        if call.name is None:
-            break
-        calls.append(call)
-        if end is None:
-            break
-        rest = re.compile(r"[\s" + re.escape(separator) + r"]*").match(text, end)
-        position = rest.end() if rest is not None and rest.end() < len(text) else None
-    return calls
+class CallReader:
+    """One `{"name": "...", "<args_key>": <value>}` object, read piece by piece. `state`:
+    "header" (before the arguments), "arguments", "close" (before `}`), "done" or "failed"
+    (the text is not such an object)."""
+
+    def __init__(self, args_key: str) -> None:
+        self.state = "header"
+        self.name: str | None = None
+        self.arguments: list[str] = []
+        self.closed = False
+        self._steps = [_SPACE, "{", _SPACE, '"name"', _SPACE, ":", _SPACE, _STRING, _SPACE]
+        self._steps += [",", _SPACE, f'"{args_key}"', _SPACE, ":", _SPACE]
+        self._step = 0
+        self._matched = 0
+        self._raw_name: list[str] = []
+        self._escaped = False
+        self._value = _ValueScanner()
+
+    @property
+    def is_call(self) -> bool:
+        """The name and the arguments' key are read: this is a call."""
+        return self.state in ("arguments", "close", "done")
+
+    def read(self, text: str, start: int, out: ParsedDelta, index: int) -> int:
+        """Reads from `start`; adds the name and argument text to `out` as call `index`;
+        returns where it stopped (`len(text)` when it needs more)."""
+        position = start
+        if self.state == "header":
+            position = self._header(text, position)
+            if self.state != "arguments":
+                return position
+            out.add_call(index, name=self.name)
+        if self.state == "arguments":
+            end = self._value.scan(text, position)
+            piece = text[position : len(text) if end is None else end]
+            if piece:
+                self.arguments.append(piece)
+                out.add_call(index, arguments=piece)
+            if end is None:
+                return len(text)
+            self.state, position = "close", end
+        while self.state == "close" and position < len(text):
+            char = text[position]
+            if char in _WHITESPACE:
+                position += 1
+            else:
+                self.state, self.closed = "done", char == "}"
+                return position + 1 if self.closed else position
+        return position
+
+    def _header(self, text: str, position: int) -> int:
+        steps = self._steps
+        while position < len(text):
+            char = text[position]
+            step = steps[self._step]
+            if step == _SPACE:
+                if char in _WHITESPACE:
+                    position += 1
+                    continue
+                self._step += 1
+            elif step == _STRING:
+                position += 1
+                if self._matched == 0:
+                    if char != '"':
+                        self.state = "failed"
+                        return position - 1
+                    self._matched = 1
+                elif self._escaped:
+                    self._escaped = False
+                    self._raw_name.append(char)
+                elif char == "\\":
+                    self._escaped = True
+                    self._raw_name.append(char)
+                elif char == '"':
+                    try:
+                        self.name = json.loads('"' + "".join(self._raw_name) + '"')
+                    except json.JSONDecodeError:
+                        self.state = "failed"
+                        return position
+                    self._step, self._matched = self._step + 1, 0
+                else:
+                    self._raw_name.append(char)
+                continue
+            elif char == step[self._matched]:
+                position += 1
+                self._matched += 1
+                if self._matched == len(step):
+                    self._step, self._matched = self._step + 1, 0
+                continue
+            else:
+                self.state = "failed"
+                return position
+            if self._step == len(steps):
+                self.state = "arguments"
+                return position
+        return position
 
 
-class ToolParser(Protocol):
-    def parse(self, text: str) -> ParsedText: ...
+class _Calls:
+    """The calls a parser has read, and the reader of the current one."""
+
+    def __init__(self) -> None:
+        self.calls: list[ParsedCall] = []
+        self.readers: list[CallReader] = []
+
+    def settle(self) -> None:
+        self.calls = [
+            ParsedCall(r.name or "", "".join(r.arguments), r.state in ("close", "done"))
+            for r in self.readers
+            if r.is_call
+        ]
+
+    @property
+    def called(self) -> bool:
+        return any(r.is_call for r in self.readers)
+
+
+class _Content:
+    """Content to send, whitespace held until something else follows it."""
+
+    def __init__(self) -> None:
+        self.held = ""
+
+    def add(self, text: str, out: ParsedDelta) -> None:
+        if not text:
+            return
+        if text.strip(_WHITESPACE):
+            body = text.rstrip(_WHITESPACE)
+            out.content += self.held + body
+            self.held = text[len(body) :]
+        else:
+            self.held += text
+
+    def flush(self, out: ParsedDelta, called: bool) -> None:
+        if not called:
+            out.content += self.held
+        self.held = ""
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag` (held back until more comes)."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
 
 
 class HermesParser:
-    """`<tool_call>{json}</tool_call>` blocks; the rest is content."""
+    """`<tool_call>{json}</tool_call>` blocks; the rest is content. A block that does not hold
+    a call object is dropped."""
 
-    def parse(self, text: str) -> ParsedText:
-        content: list[str] = []
-        calls: list[PartialCall] = []
+    FORMAT = CallFormat(f"{HERMES_OPEN}\n", "arguments", f"}}\n{HERMES_CLOSE}", "\n")
+
+    def __init__(self) -> None:
+        self._found = _Calls()
+        self._content = _Content()
+        self._state = "content"  # content | call | skip (to the close tag)
+        self._pending = ""  # a possible tag's start
+
+    @property
+    def calls(self) -> list[ParsedCall]:
+        self._found.settle()
+        return self._found.calls
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        text, self._pending = self._pending + text, ""
         position = 0
-        while True:
-            opened = text.find(HERMES_OPEN, position)
-            if opened < 0:
-                tail = text[position:]
-                held = _held_prefix(tail, HERMES_OPEN)
-                content.append(tail[: len(tail) - held])
-                break
-            content.append(text[position:opened])
-            inner_start = opened + len(HERMES_OPEN)
-            closed = text.find(HERMES_CLOSE, inner_start)
-            inner = text[inner_start:] if closed < 0 else text[inner_start:closed]
-            calls.extend(scan_calls(inner, 0, "arguments", ""))
-            if closed < 0:
-                break
-            position = closed + len(HERMES_CLOSE)
-        return ParsedText("".join(content).strip() if calls else "".join(content), calls)
+        while position < len(text):
+            if self._state == "content":
+                opened = text.find(HERMES_OPEN, position)
+                if opened < 0:
+                    held = _held_prefix(text[position:], HERMES_OPEN)
+                    self._content.add(text[position : len(text) - held], out)
+                    self._pending = text[len(text) - held :]
+                    break
+                self._content.add(text[position:opened], out)
+                position = opened + len(HERMES_OPEN)
+                self._state = "call"
+                self._found.readers.append(CallReader("arguments"))
+            elif self._state == "call":
+                reader = self._found.readers[-1]
+                position = reader.read(text, position, out, len(self._found.readers) - 1)
+                if reader.state == "failed":
+                    self._found.readers.pop()
+                if reader.state in ("done", "failed"):
+                    self._state = "skip"
+            else:
+                closed = text.find(HERMES_CLOSE, position)
+                if closed < 0:
+                    held = _held_prefix(text[position:], HERMES_CLOSE)
+                    self._pending = text[len(text) - held :]
+                    break
+                position, self._state = closed + len(HERMES_CLOSE), "content"
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self._state == "content":
+            self._content.add(self._pending, out)
+        self._pending = ""
+        self._content.flush(out, called=self._found.called)
+        return out
 
 
 class Llama3JsonParser:
-    """`{"name": ..., "parameters": {...}}` objects (`;`-separated) as the whole text."""
+    """`{"name": ..., "parameters": {...}}` objects (`;`-separated) as the whole text; a text
+    that does not start with one is all content. Text after the calls is dropped."""
 
-    def parse(self, text: str) -> ParsedText:
-        body = text.removeprefix(PYTHON_TAG)
-        stripped = body.lstrip()
-        if not stripped:
-            return ParsedText("")
-        if stripped.startswith("{"):
-            calls = scan_calls(body, 0, "parameters", ";")
-            if calls:
-                return ParsedText("", calls)
-            compact = re.sub(r"\s", "", stripped)
-            if '{"name":'.startswith(compact[:8]) and len(compact) < 8:
-                return ParsedText("")  # may still become a call
-        return ParsedText(text)
+    FORMAT = CallFormat("", "parameters", "}", "; ")
 
+    def __init__(self) -> None:
+        self._found = _Calls()
+        self._state = "start"  # start | content | call | between | tail
+        self._seen = ""  # the text while it may still be content
 
-class JsonArrayParser:
-    """A JSON array of `{"name", "arguments"}` objects (the "required" constraint's form)."""
+    @property
+    def calls(self) -> list[ParsedCall]:
+        self._found.settle()
+        return self._found.calls
 
-    def parse(self, text: str) -> ParsedText:
-        opened = text.find("[")
-        if opened < 0:
-            return ParsedText("")
-        return ParsedText("", scan_calls(text, opened + 1, "arguments", ","))
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        if self._state == "content":
+            out.content = text
+            return out
+        position = 0
+        if self._state == "start" or not self._found.called:
+            self._seen += text
+        if self._state == "start":
+            body = self._seen
+            if PYTHON_TAG.startswith(body):
+                return out
+            body = body.removeprefix(PYTHON_TAG)
+            start = len(body) - len(body.lstrip(_WHITESPACE))
+            if start == len(body):
+                return out
+            if body[start] != "{":
+                return self._as_content(out)
+            text, position = body, start
+            self._state = "call"
+            self._found.readers.append(CallReader("parameters"))
+        while position < len(text) and self._state not in ("tail", "content"):
+            if self._state == "call":
+                reader = self._found.readers[-1]
+                position = reader.read(text, position, out, len(self._found.readers) - 1)
+                if reader.state == "failed":
+                    if len(self._found.readers) == 1:
+                        return self._as_content(out)
+                    self._found.readers.pop()
+                    self._state = "tail"
+                elif reader.state == "done":
+                    self._state = "between" if reader.closed else "tail"
+            elif text[position] in _WHITESPACE or text[position] == ";":
+                position += 1
+            elif text[position] == "{":
+                self._state = "call"
+                self._found.readers.append(CallReader("parameters"))
+            else:
+                self._state = "tail"
+        if self._found.called:
+            self._seen = ""
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if not self._found.called and self._state != "content":
+            out.content, self._state = self._seen, "content"
+            self._found.readers.clear()
+        self._seen = ""
+        return out
+
+    def _as_content(self, out: ParsedDelta) -> ParsedDelta:
+        out.content, self._seen, self._state = self._seen, "", "content"
+        self._found.readers.clear()
+        return out
 
 
 TOOL_PARSERS: dict[str, type[HermesParser] | type[Llama3JsonParser]] = {
@@ -182,53 +420,3 @@ TOOL_PARSERS: dict[str, type[HermesParser] | type[Llama3JsonParser]] = {
     "llama3_json": Llama3JsonParser,
 }
 """`--tool-call-parser` values."""
-
-
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag` (held back while streaming)."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
-
-
-@dataclass
-class CallDelta:
-    index: int
-    name: str | None
-    arguments: str
-
-
-class ToolCallDeltas:
-    """What to stream as text grows: new content, each call's name once (first), then its
-    arguments' new characters. Feed the whole text so far each time."""
-
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
-        self.content_sent = 0
-        self.named: set[int] = set()
-        self.arguments_sent: dict[int, int] = {}
-
-    def update(self, text: str, finished: bool) -> tuple[str, list[CallDelta]]:
-        parsed = self.parser.parse(text)
-        content = ""
-        if not parsed.calls:  # what may still start a call is held back until the end
-            shown = text if finished else parsed.content
-            content = shown[self.content_sent :]
-            self.content_sent = max(self.content_sent, len(shown))
-        deltas: list[CallDelta] = []
-        for index, call in enumerate(parsed.calls):
-            if call.name is None:
-                continue
-            name = None
-            if index not in self.named:
-                self.named.add(index)
-                name = call.name
-            arguments = call.arguments
-            if not call.complete and not finished:
-                arguments = arguments.rstrip()  # trailing whitespace may yet be cut
-            sent = self.arguments_sent.get(index, 0)
-            if name is not None or len(arguments) > sent:
-                deltas.append(CallDelta(index, name, arguments[sent:]))
-                self.arguments_sent[index] = max(sent, len(arguments))
-        return content, deltas

@@ -95,8 +95,6 @@ def served(ray_cluster: None, tiny_model_dir: pathlib.Path) -> Iterator[Served]:
             "engine": engine_section(tiny_model_dir),
             "api_keys": API_KEYS,
             "shared_prefixes": [SHARED_SYSTEM_PROMPT],
-            "enable_auto_tool_choice": True,
-            "tool_call_parser": "hermes",
         }
         app = bind_app(
             args,

@@ -262,16 +262,17 @@ def test_tool_flags_reach_every_app_and_are_checked() -> None:
     from cluster.serving.app_args import ServeAppArgs
 
     config = resolve_serve_config(
-        _serve_args("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+        _serve_args("--no-enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
     )
     for app in config["applications"]:
         args = ServeAppArgs.model_validate(app["args"])
-        assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "llama3_json")
+        assert (args.enable_auto_tool_choice, args.tool_call_parser) == (False, "llama3_json")
     default = ServeAppArgs.model_validate(
         resolve_serve_config(_serve_args())["applications"][0]["args"]
     )
-    assert (default.enable_auto_tool_choice, default.tool_call_parser) == (False, None)
-    with pytest.raises(ValueError, match="needs tool_call_parser"):
-        ServeAppArgs.model_validate({"enable_auto_tool_choice": True})
+    # auto tool choice on, the parser picked from the model's template
+    assert (default.enable_auto_tool_choice, default.tool_call_parser) == (True, None)
+    flagged = resolve_serve_config(_serve_args("--enable-auto-tool-choice"))
+    assert ServeAppArgs.model_validate(flagged["applications"][0]["args"]).enable_auto_tool_choice
     with pytest.raises(ValueError, match="tool_call_parser"):
         ServeAppArgs.model_validate({"tool_call_parser": "mistral"})

@@ -1,8 +1,11 @@
-"""Tool calling over HTTP with the official `openai` client against the Serve app (tiny model,
-`enable_auto_tool_choice` with the `hermes` parser): `required` and named choices always give
-valid calls of listed functions whose arguments satisfy their schema (`jsonschema`), `auto` reads
-Hermes blocks out of the text, streaming sends each call's name first and then its arguments,
-tool messages render, and bad tool input is a 400 naming the field."""
+"""Tool calling and structured outputs over HTTP with the official `openai` client against the
+Serve app (tiny model, no tool flags: auto tool choice on, the parser picked from the template):
+`required` and named choices always give valid calls of listed functions whose arguments
+satisfy their schema (`jsonschema`), also streamed with parallel calls; a named choice cut by
+`max_tokens` still answers in `tool_calls`; tools without `tool_choice` are answered; `auto`
+reads Hermes blocks out of the text; streaming sends each call's name first and then its
+arguments; tool messages render; `.parse` gives the pydantic object; and bad tool input is a
+400 naming the field."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 
 from tests.serving.conftest import MODEL, Served
 
@@ -87,7 +91,7 @@ def test_streamed_calls_send_the_name_first_then_arguments(client: openai.OpenAI
         "tools": TOOLS,
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         "seed": 3,
-        "max_tokens": 40,
+        "max_tokens": 80,
     }
     whole = client.chat.completions.create(**kwargs).choices[0]
     names, arguments, reasons = [], "", []
@@ -105,6 +109,88 @@ def test_streamed_calls_send_the_name_first_then_arguments(client: openai.OpenAI
     assert reasons == ["tool_calls"] == [whole.finish_reason]
     assert whole.message.tool_calls is not None
     assert json.loads(arguments) == json.loads(whole.message.tool_calls[0].function.arguments)
+
+
+def test_tools_without_tool_choice_are_answered(client: openai.OpenAI) -> None:
+    """OpenAI's default with tools is "auto": answered by a server started without flags."""
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=8, seed=4
+    )
+    choice = response.choices[0]
+    assert choice.message.content or choice.message.tool_calls
+
+
+@pytest.mark.parametrize("max_tokens", [3, 20])
+def test_a_named_choice_cut_by_max_tokens_is_still_a_call(
+    client: openai.OpenAI, max_tokens: int
+) -> None:
+    """Cut in the call's opening (3) or in its arguments (20): the call, its arguments as
+    generated, finish_reason "length"."""
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=max_tokens,
+        seed=5,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls is not None and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_time" and call.id
+    assert '{"zone": "UTC"}'.startswith(call.function.arguments) or '{"zone": "CET"}'.startswith(
+        call.function.arguments
+    )
+
+
+def test_streamed_parallel_calls_are_each_valid(client: openai.OpenAI) -> None:
+    arguments: dict[int, str] = {}
+    names: dict[int, str] = {}
+    reasons = []
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        seed=6,
+        max_tokens=200,
+        stream=True,
+    ):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                assert call.function is not None
+                if call.function.name:
+                    assert call.index not in names and call.id
+                    names[call.index] = call.function.name
+                arguments[call.index] = arguments.get(call.index, "") + (
+                    call.function.arguments or ""
+                )
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    assert reasons == ["tool_calls"]
+    assert names and sorted(names) == list(range(len(names)))
+    for index, name in names.items():
+        jsonschema.validate(json.loads(arguments[index]), SCHEMAS[name])
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population: int
+
+
+def test_parse_gives_the_pydantic_object(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give me a city."}],
+        response_format=City,
+        seed=7,
+        max_tokens=400,
+    )
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, City)
+    assert message.parsed == City.model_validate_json(message.content or "")
 
 
 def test_auto_reads_hermes_blocks_and_tool_messages_render(client: openai.OpenAI) -> None:

@@ -1,35 +1,27 @@
-"""Tool calls read back from text (hermes, llama3_json, the required choice's JSON array) and
-streamed as deltas: for any calls written with `json.dumps` and any chunking of the text, the
-streamed names and argument fragments rebuild exactly the calls written (Hypothesis). Plus the
-tool plan's refusals and grammar, and the fallback chat template's rendering."""
+"""Tool calls read back from text (hermes, llama3_json) in one incremental pass, against an
+independent whole-text oracle (regular expressions and `json`): for any calls written with
+`json.dumps`, any content around them and any split of the text into pieces (Hypothesis), the
+streamed content and calls equal the oracle's; a prefix of the text gives a prefix of them
+(what streaming shows before the end); and feeding a long answer a character at a time costs
+linear time."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
+import time
 from typing import Any
 
-import jsonschema
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.serving.structured_fields import FieldError
-from cluster.serving.tool_calls import (
-    FALLBACK_TOOL_TEMPLATE,
-    NamedToolChoice,
-    ToolDef,
-    ToolSettings,
-    plan_tools,
-    template_for,
-)
 from cluster.serving.tool_parsers import (
+    PYTHON_TAG,
     HermesParser,
-    JsonArrayParser,
     Llama3JsonParser,
-    ToolCallDeltas,
-    ToolParser,
+    ToolCallParser,
 )
-from tests.tiny_model import smollm2_tokenizer
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(max_size=8),
@@ -46,149 +38,149 @@ calls_strategy = st.lists(
     min_size=1,
     max_size=3,
 )
+content_strategy = st.text(alphabet="ab <>/\n{}", max_size=12)
+Calls = list[tuple[str, str]]
+"""(name, arguments as JSON text) per call."""
 
 
-def _write(form: str, calls: list[tuple[str, dict[str, Any]]]) -> str:
-    if form == "hermes":
-        return "Let me check. " + "\n".join(
-            f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>"
-            for n, a in calls
-        )
-    if form == "llama3_json":
-        return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
-    return json.dumps([{"name": n, "arguments": a} for n, a in calls])
+def _hermes(calls: list[tuple[str, Any]], gaps: list[str]) -> str:
+    """Content gaps around `<tool_call>` blocks, arguments written by `json.dumps`."""
+    blocks = [
+        f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls
+    ]
+    return gaps[0] + "".join(block + gap for block, gap in zip(blocks, gaps[1:], strict=False))
 
 
-PARSERS: dict[str, type[HermesParser] | type[Llama3JsonParser] | type[JsonArrayParser]] = {
-    "hermes": HermesParser,
-    "llama3_json": Llama3JsonParser,
-    "array": JsonArrayParser,
-}
+def hermes_oracle(text: str) -> tuple[str, Calls]:
+    """Content outside the blocks (its trailing whitespace dropped when there are calls) and
+    each block's call, by a regular expression and `json`."""
+    content, calls, position = [], [], 0
+    for block in re.finditer(r"<tool_call>(.*?)</tool_call>", text, re.S):
+        content.append(text[position : block.start()])
+        position = block.end()
+        call = json.loads(block.group(1))
+        calls.append((call["name"], json.dumps(call["arguments"])))
+    content.append(text[position:])
+    shown = "".join(content)
+    return (shown.rstrip(" \t\r\n") if calls else shown), calls
 
 
-@pytest.mark.parametrize("form", sorted(PARSERS))
-@settings(max_examples=60, deadline=None)
-@given(calls=calls_strategy, cuts=st.lists(st.integers(1, 400), max_size=12))
-def test_streamed_deltas_rebuild_the_calls(
-    form: str, calls: list[tuple[str, dict[str, Any]]], cuts: list[int]
-) -> None:
-    text = _write(form, calls)
-    parser: ToolParser = PARSERS[form]()
-    whole = parser.parse(text)
-    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == calls
-    deltas = ToolCallDeltas(PARSERS[form]())
+def read(parser: ToolCallParser, pieces: list[str], finish: bool = True) -> tuple[str, Calls]:
+    """Feeds the pieces, then finishes (unless told not to: a stream still going); rebuilds
+    content and calls from the deltas alone."""
+    content: str = ""
     names: dict[int, str] = {}
     arguments: dict[int, str] = {}
-    for end in [*sorted(c for c in cuts if c < len(text)), len(text)]:
-        _, sent = deltas.update(text[:end], end == len(text))
-        for delta in sent:
-            if delta.name is not None:
-                assert delta.index not in names and not arguments.get(delta.index)
-                names[delta.index] = delta.name
-            arguments[delta.index] = arguments.get(delta.index, "") + delta.arguments
-    assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == calls
+    for piece in [*pieces, None] if finish else pieces:
+        delta = parser.feed(piece) if piece is not None else parser.finish()
+        content += delta.content
+        for call in delta.calls:
+            if call.name is not None:
+                assert call.index not in names, "a name is sent once, before its arguments"
+                names[call.index] = call.name
+            assert call.index in names
+            arguments[call.index] = arguments.get(call.index, "") + call.arguments
+    streamed = [(names[i], arguments.get(i, "")) for i in sorted(names)]
+    assert [(c.name, c.arguments) for c in parser.calls] == streamed
+    return content, streamed
 
 
-def test_streamed_text_holds_back_a_possible_tag_until_the_end() -> None:
-    deltas = ToolCallDeltas(HermesParser())
-    assert deltas.update("Hello <tool", finished=False) == ("Hello ", [])
-    assert deltas.update("Hello <tool", finished=True) == ("<tool", [])
-    llama = ToolCallDeltas(Llama3JsonParser())
-    assert llama.update('{"na', finished=False) == ("", [])
-    assert llama.update('{"na', finished=True) == ('{"na', [])
+def split(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    return [text[a:b] for a, b in itertools.pairwise(points)]
 
 
-def test_plain_text_is_content() -> None:
-    assert HermesParser().parse("no calls here").content == "no calls here"
-    assert not HermesParser().parse("no calls here").calls
-    assert Llama3JsonParser().parse("Hello there").content == "Hello there"
+@settings(max_examples=150, deadline=None)
+@given(
+    calls=st.lists(st.tuples(st.from_regex(r"[a-z_]{1,10}", fullmatch=True), json_values)),
+    gaps=st.lists(content_strategy, min_size=4, max_size=4),
+    cuts=st.lists(st.integers(1, 400), max_size=16),
+)
+def test_hermes_pieces_read_as_the_oracle_reads_the_whole(
+    calls: list[tuple[str, Any]], gaps: list[str], cuts: list[int]
+) -> None:
+    calls = [(n, a if isinstance(a, dict) else {"value": a}) for n, a in calls[:3]]
+    text = _hermes(calls, gaps)
+    expected = hermes_oracle(text)
+    assert read(HermesParser(), split(text, cuts)) == expected
+    assert read(HermesParser(), [text]) == expected
 
 
-TOOLS = [
-    ToolDef.model_validate(
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"city": {"type": "string"}},
-                    "required": ["city"],
-                },
-            },
-        }
-    ),
-    ToolDef.model_validate({"type": "function", "function": {"name": "ping"}}),
-]
-AUTO = ToolSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
+@settings(max_examples=100, deadline=None)
+@given(
+    calls=calls_strategy,
+    gaps=st.lists(content_strategy, min_size=4, max_size=4),
+    cut=st.integers(0, 10_000),
+    pieces=st.lists(st.integers(1, 400), max_size=8),
+)
+def test_a_prefix_reads_as_a_prefix_of_the_whole(
+    calls: list[tuple[str, Any]], gaps: list[str], cut: int, pieces: list[int]
+) -> None:
+    """What streaming shows before the end: the calls so far, the last one's arguments a
+    prefix of what it will be, never anything the whole text does not have."""
+    text = _hermes(calls, gaps)
+    whole_content, whole_calls = hermes_oracle(text)
+    prefix = text[: cut % (len(text) + 1)]
+    content, partial = read(HermesParser(), split(prefix, pieces), finish=False)
+    assert len(partial) <= len(whole_calls)
+    for (name, arguments), (whole_name, whole_arguments) in zip(partial, whole_calls, strict=False):
+        assert name == whole_name and whole_arguments.startswith(arguments)
+    assert whole_content.startswith(content)
 
 
-def test_plan_refusals_name_the_field() -> None:
-    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "nope"}})
-    with pytest.raises(FieldError) as caught:
-        plan_tools(TOOLS, named, None, AUTO)
-    assert caught.value.param == "tool_choice"
-    with pytest.raises(FieldError) as caught:
-        plan_tools(TOOLS, "auto", None, ToolSettings())
-    assert caught.value.param == "tool_choice" and "--enable-auto-tool-choice" in str(caught.value)
-    bad = ToolDef.model_validate(
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+@settings(max_examples=100, deadline=None)
+@given(calls=calls_strategy, tag=st.booleans(), cuts=st.lists(st.integers(1, 400), max_size=12))
+def test_llama3_json_pieces_read_as_written(
+    calls: list[tuple[str, dict[str, Any]]], tag: bool, cuts: list[int]
+) -> None:
+    text = (PYTHON_TAG if tag else "") + "; ".join(
+        json.dumps({"name": n, "parameters": a}) for n, a in calls
     )
-    with pytest.raises(FieldError) as caught:
-        plan_tools([TOOLS[0], bad], "required", None, AUTO)
-    assert caught.value.param == "tools[1].function.parameters"
-    with pytest.raises(FieldError):
-        plan_tools(None, "required", None, AUTO)
+    written = [(n, json.dumps(a)) for n, a in calls]
+    assert read(Llama3JsonParser(), split(text, cuts)) == ("", written)
 
 
-def test_required_grammar_is_an_array_of_listed_calls() -> None:
-    plan = plan_tools(TOOLS, "required", False, AUTO)
-    assert plan is not None
-    constraint = plan.constraint()
-    assert constraint is not None and isinstance(constraint.json, dict)
-    schema = constraint.json
-    jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Oslo"}}], schema)
-    for bad in (
-        [],
-        [{"name": "other", "arguments": {}}],
-        [{"name": "get_weather", "arguments": {}}],
-        [{"name": "ping", "arguments": {}}, {"name": "ping", "arguments": {}}],
-    ):
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(bad, schema)
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet='ab {}"n:', max_size=30), cuts=st.lists(st.integers(1, 30)))
+def test_llama3_text_that_is_not_a_call_is_all_content(text: str, cuts: list[int]) -> None:
+    try:
+        first = json.JSONDecoder().raw_decode(text.lstrip())[0]
+    except json.JSONDecodeError:
+        first = None
+    if isinstance(first, dict) and "name" in first:
+        return  # a call (the property above covers those)
+    content, calls = read(Llama3JsonParser(), split(text, cuts))
+    assert (content, calls) == (text, [])
 
 
-def test_fallback_template_renders_tools_calls_and_results() -> None:
-    tokenizer = smollm2_tokenizer()
-    assert template_for(tokenizer.chat_template) == FALLBACK_TOOL_TEMPLATE  # it has no tools
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {
-                    "id": "c1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-    ]
-    text = tokenizer.apply_chat_template(
-        messages,
-        chat_template=FALLBACK_TOOL_TEMPLATE,
-        tools=[t.model_dump(exclude_none=True) for t in TOOLS],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou may call")
-    assert '"name": "get_weather"' in text and "<tools>" in text
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    assert call in text
-    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text
-    assert text.endswith("<|im_start|>assistant\n")
-    parsed = HermesParser().parse(text[text.index("<tool_call>") :])
-    assert parsed.calls[0].name == "get_weather"
+def test_a_possible_tag_is_held_back_until_the_end() -> None:
+    parser = HermesParser()
+    assert parser.feed("Hello <tool").content == "Hello"
+    assert parser.finish().content == " <tool"
+    llama = Llama3JsonParser()
+    assert llama.feed('{"na').content == ""
+    assert llama.finish().content == '{"na'
+
+
+def test_whitespace_between_calls_is_not_content() -> None:
+    block = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert read(HermesParser(), [f"{block}\n", f"{block}\n"]) == ("", [("f", "{}"), ("f", "{}")])
+    assert read(HermesParser(), ["no calls \n"]) == ("no calls \n", [])
+
+
+def test_a_block_without_a_call_object_is_dropped() -> None:
+    assert read(HermesParser(), ["a <tool_call>oops</tool_call> b"]) == ("a  b", [])
+
+
+def test_one_character_at_a_time_costs_linear_time() -> None:
+    """A 40 000-character answer fed a character at a time: a parser that re-read the text
+    on every piece would do 800 million character steps; this one does 40 000."""
+    arguments = json.dumps({"text": "x" * 40_000})
+    text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    parser = HermesParser()
+    began = time.perf_counter()
+    for char in text:
+        parser.feed(char)
+    parser.finish()
+    assert time.perf_counter() - began < 5.0
+    assert [(c.name, c.arguments) for c in parser.calls] == [("f", arguments)]

@@ -49,6 +49,10 @@ tensor-parallel rank, packed onto one node.
 {{- fail "terminationGracePeriodSeconds must exceed serve.shutdownGraceS by more than 5 s (Kubernetes kills the pod when it ends)" -}}
 {{- end -}}
 {{- $args := dict "engine" .Values.engine "served_model_name" .Values.servedModelName "shutdown" (dict "grace_s" $grace) "stream_interval" (int .Values.serve.streamInterval) -}}
+{{- $_ := set $args "enable_auto_tool_choice" .Values.tools.enableAutoToolChoice -}}
+{{- if .Values.tools.toolCallParser -}}
+{{- $_ := set $args "tool_call_parser" .Values.tools.toolCallParser -}}
+{{- end -}}
 {{- if .Values.lora.modules -}}
 {{- $_ := set $args "lora_modules" .Values.lora.modules -}}
 {{- end -}}
