@@ -104,14 +104,17 @@ class CountTokensRequest(_Edge):
         self.function_tools()
         choice = self.tool_choice
         if choice is not None and choice.type == "tool" and choice.name is None:
-            raise invalid_request("tool_choice of type 'tool' needs a name", "tool_choice.name")
+            raise invalid_request(
+                "tool_choice.name: a tool choice of type 'tool' needs a name", "tool_choice.name"
+            )
 
     def function_tools(self) -> list[AnthropicTool]:
         tools = []
         for index, raw in enumerate(self.tools or []):
             if raw.get("type", "custom") != "custom":
                 raise invalid_request(
-                    f"tools of type {raw.get('type')!r} are not supported, only client tools "
+                    f"tools[{index}].type: tools of type {raw.get('type')!r} are not supported, "
+                    "only client tools "
                     "with an input_schema",
                     f"tools[{index}].type",
                 )
@@ -196,7 +199,8 @@ def _turn(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
         allowed = ("text", "tool_use") if message.role == "assistant" else ("text", "tool_result")
         if model is None or kind not in allowed:
             raise invalid_request(
-                f"content blocks of type {kind!r} are not supported in a {message.role} turn, "
+                f"{where}.content[{index}].type: blocks of type {kind!r} are not supported in "
+                f"a {message.role} turn, "
                 f"only {list(allowed)}",
                 f"{where}.content[{index}].type",
             )

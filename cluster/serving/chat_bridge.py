@@ -65,11 +65,14 @@ class ParamNames:
         return param
 
     def translate(self, error: OpenAIError) -> OpenAIError:
-        """`error` with its `param` (and the message's mentions of it) in this API's names."""
+        """`error` with its `param` (and the message's mentions of it) in this API's names;
+        a message that does not mention the field then starts with it."""
         param = self.rename(error.param)
         message = error.message
         if error.param and param != error.param:
             message = message.replace(error.param, param or "")
+            if param and param not in message:
+                message = f"{param}: {message}"
         return OpenAIError(
             error.status,
             message,

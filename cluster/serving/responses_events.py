@@ -39,7 +39,7 @@ def new_id(prefix: str) -> str:
 def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + completion_tokens,

@@ -129,7 +129,9 @@ class ResponsesRequest(_Edge):
 
     def check_supported(self) -> None:
         if self.background:
-            raise invalid_request("background responses are not supported", "background")
+            raise invalid_request(
+                "background: background responses are not supported", "background"
+            )
         self.items()
         self.function_tools()
 
@@ -143,7 +145,8 @@ class ResponsesRequest(_Edge):
             model = ITEM_MODELS.get(kind) if isinstance(kind, str) else None
             if model is None:
                 raise invalid_request(
-                    f"input items of type {kind!r} are not supported, only {sorted(ITEM_MODELS)}",
+                    f"input[{index}].type: items of type {kind!r} are not supported, only "
+                    f"{sorted(ITEM_MODELS)}",
                     f"input[{index}].type",
                 )
             items.append(validated_part(model, raw, f"input[{index}]"))
@@ -154,7 +157,8 @@ class ResponsesRequest(_Edge):
         for index, raw in enumerate(self.tools or []):
             if raw.get("type") != "function":
                 raise invalid_request(
-                    f"tools of type {raw.get('type')!r} are not supported, only 'function'",
+                    f"tools[{index}].type: tools of type {raw.get('type')!r} are not supported, "
+                    "only 'function'",
                     f"tools[{index}].type",
                 )
             tools.append(validated_part(FunctionTool, raw, f"tools[{index}]"))
