@@ -25,7 +25,8 @@ CITY = {
     "additionalProperties": False,
 }
 ALICE = "key-alice"
-ALICE_HEADERS = {"Authorization": f"Bearer {ALICE}"}
+GREEDY = {"temperature": 0}
+"""Anthropic's client takes sampling fields only through `extra_body`."""
 
 
 class City(pydantic.BaseModel):
@@ -165,7 +166,7 @@ def test_messages_text_stop_sequence_and_token_count(
         temperature=0,
     )
     message = claude.messages.create(
-        model=MODEL, system="Be brief.", messages=messages, max_tokens=10, temperature=0
+        model=MODEL, system="Be brief.", messages=messages, max_tokens=10, extra_body=GREEDY
     )
     (block,) = message.content
     assert block.type == "text" and block.text == chat.choices[0].message.content
@@ -179,7 +180,7 @@ def test_messages_text_stop_sequence_and_token_count(
 
     stop = block.text.split()[1]  # a word from the middle of the greedy answer
     stopped = claude.messages.create(
-        model=MODEL, system="Be brief.", messages=messages, max_tokens=10, temperature=0,
+        model=MODEL, system="Be brief.", messages=messages, max_tokens=10, extra_body=GREEDY,
         stop_sequences=[stop],
     )  # fmt: skip
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
@@ -194,7 +195,7 @@ def test_messages_stream_tool_use_then_a_tool_result(claude: anthropic.Anthropic
         messages=[{"role": "user", "content": "Weather in Oslo?"}],
         tools=tools,
         tool_choice={"type": "tool", "name": "get_weather"},
-        temperature=0,
+        extra_body=GREEDY,
     ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
@@ -272,7 +273,7 @@ def test_closing_a_stream_aborts_its_request(
     else:
         manager = claude.messages.stream(
             model=MODEL, max_tokens=400, messages=[{"role": "user", "content": prompt}],
-            temperature=0,
+            extra_body=GREEDY,
         )  # fmt: skip
         delta = "content_block_delta"
     with manager as stream:
