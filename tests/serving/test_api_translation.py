@@ -6,7 +6,9 @@ and per tenant."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic.types
@@ -15,6 +17,7 @@ import pydantic
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
+from cluster.engine.output_stream import BranchDelta, RequestDelta
 from cluster.serving.anthropic_events import MessageEncoder, error_body
 from cluster.serving.anthropic_requests import (
     ANTHROPIC_NAMES,
@@ -24,12 +27,15 @@ from cluster.serving.anthropic_requests import (
 from cluster.serving.chat_bridge import (
     CallArguments,
     CallStart,
+    ChatRun,
     Finished,
     ParamNames,
     Started,
     TextPiece,
+    chat_pieces,
     chat_request_of,
 )
+from cluster.serving.frontend import Submission
 from cluster.serving.openai_protocol import OpenAIError
 from cluster.serving.responses_events import ResponseEncoder
 from cluster.serving.responses_requests import (
@@ -38,7 +44,7 @@ from cluster.serving.responses_requests import (
     parse_responses_request,
 )
 from cluster.serving.responses_store import ResponseStore, StoredResponse
-from cluster.serving.tool_calls import ToolSettings
+from cluster.serving.tool_calls import ToolDef, ToolSettings, plan_tools
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -311,3 +317,43 @@ def test_store_is_bounded_and_per_tenant() -> None:
     assert store.get(b"bob", "b") is None and store.get(b"alice", "b") is not None
     assert not store.delete(b"bob", "c") and store.delete(b"alice", "c")
     assert store.get(b"alice", "c") is None
+
+
+def _delta(text: str, *, first: bool = False, finish: str | None = None) -> RequestDelta:
+    return RequestDelta(
+        request_id="r",
+        branches=[BranchDelta(index=0, text=text, token_ids=[7], finish_reason=finish)],
+        finished=finish is not None,
+        num_cached_tokens=2,
+        prompt_token_ids=[1, 2, 3] if first else None,
+    )
+
+
+def test_chat_pieces_read_calls_out_of_the_text_and_close_the_engine_stream() -> None:
+    closed = []
+
+    async def engine_stream() -> AsyncIterator[RequestDelta]:
+        try:
+            yield _delta("Sure. ", first=True)
+            yield _delta('<tool_call>\n{"name": "get", "arguments": {"city"')
+            yield _delta(': "Oslo"}}\n</tool_call>', finish="stop")
+        finally:
+            closed.append(True)
+
+    tool = {"type": "function", "function": {"name": "get", "parameters": SCHEMA}}
+    request = chat_request_of({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    plan = plan_tools([ToolDef.model_validate(tool)], None, None, ToolSettings(True, "hermes"))
+    run = ChatRun(request, plan, Submission([engine_stream()], None, None))
+
+    async def read() -> list[Any]:
+        return [piece async for piece in chat_pieces(run)]
+
+    pieces = asyncio.run(read())
+    assert pieces[0] == Started(prompt_tokens=3, cached_tokens=2)
+    assert "".join(p.text for p in pieces if isinstance(p, TextPiece)).strip() == "Sure."
+    (start,) = [p for p in pieces if isinstance(p, CallStart)]
+    assert (start.index, start.name) == (0, "get")
+    arguments = "".join(p.text for p in pieces if isinstance(p, CallArguments))
+    assert json.loads(arguments) == {"city": "Oslo"}
+    assert pieces[-1] == Finished("tool_calls", None, 3, 3, 2)
+    assert closed == [True]
