@@ -1,7 +1,8 @@
 """The application's entry: `OpenAIIngress`, in front of the engine deployment.
 
-Every way in lands here: OpenAI HTTP (a FastAPI ingress) and gRPC (`GrpcMethods`, which Serve's
-gRPC proxy routes to by RPC name). The ingress authenticates, validates, and admits each request
+Every way in lands here: HTTP (a FastAPI ingress: OpenAI's completions, chat and Responses,
+Anthropic's Messages and the tokenizer routes, `api_surface`) and gRPC (`GrpcMethods`, which
+Serve's gRPC proxy routes to by RPC name). The ingress authenticates, validates, and admits each request
 through the one `FrontEnd.submit` (rendered and tokenized once, with the engines' own tokenizer
 and cache keys fetched from an engine replica at start, its blocks hashed once), which calls the
 engine deployment through a handle (`RoutedEngineClient`), so `PrefixAwareRouter` sends it to
