@@ -3,10 +3,10 @@
 Every way in lands here: HTTP (a FastAPI ingress: OpenAI's completions, chat and Responses,
 Anthropic's Messages and the tokenizer routes, `api_surface`) and gRPC (`GrpcMethods`, which
 Serve's gRPC proxy routes to by RPC name). The ingress authenticates, validates, and admits each
-request through the one `FrontEnd.submit` (rendered and tokenized once, with the engines' own tokenizer
-and cache keys fetched from an engine replica at start, its blocks hashed once), which calls the
-engine deployment through a handle (`RoutedEngineClient`), so `PrefixAwareRouter` sends it to
-the replica holding the longest prefix. Ingress and engine replicas scale
+request through the one `FrontEnd.submit` (rendered and tokenized once, with the engines' own
+tokenizer and cache keys fetched from an engine replica at start, its blocks hashed once), which
+calls the engine deployment through a handle (`RoutedEngineClient`), so `PrefixAwareRouter`
+sends it to the replica holding the longest prefix. Ingress and engine replicas scale
 independently; the engines never tokenize.
 
 Invariants:
