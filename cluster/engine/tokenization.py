@@ -184,7 +184,7 @@ class PromptRenderer:
             add_generation_prompt=add_generation_prompt,
             tools=[dict(t) for t in tools] if tools else None,
         )
-        # the template writes the special tokens itself (e.g. BOS), so none are added here
+        # the template writes the special tokens itself (e.g. BOS): a generation prompt adds none
         ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         if not ids:
             raise RequestRejected("the chat prompt is empty after rendering")
