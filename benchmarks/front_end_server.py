@@ -24,11 +24,11 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.output_stream import RequestDelta
 from cluster.engine.tokenization import PromptRenderer
+from cluster.serving.api_surface import build_serving_api
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.cli_serve import served_app_args
 from cluster.serving.engine_server import stream_as_replica
 from cluster.serving.frontend import FrontEnd
-from cluster.serving.http_api import build_http_api
 from cluster.serving.lora_admin import AdapterService
 from cluster.serving.lora_routes import BaseModelFacts
 from cluster.serving.openai_serving import OpenAIServing
@@ -99,7 +99,7 @@ def build_app(args: ServeAppArgs) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with local_ingress(args) as ingress:
-            app.mount("/", build_http_api(ingress))
+            app.mount("/", build_serving_api(ingress))
             yield
 
     return FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -103,8 +103,10 @@ class PromptRenderer:
             f"got {type(prompt).__name__}"
         )
 
-    def encode(self, text: str) -> list[int]:
-        ids = list(self.tokenizer.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids (with the tokenizer's special tokens, as a prompt gets them);
+        RequestRejected when there are none."""
+        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         if not ids:
             raise RequestRejected("the prompt is empty after tokenization")
         return ids
@@ -162,8 +164,13 @@ class PromptRenderer:
         *,
         chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> RenderedPrompt:
-        """Renders with `chat_template` or the model's own; the digest is of the one used."""
+        """Renders with `chat_template` or the model's own; the digest is of the one used.
+        A prompt for generation ends with the assistant's header (`add_generation_prompt`) and
+        gets no special tokens beyond what the template writes (`add_special_tokens`); the
+        other values are for `/tokenize`, which may ask for them."""
         template = chat_template or self.tokenizer.chat_template
         if not template:
             raise RequestRejected("this model has no chat template; send a text prompt instead")
@@ -174,11 +181,11 @@ class PromptRenderer:
             [dict(m) for m in messages],
             chat_template=template,
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             tools=[dict(t) for t in tools] if tools else None,
         )
-        # the template writes the special tokens itself (e.g. BOS), so none are added here
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        # the template writes the special tokens itself (e.g. BOS): a generation prompt adds none
+        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         if not ids:
             raise RequestRejected("the chat prompt is empty after rendering")
         return RenderedPrompt(

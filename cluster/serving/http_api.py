@@ -13,10 +13,12 @@ Invariants (the ingress module doc has the rest):
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.serving.app_args import ServeAppArgs
@@ -71,10 +73,11 @@ def require_admin(tenancy: Tenancy, request: Request) -> None:
         raise http_error(error) from None
 
 
-def build_http_api(ingress: HttpIngress) -> FastAPI:
-    """The OpenAI-compatible routes (plus /health and /metrics)."""
+def build_http_api(ingress: HttpIngress, extra_models: Sequence[type[BaseModel]] = ()) -> FastAPI:
+    """The OpenAI-compatible routes (plus /health and /metrics); `extra_models`: the request
+    bodies of routes the caller adds, for the OpenAPI schema."""
     api = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    install_openapi(api, [CompletionRequest, ChatCompletionRequest])
+    install_openapi(api, [CompletionRequest, ChatCompletionRequest, *extra_models])
 
     @api.exception_handler(OpenAIError)
     async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:

@@ -1,11 +1,12 @@
 """The application's entry: `OpenAIIngress`, in front of the engine deployment.
 
-Every way in lands here: OpenAI HTTP (a FastAPI ingress) and gRPC (`GrpcMethods`, which Serve's
-gRPC proxy routes to by RPC name). The ingress authenticates, validates, and admits each request
-through the one `FrontEnd.submit` (rendered and tokenized once, with the engines' own tokenizer
-and cache keys fetched from an engine replica at start, its blocks hashed once), which calls the
-engine deployment through a handle (`RoutedEngineClient`), so `PrefixAwareRouter` sends it to
-the replica holding the longest prefix. Ingress and engine replicas scale
+Every way in lands here: HTTP (a FastAPI ingress: OpenAI's completions, chat and Responses,
+Anthropic's Messages and the tokenizer routes, `api_surface`) and gRPC (`GrpcMethods`, which
+Serve's gRPC proxy routes to by RPC name). The ingress authenticates, validates, and admits each
+request through the one `FrontEnd.submit` (rendered and tokenized once, with the engines' own
+tokenizer and cache keys fetched from an engine replica at start, its blocks hashed once), which
+calls the engine deployment through a handle (`RoutedEngineClient`), so `PrefixAwareRouter`
+sends it to the replica holding the longest prefix. Ingress and engine replicas scale
 independently; the engines never tokenize.
 
 Invariants:
@@ -41,6 +42,7 @@ from ray import serve
 from cluster.engine.client import EngineClient
 from cluster.engine.generate_request import RequestBuilder
 from cluster.engine.tokenization import PromptRenderer
+from cluster.serving.api_surface import build_serving_api
 from cluster.serving.app_args import ServeAppArgs
 from cluster.serving.directory_metrics import render_directory
 from cluster.serving.drain import DrainGate, DrainingClient
@@ -49,7 +51,6 @@ from cluster.serving.engine_server import EngineDescription
 from cluster.serving.error_map import grpc_abort
 from cluster.serving.frontend import FrontEnd
 from cluster.serving.grpc_service import GenerationRpc, GrpcMethods, cache_stats
-from cluster.serving.http_api import build_http_api
 from cluster.serving.kv_directory import DirectoryClient, directory_handle
 from cluster.serving.lora_admin import AdapterService
 from cluster.serving.lora_registry import registry_handle
@@ -160,7 +161,7 @@ class OpenAIIngress(GrpcMethods):
         return (await self.prometheus_text())[1]
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_http_api(self)
+        return build_serving_api(self)
 
     async def engine_problem(self) -> str | None:
         """Why the engines cannot serve now (or this server is shutting down), as one engine
