@@ -11,6 +11,7 @@ Invariants: it only ever talks to the server it started; after `terminate` the g
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -109,10 +110,8 @@ class UserServer:
         """SIGKILL whatever is left of the process group."""
         if self.process is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         if self.process.poll() is None:
             self.process.wait(30)
 
