@@ -54,10 +54,9 @@ def adapters_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def examples_workdir(
-    tmp_path_factory: pytest.TempPathFactory, adapters_dir: pathlib.Path
-) -> pathlib.Path:
-    """The current directory of the doc examples: the files of `DOC_FILES`, and `adapters/`."""
+def examples_workdir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The current directory of the doc examples: the files of `DOC_FILES` (a test whose
+    examples name adapters links `adapters/` in)."""
     from cluster.serving.cli_serve import shipped_serve_config
 
     workdir = tmp_path_factory.mktemp("doc_examples")
@@ -65,7 +64,6 @@ def examples_workdir(
         (workdir / name).write_text(
             text if text is not None else shipped_serve_config().read_text()
         )
-    (workdir / "adapters").symlink_to(adapters_dir)
     return workdir
 
 

@@ -1,12 +1,14 @@
 """The code examples of README.md and docs/*.md, read from their fenced blocks, and how the suite
 runs them as a user would.
 
-A block is one fenced region (```` ```python ````, ```` ```bash ````, ...). `python` and `bash`
-blocks are examples: each runs, unless the line right before its fence is a visible marker
-`<!-- not-run: why -->` (a GPU, a Kubernetes cluster, a second server). Other languages (YAML
-configs, diagrams, output shown as text) are not run. Examples that talk to a server name
-vLLM's and Serve's default ports, `localhost:8000` (HTTP) and `localhost:9000` (gRPC); the suite
-rewrites those to the one server its fixture started, and nothing else in the example.
+A block is one fenced region (```` ```python ````, ```` ```bash ````, ...). `python`, `bash`
+and `yaml` (a Serve application's config) blocks are examples: each runs, unless the line right
+before its fence is a visible marker `<!-- not-run: why -->` (a GPU, a Kubernetes cluster, a
+second server). Blocks with no language, `text` or `json` (diagrams, output, bodies shown) are
+not code; any other language is an error, so an example cannot hide behind a tag the suite does
+not know. Examples that talk to a server name vLLM's and Serve's default ports,
+`localhost:8000` (HTTP) and `localhost:9000` (gRPC); the suite rewrites those to the one server
+its fixture started, and nothing else in the example.
 
 Invariant: every block is found exactly once, in file order, with the 1-based line of its
 opening fence, so a failure names the place in the doc to fix.
@@ -20,7 +22,9 @@ import shlex
 from dataclasses import dataclass
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-RUNNABLE_LANGUAGES = frozenset({"python", "bash"})
+RUNNABLE_LANGUAGES = frozenset({"python", "bash", "yaml"})
+SHOWN_LANGUAGES = frozenset({"", "text", "json"})
+"""Blocks that show something (a diagram, output, a body) rather than do it."""
 NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(?P<reason>.+?)\s*-->$")
 FENCE = re.compile(r"^(?P<fence>```+)(?P<language>[\w+-]*)\s*$")
 HTTP_DEFAULT = "localhost:8000"

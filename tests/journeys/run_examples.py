@@ -5,7 +5,9 @@ earlier one defined, as a reader pasting them into one session would). A bash bl
 `curl` runs as it is written, made to fail on an HTTP error (`--fail-with-body`); `pagedserve
 generate` runs in process through the CLI's own `main`; `pagedserve serve` runs with
 `--print-config` (it parses and checks every flag, starts nothing; the live server is the
-fixture's). Any other command must be marked `<!-- not-run: ... -->` in the doc.
+fixture's). Any other command must be marked `<!-- not-run: ... -->` in the doc. A yaml block is
+a Serve application's entry (`args`, and `import_path` unless it is the shipped one): its
+builder builds it, which validates every field (the engine's too) and starts nothing.
 
 Loading SmolLM2 costs many seconds of CPU, so `KeptEngines` hands an example asking for an `LLM`
 with a config already loaded in this process that same engine (its `shutdown` waits for the
@@ -15,6 +17,7 @@ end of the session); each distinct config still loads once, through the real con
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import pathlib
 import subprocess
@@ -24,11 +27,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 import cluster.engine.llm
 import pagedserve
 from cluster.engine.config import EngineConfig
 from cluster.engine.llm import LLM, config_from_kwargs
 from cluster.serving import cli
+from cluster.serving.cli_serve import shipped_serve_config
 from tests.journeys.doc_examples import CodeBlock, for_server, shell_commands
 
 CURL_FAILS_ON_HTTP_ERRORS = ["--fail-with-body", "--silent", "--show-error", "--max-time", "120"]
@@ -111,6 +117,8 @@ class DocRunner:
         ):
             if block.language == "python":
                 self._exec(block, code)
+            elif block.language == "yaml":
+                print(type(_build_app(block, code)).__name__)
             else:
                 for words in shell_commands(code):
                     self._run_command(block, words, out)
@@ -152,3 +160,12 @@ class DocRunner:
                 f"{block.where}: the suite cannot run {words[0]!r}: make the example one it can "
                 "run, or mark the block `<!-- not-run: why -->`"
             )
+
+
+def _build_app(block: CodeBlock, code: str) -> Any:
+    """The Serve application a yaml block describes, built by its `import_path`'s builder."""
+    entry = yaml.safe_load(code)
+    assert isinstance(entry, dict) and "args" in entry, f"{block.where}: no application `args`"
+    (shipped,) = yaml.safe_load(shipped_serve_config().read_text())["applications"]
+    module, name = entry.get("import_path", shipped["import_path"]).split(":")
+    return getattr(importlib.import_module(module), name)(entry["args"])

@@ -14,7 +14,7 @@ import pathlib
 
 import pytest
 
-from tests.journeys.doc_examples import all_blocks
+from tests.journeys.doc_examples import RUNNABLE_LANGUAGES, SHOWN_LANGUAGES, all_blocks
 from tests.journeys.run_examples import DocRunner, KeptEngines, ServerPorts
 from tests.journeys.user_server import UserServer
 
@@ -39,12 +39,20 @@ def _examples_by_doc() -> dict[str, list]:
 EXAMPLES = _examples_by_doc()
 
 
+def _marks(blocks: list) -> list:
+    """A doc's test needs the server if one of its examples does; it loads SmolLM2 if any
+    example is code (a yaml block only builds an application: no weights read)."""
+    if any(b.needs_server for b in blocks):
+        return SERVER_MARKS
+    return OFFLINE_MARKS if any(b.language != "yaml" for b in blocks) else []
+
+
 def _doc_params() -> list:
     return [
         pytest.param(
             doc,
             id=doc,
-            marks=SERVER_MARKS if any(b.needs_server for b in blocks) else OFFLINE_MARKS,
+            marks=_marks(blocks),
         )
         for doc, blocks in EXAMPLES.items()
     ]
@@ -57,8 +65,17 @@ def test_every_block_not_run_is_listed_with_its_reason() -> None:
         if block.not_run is not None
     }
     assert marked == NOT_RUN
-    unmarked_elsewhere = [b.where for b in all_blocks() if b.not_run and not b.is_example]
-    assert unmarked_elsewhere == [], "not-run markers belong on python or bash blocks only"
+    marked_elsewhere = [b.where for b in all_blocks() if b.not_run and not b.is_example]
+    assert marked_elsewhere == [], "not-run markers belong on examples only"
+
+
+def test_every_block_is_an_example_or_shown() -> None:
+    unknown = [
+        f"{b.where} ({b.language})"
+        for b in all_blocks()
+        if b.language not in RUNNABLE_LANGUAGES | SHOWN_LANGUAGES
+    ]
+    assert unknown == [], "tag examples python, bash or yaml; output text or json"
 
 
 def test_the_docs_have_examples_of_every_kind() -> None:
@@ -66,7 +83,7 @@ def test_the_docs_have_examples_of_every_kind() -> None:
     readme = [b.language for b in EXAMPLES["README.md"]]
     assert readme == ["python", "python", "python"]
     assert any("curl" in b.code for b in EXAMPLES["docs/serving.md"])
-    assert all(b.language in {"python", "bash"} for blocks in EXAMPLES.values() for b in blocks)
+    assert any(b.language == "yaml" for b in EXAMPLES["docs/pd.md"])
 
 
 @pytest.mark.parametrize("doc", _doc_params())
@@ -75,15 +92,17 @@ def test_the_doc_examples_run(
     request: pytest.FixtureRequest,
     kept_engines: KeptEngines,
     examples_workdir: pathlib.Path,
-    adapters_dir: pathlib.Path,
 ) -> None:
     blocks = EXAMPLES[doc]
+    adapters = examples_workdir / "adapters"
+    if any("adapters/" in b.code for b in blocks) and not adapters.exists():
+        adapters.symlink_to(request.getfixturevalue("adapters_dir"))
     server = None
     if any(b.needs_server for b in blocks):
         live: UserServer = request.getfixturevalue("live_server")
         server = ServerPorts(live.http_port, live.grpc_port)
-    runner = DocRunner(kept_engines, examples_workdir, adapters_dir, server)
+    runner = DocRunner(kept_engines, examples_workdir, adapters, server)
     for block in blocks:
         printed = runner.run(block)
-        if "print(" in block.code or block.language == "bash":
+        if "print(" in block.code or block.language != "python":
             assert printed.strip(), f"{block.where} printed nothing"
