@@ -78,7 +78,8 @@ def kept_engines() -> Iterator[KeptEngines]:
 def user_server(
     tmp_path_factory: pytest.TempPathFactory, adapters_dir: pathlib.Path
 ) -> Iterator[UserServer]:
-    """`pagedserve serve` as `make serve` runs it, plus its ports and the LoRA flags."""
+    """`pagedserve serve` as `make serve` runs it, plus its ports and the LoRA flags: launched,
+    not yet ready (`live_server` waits for it)."""
     server = UserServer(
         tmp_path_factory.mktemp("user_server"),
         extra_args=[
@@ -87,7 +88,7 @@ def user_server(
             "--allow-runtime-lora-updating",
         ],
     )
-    server.start()
+    server.launch()
     try:
         yield server
     finally:
@@ -96,7 +97,8 @@ def user_server(
 
 @pytest.fixture
 def live_server(user_server: UserServer) -> UserServer:
-    """The shared server, for a test that needs it still up."""
+    """The shared server once it serves, for a test that needs it still up."""
     if user_server.stopped:
         pytest.fail("the shared server was already stopped: the stop journey must run last")
+    user_server.wait_ready()
     return user_server

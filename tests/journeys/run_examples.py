@@ -23,7 +23,7 @@ import pathlib
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,8 @@ class KeptEngines:
 class ServerPorts:
     http: int
     grpc: int
+    wait_ready: Callable[[], None]
+    """Called before each example that talks to it (the first waits for the start-up)."""
 
 
 @dataclass
@@ -137,6 +139,8 @@ class DocRunner:
         if self.server is None:
             assert not block.needs_server, f"{block.where} needs the journeys server"
             return code
+        if block.needs_server:
+            self.server.wait_ready()
         return for_server(code, self.server.http, self.server.grpc)
 
     def _run_command(self, block: CodeBlock, words: list[str], out: io.StringIO) -> None:

@@ -99,8 +99,10 @@ def test_the_doc_examples_run(
         adapters.symlink_to(request.getfixturevalue("adapters_dir"))
     server = None
     if any(b.needs_server for b in blocks):
-        live: UserServer = request.getfixturevalue("live_server")
-        server = ServerPorts(live.http_port, live.grpc_port)
+        # launched now, waited for by the first example that talks to it
+        launched: UserServer = request.getfixturevalue("user_server")
+        assert not launched.stopped, "the stop journey must run last"
+        server = ServerPorts(launched.http_port, launched.grpc_port, launched.wait_ready)
     runner = DocRunner(kept_engines, examples_workdir, adapters, server)
     for block in blocks:
         printed = runner.run(block)

@@ -64,7 +64,10 @@ def _greedy_chat(client: openai.OpenAI, model: str = MODEL, **extra: Any) -> Any
 # --- the README's three examples ------------------------------------------------------------
 
 
-def test_readme_offline_llm_knows_the_capital(kept_engines: KeptEngines) -> None:
+def test_readme_offline_llm_knows_the_capital(
+    kept_engines: KeptEngines, user_server: UserServer
+) -> None:
+    """In process, while the shared server (launched by asking for it) starts up."""
     from pagedserve import SamplingParams
 
     llm = kept_engines.llm()  # what `LLM()` loads: SmolLM2-135M-Instruct in process

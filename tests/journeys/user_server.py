@@ -45,6 +45,8 @@ class UserServer:
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    start_timeout_s: float = 300.0
+    deadline: float = 0.0
     stopped: bool = False
     """Set once a test stopped it: a later test asking for it fails rather than hangs."""
 
@@ -60,8 +62,9 @@ class UserServer:
     def log_path(self) -> pathlib.Path:
         return self.workdir / "serve.log"
 
-    def start(self, timeout_s: float = 300.0) -> None:
-        ready = self.workdir / "ready"
+    def launch(self) -> None:
+        """Starts the process and returns at once (`wait_ready` waits for it to serve), so a
+        test can use the start-up's minute for in-process work."""
         command = [
             pagedserve_script(),
             "serve",
@@ -70,7 +73,7 @@ class UserServer:
             "--grpc-port",
             str(self.grpc_port),
             "--ready-file",
-            str(ready),
+            str(self.workdir / "ready"),
             *self.extra_args,
         ]
         env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
@@ -78,9 +81,13 @@ class UserServer:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        deadline = time.monotonic() + timeout_s
-        while not (ready.exists() and self._healthy()):
-            if self.process.poll() is not None or time.monotonic() > deadline:
+        self.deadline = time.monotonic() + self.start_timeout_s
+
+    def wait_ready(self) -> None:
+        """Returns once the ready file is written and /health answers 200."""
+        assert self.process is not None
+        while not ((self.workdir / "ready").exists() and self._healthy()):
+            if self.process.poll() is not None or time.monotonic() > self.deadline:
                 self.kill()
                 raise RuntimeError(f"`pagedserve serve` did not come up; log:\n{self.log_tail()}")
             time.sleep(0.5)
