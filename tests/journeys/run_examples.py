@@ -106,25 +106,25 @@ class DocRunner:
     module: types.ModuleType = field(default_factory=lambda: types.ModuleType("doc_example"))
     """The doc's python blocks run as this module's code (pydantic, dataclasses and the like
     look up names through `sys.modules[cls.__module__]`, as they do in a user's script)."""
-    transcript: list[str] = field(default_factory=list)
-    """What each example printed, by block: the test's evidence of what a reader sees."""
 
     def run(self, block: CodeBlock) -> str:
         code = self._as_served(block)
         out = io.StringIO()
-        with (
-            contextlib.chdir(self.workdir),
-            self.engines.standing_in(),
-            contextlib.redirect_stdout(out),
-        ):
-            if block.language == "python":
-                self._exec(block, code)
-            elif block.language == "yaml":
-                print(type(_build_app(block, code)).__name__)
-            else:
-                for words in shell_commands(code):
-                    self._run_command(block, words, out)
-        self.transcript.append(f"--- {block.where}\n{out.getvalue()}")
+        try:
+            with (
+                contextlib.chdir(self.workdir),
+                self.engines.standing_in(),
+                contextlib.redirect_stdout(out),
+            ):
+                if block.language == "python":
+                    self._exec(block, code)
+                elif block.language == "yaml":
+                    print(type(_build_app(block, code)).__name__)
+                else:
+                    for words in shell_commands(code):
+                        self._run_command(block, words, out)
+        finally:  # what the reader would have seen, in the test's captured output
+            print(f"--- {block.where}\n{out.getvalue()}")
         return out.getvalue()
 
     def _exec(self, block: CodeBlock, code: str) -> None:
