@@ -23,7 +23,7 @@ from cluster.engine.cache_keys import CacheKeyFactory, RequestKeys
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
 from cluster.engine.engine_lora import EngineAdapters
-from cluster.engine.errors import ConfigError, RequestRejected
+from cluster.engine.errors import ConfigError, PriorityNotEnabled, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.grammar_backend import CompiledConstraint, GrammarCompilerCache
 from cluster.engine.handoff import check_handoff, hand_off, resume_request
@@ -153,6 +153,11 @@ class EngineCore:
         request_id = generate.request_id if generate.request_id is not None else f"req-{arrival}"
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        if generate.priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise PriorityNotEnabled(
+                f"priority ({generate.priority}) is only supported with --scheduling-policy "
+                "priority; this engine schedules fcfs (arrival order)"
+            )
         check_queue(len(self.scheduler.waiting), self.config.scheduler, self.queue_wait)
         params = generate.params
         ids = generate.token_ids
@@ -201,6 +206,7 @@ class EngineCore:
             adapter_digest=digest,
             prefill_only=generate.prefill_only,
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
+            priority=generate.priority,
         )
         resume_request(request, generate.resume, self.limits)
         for branch in request.branches:  # what a range layout reserves at admission

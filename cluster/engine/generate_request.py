@@ -56,6 +56,9 @@ class GenerateRequest:
     resume: tuple[SampledToken, ...] = ()
     """Tokens another engine already sampled for it: generation goes on after them
     (`cluster.engine.handoff`)."""
+    priority: int = 0
+    """vLLM's request priority: lower runs first (ties by arrival). Only an engine with
+    `scheduler.scheduling_policy: priority` takes a non-zero one."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -118,6 +121,7 @@ class RequestBuilder:
         adapter: str | None = None,
         shared_prefix_tokens: int | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        priority: int = 0,
     ) -> GenerateRequest:
         """Renders `prompt` once, keeping only its last `params.truncate_prompt_tokens` tokens
         when that is set (the prompt text stays as given). Raises RequestRejected for a prompt
@@ -125,7 +129,7 @@ class RequestBuilder:
 
         `shared_prefix_tokens` None derives it from the operator's shared prefixes; an explicit
         value is passed through (the engine checks it against the prompt's length). `tools` go
-        to the chat template."""
+        to the chat template; `priority` is the request's scheduling priority."""
         rendered = self.renderer.render(prompt, chat_template=chat_template, tools=tools)
         keep = params.truncate_prompt_tokens
         if keep is not None and 0 < keep < len(rendered.token_ids):
@@ -139,6 +143,7 @@ class RequestBuilder:
             tenant_salt=tenant_salt,
             adapter=adapter,
             shared_prefix_tokens=shared_prefix_tokens,
+            priority=priority,
         )
 
     def shared_tokens(self, token_ids: Sequence[int]) -> int:

@@ -97,6 +97,14 @@ class Request:
     None: nothing predicts it), filled in position order as the prompt's chunks run."""
     prompt_logprobs_sent: bool = False
     """The complete prompt logprobs went out in a delta (they travel once)."""
+    priority: int = 0
+    """Scheduling priority (lower runs first); 0 for every request under `fcfs`."""
+
+    @property
+    def queue_order(self) -> tuple[int, int]:
+        """Where the request stands in every scheduler queue: by priority, then arrival (under
+        `fcfs` every priority is 0, so arrival order alone)."""
+        return (self.priority, self.arrival_index)
 
     def record_prompt_logprobs(self, first_position: int, entries: Sequence[SampledToken]) -> None:
         """Records the log-probabilities of the prompt tokens at `first_position`, ... (a

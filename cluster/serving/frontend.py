@@ -105,6 +105,7 @@ class FrontEnd:
         adapter: str | None = None,
         chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        priority: int = 0,
     ) -> GenerateRequest:
         """Renders `prompt` once into a request for the base model or the LoRA `adapter` (a name
         the front end resolved), with its block-hash chain when the front end routes. Raises
@@ -118,6 +119,7 @@ class FrontEnd:
             adapter=adapter,
             chat_template=chat_template,
             tools=tools,
+            priority=priority,
         )
         overflow = context_overflow(
             request.num_prompt_tokens, params.max_tokens, self.max_model_len, what
@@ -150,10 +152,12 @@ class FrontEnd:
         tenant_salt: bytes | None,
         what: str = "prompt",
         render: Mapping[str, Any] | None = None,
+        priority: int = 0,
     ) -> Submission:
         """The one admission path: resolve `model`, prepare every prompt off the loop, start one
         engine stream per prompt (ids `request_id`, or `request_id-i` for several) and wait for
-        each first delta. `render`: `chat_template` / `tools` for the chat renderer. Raises
+        each first delta. `render`: `chat_template` / `tools` for the chat renderer;
+        `priority`: the scheduling priority of every prompt's request. Raises
         what the module doc lists; closing a returned stream aborts its request."""
         adapter = await self.adapters.resolve(model)
         requests = [
@@ -165,6 +169,7 @@ class FrontEnd:
                 tenant_salt=tenant_salt,
                 what=what,
                 adapter=adapter,
+                priority=priority,
                 **(render or {}),
             )
             for i, prompt in enumerate(prompts)

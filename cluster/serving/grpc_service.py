@@ -221,6 +221,7 @@ class GenerationRpc:
                 request_id=request_id,
                 tenant_salt=tenant_salt,
                 render=checked.render,
+                priority=checked.priority,
             )
             (stream,) = submission.streams
             async with contextlib.aclosing(stream):

@@ -214,12 +214,14 @@ def _validated(model: type[RequestT], fields: dict[str, Any]) -> RequestT:
 @dataclass(frozen=True)
 class ValidatedGenerate:
     """A `GenerateRequest` after the HTTP checks: the prompt, the engine's parameters, the tool
-    plan (None: no tools) and how to render the chat (`chat_template`, `tools`)."""
+    plan (None: no tools), how to render the chat (`chat_template`, `tools`) and the
+    scheduling priority."""
 
     prompt: PromptInput
     params: SamplingParams
     tools: ToolPlan | None = None
     render: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
 
 
 def validated_generate(request: pb.GenerateRequest) -> tuple[PromptInput, SamplingParams]:
@@ -236,6 +238,7 @@ def validate_generate(
     (`tool_settings`: the server's flags; `model_template`: the model's chat template)."""
     kind = request.WhichOneof("prompt")
     fields = sampling_fields(request.sampling, chat=kind == "chat")
+    fields["priority"] = request.priority
     fields.update(structured_outputs_fields(request))
     extra = tool_fields(request)
     if extra and kind != "chat":
@@ -273,4 +276,4 @@ def validate_generate(
         params = SamplingParams(**kwargs)
     except ValueError as error:
         raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {error}") from None
-    return ValidatedGenerate(prompt, params, plan, render)
+    return ValidatedGenerate(prompt, params, plan, render, parsed.priority)

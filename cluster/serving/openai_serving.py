@@ -206,10 +206,12 @@ class OpenAIServing:
         salt: bytes | None,
         meta: ResponseMeta | None,
         render: Mapping[str, Any] | None = None,
+        priority: int = 0,
     ) -> Submission:
         """`FrontEnd.submit`, its refusals raised as `OpenAIError` before any byte is sent;
         `meta` learns which engine replica served the first prompt; `render` holds
-        `chat_template` / `tools` for the chat renderer."""
+        `chat_template` / `tools` for the chat renderer; `priority` the request's scheduling
+        priority."""
         param = "prompt" if isinstance(prompts[0], str | Mapping) else "messages"
         try:
             submission = await self.frontend.submit(
@@ -220,6 +222,7 @@ class OpenAIServing:
                 tenant_salt=salt,
                 what=param,
                 render=render,
+                priority=priority,
             )
         except ANSWERED as error:
             raise http_error(error, param) from None
@@ -284,7 +287,9 @@ class OpenAIServing:
         params = sampling_params(request.sampling_kwargs())
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
-        submission = await self.submit(request.model, prompts, params, rid, salt, meta)
+        submission = await self.submit(
+            request.model, prompts, params, rid, salt, meta, priority=request.priority
+        )
         finals = await self.finals(submission.streams)
         choices = []
         for i, final in enumerate(finals):
@@ -322,7 +327,9 @@ class OpenAIServing:
         params = sampling_params(request.sampling_kwargs())
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
-        submission = await self.submit(request.model, prompts, params, rid, salt, meta)
+        submission = await self.submit(
+            request.model, prompts, params, rid, salt, meta, priority=request.priority
+        )
         encoder = CompletionChunks(self, rid, submission.adapter or self.model, params.n)
         return self.events(submission.streams, encoder, request.include_usage)
 
@@ -334,7 +341,9 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         render = self.chat_render(request, plan)
         prompts = [request.chat_messages()]
-        submission = await self.submit(request.model, prompts, params, rid, salt, meta, render)
+        submission = await self.submit(
+            request.model, prompts, params, rid, salt, meta, render, request.priority
+        )
         (final,) = await self.finals(submission.streams)
         choices = []
         for output in final.outputs:
@@ -368,7 +377,9 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         render = self.chat_render(request, plan)
         prompts = [request.chat_messages()]
-        submission = await self.submit(request.model, prompts, params, rid, salt, meta, render)
+        submission = await self.submit(
+            request.model, prompts, params, rid, salt, meta, render, request.priority
+        )
         tool_stream = None if plan is None else plan.stream()
         encoder = ChatChunks(self, rid, submission.adapter or self.model, tool_stream)
         return self.events(submission.streams, encoder, request.include_usage)
