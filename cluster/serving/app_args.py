@@ -149,6 +149,11 @@ class ServeAppArgs(BaseModel):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None, description="vLLM's --tool-call-parser: how the model writes tool calls"
     )
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None,
+        description="vLLM's --reasoning-parser: the chat answer's thinking span goes to "
+        "reasoning_content (cluster.serving.reasoning_parsers)",
+    )
 
     directory: DirectoryArgs = Field(default_factory=DirectoryArgs)
     kv_transfer: KVTransferArgs = Field(default_factory=KVTransferArgs)

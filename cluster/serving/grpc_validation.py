@@ -177,6 +177,20 @@ def tool_fields(request: pb.GenerateRequest) -> dict[str, Any]:
     return fields
 
 
+def template_kwargs_fields(request: pb.GenerateRequest) -> dict[str, Any]:
+    """HTTP's `chat_template_kwargs` from `chat_template_kwargs_json` (none when empty)."""
+    if not request.chat_template_kwargs_json:
+        return {}
+    try:
+        kwargs = json.loads(request.chat_template_kwargs_json)
+    except json.JSONDecodeError as error:
+        raise GrpcAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"chat_template_kwargs_json is not valid JSON: {error}",
+        ) from None
+    return {"chat_template_kwargs": kwargs}
+
+
 def chat_request(chat: pb.ChatMessages, fields: dict[str, Any]) -> ChatCompletionRequest:
     """Chat messages (and sampling `fields`) as a validated `ChatCompletionRequest`."""
     messages = []
@@ -240,9 +254,12 @@ def validate_generate(
     fields = sampling_fields(request.sampling, chat=kind == "chat")
     fields["priority"] = request.priority
     fields.update(structured_outputs_fields(request))
-    extra = tool_fields(request)
+    extra = tool_fields(request) | template_kwargs_fields(request)
     if extra and kind != "chat":
-        raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "tools need a chat prompt (prompt.chat)")
+        raise GrpcAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{', '.join(extra)} need a chat prompt (prompt.chat)",
+        )
     fields.update(extra)
     prompt: PromptInput
     parsed: CompletionRequest | ChatCompletionRequest
@@ -269,6 +286,8 @@ def validate_generate(
         except OpenAIError as error:
             raise invalid_argument(error) from None
         render = render_options(plan, parsed.messages, model_template)
+        if parsed.chat_template_kwargs:
+            render["chat_template_kwargs"] = parsed.chat_template_kwargs
     kwargs = parsed.sampling_kwargs()
     if plan is not None and plan.constraint() is not None:
         kwargs["structured_outputs"] = plan.constraint()

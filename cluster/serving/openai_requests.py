@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, TypedDict, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 
 from cluster.engine.structured_outputs import StructuredOutputsParams
+from cluster.engine.tokenization import RENDER_OWN
 from cluster.serving.openai_protocol import invalid_request, parse_object
 from cluster.serving.structured_fields import (
     FieldError,
@@ -326,12 +327,21 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDef] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: extra variables for the chat template (e.g. `{"enable_thinking": false}` for
+    Qwen3); none may be one the renderer sets itself (`tokenization.RENDER_OWN`)."""
 
     def check_supported(self) -> None:
         """Raise a 400 for a valid request this server cannot honour."""
         self._check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        for key in self.chat_template_kwargs or {}:
+            if key in RENDER_OWN:
+                raise invalid_request(
+                    f"chat_template_kwargs cannot set {key!r}: the server sets it",
+                    f"chat_template_kwargs.{key}",
+                )
         for i, message in enumerate(self.messages):
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
                 if part.type != "text" or part.text is None:
