@@ -73,7 +73,7 @@ def test_the_span_is_free_and_the_answer_constrained(thinker: LLM) -> None:
 
 
 def test_undecided_lets_the_first_token_open_a_span(thinker: LLM) -> None:
-    start, end = tag_ids(thinker)
+    start, _ = tag_ids(thinker)
     gate, grammar = choice_gate(thinker, "undecided")
     masks = gate.bitmasks()
     expected = grammar.bitmasks()
