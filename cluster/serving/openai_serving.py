@@ -178,12 +178,33 @@ class OpenAIServing:
         self.tools = tools or ToolSettings()
         self.reasoning = reasoning
 
-    def chat_render(self, request: ChatCompletionRequest, plan: ToolPlan | None) -> dict[str, Any]:
+    async def submit_chat(
+        self,
+        request: ChatCompletionRequest,
+        plan: ToolPlan | None,
+        params: SamplingParams,
+        rid: str,
+        salt: bytes | None,
+        meta: ResponseMeta | None,
+    ) -> Submission:
+        """A chat's one submission: rendered with its tools and `chat_template_kwargs`, the
+        reasoning parser's tags attached (a constraint waits for the thinking span's end)."""
         model_template = self.frontend.renderer.tokenizer.chat_template
         render = render_options(plan, request.messages, model_template)
         if request.chat_template_kwargs:
             render["chat_template_kwargs"] = request.chat_template_kwargs
-        return render
+        prompts = [request.chat_messages()]
+        return await self.submit(
+            request.model,
+            prompts,
+            params,
+            rid,
+            salt,
+            meta,
+            render,
+            request.priority,
+            self.reasoning,
+        )
 
     def assistant_message(
         self, output: CompletionOutput, plan: ToolPlan | None, prompt_token_ids: list[int]
@@ -354,19 +375,7 @@ class OpenAIServing:
         plan = await self.frontend.off_loop(request.tool_plan, self.tools)
         params = sampling_params(request.sampling_kwargs(), plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        render = self.chat_render(request, plan)
-        prompts = [request.chat_messages()]
-        submission = await self.submit(
-            request.model,
-            prompts,
-            params,
-            rid,
-            salt,
-            meta,
-            render,
-            request.priority,
-            self.reasoning,
-        )
+        submission = await self.submit_chat(request, plan, params, rid, salt, meta)
         (final,) = await self.finals(submission.streams)
         choices = []
         for output in final.outputs:
@@ -398,19 +407,7 @@ class OpenAIServing:
         plan = await self.frontend.off_loop(request.tool_plan, self.tools)
         params = sampling_params(request.sampling_kwargs(), plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        render = self.chat_render(request, plan)
-        prompts = [request.chat_messages()]
-        submission = await self.submit(
-            request.model,
-            prompts,
-            params,
-            rid,
-            salt,
-            meta,
-            render,
-            request.priority,
-            self.reasoning,
-        )
+        submission = await self.submit_chat(request, plan, params, rid, salt, meta)
         tool_stream = None if plan is None else plan.stream()
         reasoning = ReasoningStream(self.reasoning, self.decode)
         encoder = ChatChunks(self, rid, submission.adapter or self.model, tool_stream, reasoning)
