@@ -159,7 +159,9 @@ class EngineCore:
                 f"priority ({generate.priority}) is only supported with --scheduling-policy "
                 "priority; this engine schedules fcfs (arrival order)"
             )
-        check_queue(len(self.scheduler.waiting), self.config.scheduler, self.queue_wait)
+        scheduler = self.scheduler
+        ahead = scheduler.num_waiting_ahead(generate.priority)
+        check_queue(len(scheduler.waiting), self.config.scheduler, self.queue_wait, ahead)
         params = generate.params
         ids = generate.token_ids
         digest = self.adapters.digest_for(generate.adapter)

@@ -83,6 +83,10 @@ class Scheduler:
         """A copy of the speculator's counters (None: speculative decoding off)."""
         return None if self.speculator is None else self.speculator.counters.copy()
 
+    def num_waiting_ahead(self, priority: int) -> int:
+        """Waiting requests that start before a new one of `priority` (all under fcfs)."""
+        return sum(1 for request in self.waiting if request.priority <= priority)
+
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
