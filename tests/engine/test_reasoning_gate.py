@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from cluster.engine.engine_core import EngineCore
-from cluster.engine.grammar_backend import GrammarCompilerCache
 from cluster.engine.llm import LLM
 from cluster.engine.reasoning import ThinkingGrammar, ThinkingTags, ThinkingTokens
 from cluster.engine.sampling_params import SamplingParams
@@ -37,16 +36,17 @@ def tag_ids(llm: LLM) -> tuple[int, int]:
     return start, end
 
 
-def choice_gate(llm: LLM, opening: str) -> tuple[ThinkingGrammar, Any]:
+@pytest.fixture(scope="module")
+def compiled_choice(thinker: LLM) -> Any:
+    """The `choice` constraint compiled for the thinker's vocabulary (the engine's cache)."""
+    return thinker.engine.grammars.compile(StructuredOutputsParams(choice=CHOICES).spec)
+
+
+def choice_gate(llm: LLM, compiled: Any, opening: str) -> tuple[ThinkingGrammar, Any]:
     """A gate over a fresh `choice` matcher, and a second matcher to read the grammar's masks."""
-    engine = llm.engine
-    cache = GrammarCompilerCache(
-        engine.tokenizer, engine.renderer.vocab_size, [2], engine.renderer.digest
-    )
-    compiled = cache.compile(StructuredOutputsParams(choice=CHOICES).spec)
     start, end = tag_ids(llm)
-    gate = ThinkingGrammar(compiled.new_matcher(), ThinkingTokens(start, end, opening))  # type: ignore[arg-type]
-    return gate, compiled.new_matcher()
+    tokens = ThinkingTokens(start, end, opening)  # type: ignore[arg-type]
+    return ThinkingGrammar(compiled.new_matcher(), tokens), compiled.new_matcher()
 
 
 def allowed(masks: Any, token: int) -> bool:
@@ -54,10 +54,10 @@ def allowed(masks: Any, token: int) -> bool:
     return bool((int(masks[0, word]) >> bit) & 1)
 
 
-def test_the_span_is_free_and_the_answer_constrained(thinker: LLM) -> None:
+def test_the_span_is_free_and_the_answer_constrained(thinker: LLM, compiled_choice: Any) -> None:
     start, end = tag_ids(thinker)
     free_token = thinker.get_tokenizer().encode(" divide", add_special_tokens=False)[0]
-    gate, grammar = choice_gate(thinker, "thinking")
+    gate, grammar = choice_gate(thinker, compiled_choice, "thinking")
     assert gate.bitmasks() is None  # thinking: no mask
     assert gate.accept(free_token) and gate.accept(start)  # anything while thinking
     assert gate.valid_drafts([free_token, end, free_token]) == 1  # drafts stop at the end tag
@@ -67,14 +67,16 @@ def test_the_span_is_free_and_the_answer_constrained(thinker: LLM) -> None:
     assert not allowed(masks, free_token) and not gate.accept(free_token)
     yes = thinker.get_tokenizer().encode("yes", add_special_tokens=False)
     assert all(gate.accept(token) for token in yes)
-    replayed, _ = choice_gate(thinker, "thinking")  # recompute: the state from the tokens
+    replayed, _ = choice_gate(
+        thinker, compiled_choice, "thinking"
+    )  # recompute: the state from the tokens
     replayed.sync([free_token, start, end, *yes])
     assert (replayed.bitmasks() == gate.bitmasks()).all()
 
 
-def test_undecided_lets_the_first_token_open_a_span(thinker: LLM) -> None:
+def test_undecided_lets_the_first_token_open_a_span(thinker: LLM, compiled_choice: Any) -> None:
     start, _ = tag_ids(thinker)
-    gate, grammar = choice_gate(thinker, "undecided")
+    gate, grammar = choice_gate(thinker, compiled_choice, "undecided")
     masks = gate.bitmasks()
     expected = grammar.bitmasks()
     assert masks is not None and allowed(masks, start) and not allowed(expected, start)
@@ -82,7 +84,7 @@ def test_undecided_lets_the_first_token_open_a_span(thinker: LLM) -> None:
         allowed(expected, t) for t in range(masks.shape[1] * 32) if t != start
     ]
     assert gate.accept(start) and gate.bitmasks() is None
-    answering, _ = choice_gate(thinker, "undecided")
+    answering, _ = choice_gate(thinker, compiled_choice, "undecided")
     (y,) = thinker.get_tokenizer().encode("y", add_special_tokens=False)[:1]
     assert answering.accept(y) and not allowed(answering.bitmasks(), start)
 

@@ -63,6 +63,34 @@ async def streamed(client: Any, **body: Any) -> tuple[str, str]:
     return reasoning, content
 
 
+async def refuses_bad_template_kwargs(ingress: Any, http: Any) -> None:
+    """Both front ends refuse `chat_template_kwargs` that set the renderer's own variables, or
+    that are not an object, naming the field."""
+    base = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
+    for kwargs, param in (
+        ({"messages": []}, "chat_template_kwargs.messages"),
+        ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+        ("enable_thinking", "chat_template_kwargs"),
+    ):
+        answer = await http.post(
+            "/v1/chat/completions", json=base | {"chat_template_kwargs": kwargs}
+        )
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == param
+    rpc = GenerationRpc(ingress.frontend)
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")])
+    for request in (
+        pb.GenerateRequest(chat=chat, chat_template_kwargs_json='{"tools": 1}'),
+        pb.GenerateRequest(chat=chat, chat_template_kwargs_json="{not json"),
+        pb.GenerateRequest(text="Hi", chat_template_kwargs_json="{}x"),
+    ):
+        with pytest.raises(GrpcAbort) as caught:
+            async for _ in rpc.generate(request, request_id="b", tenant_salt=None):
+                pass
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "chat_template_kwargs" in caught.value.details
+
+
 def test_http_and_grpc_split_the_span_off_the_answer(tiny_thinker_dir: pathlib.Path) -> None:
     async def body() -> None:
         async with front_end(thinker_args(tiny_thinker_dir, "deepseek_r1")) as (ing, http, cl):
@@ -108,7 +136,7 @@ def test_enable_thinking_reaches_the_template_and_qwen3_answers_plainly(
 ) -> None:
     """Qwen3's parser: with `enable_thinking: false` the template closes the span in the
     prompt, so the whole answer is content (the raw text of that very prompt); without it the
-    output does not open a span either, so again no reasoning field."""
+    output does not open a span either, so again no reasoning field. Bad kwargs are refused."""
 
     async def body() -> None:
         async with front_end(thinker_args(tiny_thinker_dir, "qwen3")) as (ing, http, client):
@@ -138,37 +166,6 @@ def test_enable_thinking_reaches_the_template_and_qwen3_answers_plainly(
                 texts.extend(choice.text for choice in response.choices)
                 assert not any(choice.reasoning_text for choice in response.choices)
             assert "".join(texts) == raw_closed
-
-    asyncio.run(body())
-
-
-def test_bad_chat_template_kwargs_are_refused_by_both_front_ends(
-    tiny_thinker_dir: pathlib.Path,
-) -> None:
-    async def body() -> None:
-        async with front_end(thinker_args(tiny_thinker_dir, "qwen3")) as (ing, http, _):
-            base = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
-            for kwargs, param in (
-                ({"messages": []}, "chat_template_kwargs.messages"),
-                ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
-                ("enable_thinking", "chat_template_kwargs"),
-            ):
-                answer = await http.post(
-                    "/v1/chat/completions", json=base | {"chat_template_kwargs": kwargs}
-                )
-                assert answer.status_code == 400, answer.text
-                assert answer.json()["error"]["param"] == param
-            rpc = GenerationRpc(ing.frontend)
-            chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")])
-            for request in (
-                pb.GenerateRequest(chat=chat, chat_template_kwargs_json='{"tools": 1}'),
-                pb.GenerateRequest(chat=chat, chat_template_kwargs_json="{not json"),
-                pb.GenerateRequest(text="Hi", chat_template_kwargs_json="{}x"),
-            ):
-                with pytest.raises(GrpcAbort) as caught:
-                    async for _ in rpc.generate(request, request_id="b", tenant_salt=None):
-                        pass
-                assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
-                assert "chat_template_kwargs" in caught.value.details
+            await refuses_bad_template_kwargs(ing, http)
 
     asyncio.run(body())
