@@ -33,6 +33,7 @@ from cluster.serving.lora_admin import AdapterService
 from cluster.serving.lora_routes import BaseModelFacts
 from cluster.serving.openai_serving import OpenAIServing
 from cluster.serving.prometheus import render_prometheus
+from cluster.serving.reasoning_parsers import reasoning_tags
 from cluster.serving.tenancy import Tenancy
 from cluster.serving.tool_calls import ToolSettings
 
@@ -67,7 +68,8 @@ class LocalIngress:
             builder, info.max_model_len, StreamingEngine(engine, args), self.adapters
         )
         tools = ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser)
-        self.openai = OpenAIServing(self.frontend, args.served_model_name, tools)
+        reasoning = reasoning_tags(args.reasoning_parser)
+        self.openai = OpenAIServing(self.frontend, args.served_model_name, tools, reasoning)
         self.created = int(time.time())
         model = args.engine_config().model.model
         self.base_model = BaseModelFacts(model, info.max_model_len, info.architecture)

@@ -74,6 +74,9 @@ BAD_SAMPLING: list[tuple[str, Any]] = [
     ("truncate_prompt_tokens", -2),
     ("prompt_logprobs", 21),
     ("prompt_logprobs", -1),
+    ("priority", "1"),
+    ("priority", 2**31),
+    ("priority", 3),  # the shipped server schedules fcfs: only 0 is taken
     ("min_tokens", 2),  # above the body's max_tokens (1)
     ("model", "gpt-4"),
     ("stop_token_ids", [-1]),
@@ -95,6 +98,8 @@ BAD_CHAT: list[tuple[str, Any]] = [
     ("messages", "hello"),
     ("top_logprobs", 3),
     ("tools", [{"type": "function"}]),
+    ("chat_template_kwargs", {"add_generation_prompt": False}),
+    ("chat_template_kwargs", "enable_thinking"),
 ]
 
 
@@ -174,6 +179,12 @@ BAD_PROTO: list[pb.GenerateRequest] = [
     pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])),
     pb.GenerateRequest(chat=pb.ChatMessages()),
     pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])),
+    pb.GenerateRequest(text="hi", priority=3),  # the shipped server schedules fcfs
+    pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")]),
+        chat_template_kwargs_json='{"messages": []}',
+    ),
+    pb.GenerateRequest(text="hi", chat_template_kwargs_json="{}"),
 ]
 BAD_PROTO_SAMPLING: list[dict[str, Any]] = [
     {"temperature": math.inf},

@@ -197,6 +197,15 @@ def tiny_hf(tiny_model_dir: pathlib.Path) -> Any:
 
 
 @pytest.fixture(scope="session")
+def tiny_thinker_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """An HF directory holding a seeded tiny random Qwen3 whose tokenizer has `<think>` and
+    `</think>` tokens and whose chat template takes `enable_thinking` (`tests/tiny_model.py`)."""
+    from tests.tiny_model import make_tiny_qwen3_thinker
+
+    return make_tiny_qwen3_thinker(tmp_path_factory.mktemp("tiny_thinker"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf() -> Any:
     """HF transformers' float32 SmolLM2-135M-Instruct from the default model's GGUF file: the
     oracle of every SmolLM2 parity test (loaded once per session)."""

@@ -20,20 +20,28 @@ from cluster.engine.queue_wait import QueueWait
 from cluster.engine.sampling_params import SamplingParams
 
 
-def check_queue(num_waiting: int, settings: SchedulerSettings, queue_wait: QueueWait) -> None:
-    """EngineOverloaded when a new request should not join `num_waiting` queued ones."""
+def check_queue(
+    num_waiting: int,
+    settings: SchedulerSettings,
+    queue_wait: QueueWait,
+    num_ahead: int | None = None,
+) -> None:
+    """EngineOverloaded when a new request should not join `num_waiting` queued ones, of which
+    `num_ahead` would start before it (None: all; fewer under priority scheduling, so a request
+    that passes the queue is not refused for a wait it will not have)."""
     if num_waiting >= settings.max_waiting_requests:
         raise EngineOverloaded(
             f"{num_waiting} requests are waiting "
             f"(scheduler.max_waiting_requests = {settings.max_waiting_requests})"
         )
     limit = settings.max_queue_wait_s
-    if limit is None or num_waiting == 0:
+    ahead = num_waiting if num_ahead is None else num_ahead
+    if limit is None or ahead == 0:
         return
-    predicted = queue_wait.predict(num_waiting)
+    predicted = queue_wait.predict(ahead)
     if predicted is not None and predicted > limit:
         raise EngineOverloaded(
-            f"{num_waiting} requests are waiting; a new one would start in about "
+            f"{ahead} requests are waiting ahead of it; a new one would start in about "
             f"{predicted:.0f} s (scheduler.max_queue_wait_s = {limit:g})",
             retry_after_s=predicted - limit,
         )

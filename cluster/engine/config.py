@@ -135,6 +135,12 @@ class SchedulerSettings(_Section):
     )
     enable_chunked_prefill: bool = True
     preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="vLLM's --scheduling-policy: 'fcfs' serves requests in arrival order; "
+        "'priority' by each request's `priority` (lower first, then arrival), preempting the "
+        "lowest-priority running request first when memory runs short",
+    )
     max_waiting_requests: int = Field(4096, gt=0, description="admission queue limit")
     max_queue_wait_s: float | None = Field(
         300.0,

@@ -23,7 +23,7 @@ from cluster.engine.cache_keys import CacheKeyFactory, RequestKeys
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
 from cluster.engine.engine_lora import EngineAdapters
-from cluster.engine.errors import ConfigError, RequestRejected
+from cluster.engine.errors import ConfigError, PriorityNotEnabled, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.grammar_backend import CompiledConstraint, GrammarCompilerCache
 from cluster.engine.handoff import check_handoff, hand_off, resume_request
@@ -35,6 +35,7 @@ from cluster.engine.output_processor import StopLimits, append_sampled_token, ap
 from cluster.engine.outputs import RequestMetrics, RequestOutput
 from cluster.engine.preemption import PreemptionCostModel
 from cluster.engine.queue_wait import QueueWait
+from cluster.engine.reasoning import ThinkingGrammar, ThinkingTokens, thinking_tokens
 from cluster.engine.request import Branch, Request
 from cluster.engine.request_endings import RequestEndings
 from cluster.engine.sampling_params import SamplingParams
@@ -153,7 +154,14 @@ class EngineCore:
         request_id = generate.request_id if generate.request_id is not None else f"req-{arrival}"
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        check_queue(len(self.scheduler.waiting), self.config.scheduler, self.queue_wait)
+        if generate.priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise PriorityNotEnabled(
+                f"priority ({generate.priority}) is only supported with --scheduling-policy "
+                "priority; this engine schedules fcfs (arrival order)"
+            )
+        scheduler = self.scheduler
+        ahead = scheduler.num_waiting_ahead(generate.priority)
+        check_queue(len(scheduler.waiting), self.config.scheduler, self.queue_wait, ahead)
         params = generate.params
         ids = generate.token_ids
         digest = self.adapters.digest_for(generate.adapter)
@@ -178,6 +186,9 @@ class EngineCore:
             )
         if params.structured_outputs is not None and constraint is None:
             constraint = self.compile_constraint(generate)
+        thinking = None
+        if constraint is not None and generate.thinking is not None:
+            thinking = self._thinking_tokens(generate)
         seed = params.seed if params.seed is not None else self._default_seed(arrival)
         request = Request(
             request_id=request_id,
@@ -194,13 +205,15 @@ class EngineCore:
             cache_key=cache_key,
             max_tokens=max_tokens,
             branches=[
-                self._new_branch(ids, params, index, constraint) for index in range(params.n)
+                self._new_branch(ids, params, index, constraint, thinking)
+                for index in range(params.n)
             ],
             metrics=RequestMetrics(arrival_time=time.time()),
             adapter_name=generate.adapter,
             adapter_digest=digest,
             prefill_only=generate.prefill_only,
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
+            priority=generate.priority,
         )
         resume_request(request, generate.resume, self.limits)
         for branch in request.branches:  # what a range layout reserves at admission
@@ -437,11 +450,13 @@ class EngineCore:
         params: SamplingParams,
         index: int,
         constraint: CompiledConstraint | None,
+        thinking: ThinkingTokens | None = None,
     ) -> Branch:
+        """A branch; its grammar waits for the end of the thinking span when `thinking`."""
         detokenizer = IncrementalDetokenizer(
             self.renderer.token_decoder(params.skip_special_tokens), prompt_ids
         )
-        return Branch(
+        branch = Branch(
             seq_id=next(self._seq_ids),
             index=index,
             token_ids=list(prompt_ids),
@@ -453,6 +468,23 @@ class EngineCore:
             ),
             grammar=None if constraint is None else constraint.new_matcher(),
         )
+        if thinking is not None and branch.grammar is not None:
+            branch.grammar = ThinkingGrammar(branch.grammar, thinking)
+        return branch
+
+    def _thinking_tokens(self, generate: GenerateRequest) -> ThinkingTokens:
+        """The thinking tags of a constrained request as token ids, with its opening."""
+        assert generate.thinking is not None
+        tokenizer = self.renderer.tokenizer
+        try:
+            return thinking_tokens(
+                generate.thinking,
+                lambda text: tokenizer.encode(text, add_special_tokens=False),
+                lambda ids: self.renderer.decode(ids, skip_special_tokens=False),
+                generate.token_ids,
+            )
+        except ValueError as error:
+            raise RequestRejected(str(error)) from None
 
     def _default_seed(self, arrival: int) -> int:
         return (self.config.model.seed * 1_000_003 + arrival * 7919 + 1) % 2**63

@@ -26,6 +26,11 @@ class InvalidAdapter(RequestRejected):
     affected."""
 
 
+class PriorityNotEnabled(RequestRejected):
+    """A request asks for a non-zero `priority` of an engine that schedules `fcfs`. Maps to HTTP
+    400 with `param: "priority"` / gRPC INVALID_ARGUMENT."""
+
+
 class EngineOverloaded(Exception):
     """The admission queue is full right now. Maps to HTTP 429/503 with Retry-After."""
 

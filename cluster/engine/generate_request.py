@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cluster.engine.reasoning import ThinkingTags
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenization import PromptRenderer, RenderedPrompt
 from cluster.kv_transfer.hint import KVSourceHint
@@ -56,6 +57,12 @@ class GenerateRequest:
     resume: tuple[SampledToken, ...] = ()
     """Tokens another engine already sampled for it: generation goes on after them
     (`cluster.engine.handoff`)."""
+    thinking: ThinkingTags | None = None
+    """The served reasoning parser's tags (None: no parser): a structured-outputs constraint
+    then applies only after the thinking span (`cluster.engine.reasoning`)."""
+    priority: int = 0
+    """vLLM's request priority: lower runs first (ties by arrival). Only an engine with
+    `scheduler.scheduling_policy: priority` takes a non-zero one."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -118,15 +125,25 @@ class RequestBuilder:
         adapter: str | None = None,
         shared_prefix_tokens: int | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        priority: int = 0,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        thinking: ThinkingTags | None = None,
     ) -> GenerateRequest:
         """Renders `prompt` once, keeping only its last `params.truncate_prompt_tokens` tokens
         when that is set (the prompt text stays as given). Raises RequestRejected for a prompt
         that cannot be rendered.
 
         `shared_prefix_tokens` None derives it from the operator's shared prefixes; an explicit
-        value is passed through (the engine checks it against the prompt's length). `tools` go
-        to the chat template."""
-        rendered = self.renderer.render(prompt, chat_template=chat_template, tools=tools)
+        value is passed through (the engine checks it against the prompt's length). `tools`
+        and `chat_template_kwargs` go to the chat template; `priority` is the request's
+        scheduling priority; `thinking` the reasoning parser's tags (a constraint then waits for
+        the end of the thinking span)."""
+        rendered = self.renderer.render(
+            prompt,
+            chat_template=chat_template,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         keep = params.truncate_prompt_tokens
         if keep is not None and 0 < keep < len(rendered.token_ids):
             rendered = replace(rendered, token_ids=rendered.token_ids[-keep:])
@@ -139,6 +156,8 @@ class RequestBuilder:
             tenant_salt=tenant_salt,
             adapter=adapter,
             shared_prefix_tokens=shared_prefix_tokens,
+            priority=priority,
+            thinking=thinking,
         )
 
     def shared_tokens(self, token_ids: Sequence[int]) -> int:

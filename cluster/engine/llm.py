@@ -73,18 +73,26 @@ class LLM:
         *,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Text prompts, {"prompt": text} or {"prompt_token_ids": [...]} dicts; one result per
         prompt, in order.
 
         `lora_request`: one adapter for every prompt, or one (or None: the base model) per
         prompt. An adapter not loaded yet is loaded first (as vLLM does). `use_tqdm` shows a
-        progress bar of finished requests on a terminal (as vLLM does; never in a pipe)."""
+        progress bar of finished requests on a terminal (as vLLM does; never in a pipe).
+        `priority`: one per prompt (vLLM's signature; lower runs first), only with
+        `scheduling_policy="priority"`."""
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         prompts = list(prompts)
         return self._run(
-            prompts, sampling_params, chat_template=None, lora=lora_request, use_tqdm=use_tqdm
+            prompts,
+            sampling_params,
+            chat_template=None,
+            lora=lora_request,
+            use_tqdm=use_tqdm,
+            priority=priority,
         )
 
     def chat(
@@ -95,8 +103,10 @@ class LLM:
         chat_template: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; rendered with the chat template.
+        """One conversation (a list of messages) or several; rendered with the chat template,
+        `chat_template_kwargs` its extra variables (vLLM's, e.g. `{"enable_thinking": False}`).
         `lora_request` and `use_tqdm` as in `generate`."""
         if messages and isinstance(messages[0], Mapping):
             conversations: list[Any] = [messages]
@@ -108,6 +118,7 @@ class LLM:
             chat_template=chat_template,
             lora=lora_request,
             use_tqdm=use_tqdm,
+            chat_template_kwargs=chat_template_kwargs,
         )
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -146,8 +157,13 @@ class LLM:
         chat_template: str | None,
         lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         adapters = _per_prompt_lora(lora, len(prompts))
         for adapter in dict.fromkeys(a for a in adapters if a is not None):
             self.engine.add_lora(adapter)  # a no-op when served already from that path
@@ -158,8 +174,10 @@ class LLM:
                 p,
                 chat_template=chat_template,
                 adapter=None if adapter is None else adapter.lora_name,
+                priority=rank,
+                chat_template_kwargs=chat_template_kwargs,
             )
-            for prompt, p, adapter in zip(prompts, params, adapters, strict=True)
+            for prompt, p, adapter, rank in zip(prompts, params, adapters, priorities, strict=True)
         ]
         engine = self.engine
         ids: list[str] = []

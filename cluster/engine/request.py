@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from block_manager import CacheKey
 from cluster.engine.detokenizer import TextTracker
-from cluster.engine.grammar_backend import BranchGrammar
 from cluster.engine.handoff import text_final
 from cluster.engine.output_stream import BranchDelta, RequestDelta
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from cluster.engine.reasoning import TokenConstraint
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.speculation import NgramIndex
 from workers.plan import SampledToken, SamplingSettings
@@ -52,7 +52,7 @@ class Branch:
     worker_knows: bool = False
     ngrams: NgramIndex | None = None
     """Speculative decoding's n-gram index over `token_ids` (built on first use)."""
-    grammar: BranchGrammar | None = None
+    grammar: TokenConstraint | None = None
     """Structured outputs: this branch's matcher, advanced by each kept output token."""
 
     @property
@@ -97,6 +97,14 @@ class Request:
     None: nothing predicts it), filled in position order as the prompt's chunks run."""
     prompt_logprobs_sent: bool = False
     """The complete prompt logprobs went out in a delta (they travel once)."""
+    priority: int = 0
+    """Scheduling priority (lower runs first); 0 for every request under `fcfs`."""
+
+    @property
+    def queue_order(self) -> tuple[int, int]:
+        """Where the request stands in every scheduler queue: by priority, then arrival (under
+        `fcfs` every priority is 0, so arrival order alone)."""
+        return (self.priority, self.arrival_index)
 
     def record_prompt_logprobs(self, first_position: int, entries: Sequence[SampledToken]) -> None:
         """Records the log-probabilities of the prompt tokens at `first_position`, ... (a

@@ -1,21 +1,25 @@
 """Continuous batching over the paged KV cache: one `StepPlan` per step.
 
-Each step, in priority order (arrival order; earlier is higher): running requests get their
+Every queue (waiting, running, swapped) is kept in `Request.queue_order`: priority, then arrival
+(under `scheduling_policy: fcfs` every priority is 0, so arrival order alone; lower priority
+values come first, vLLM's convention). Each step, in that order: running requests get their
 pending token appended and their uncomputed tokens (a decode's one, a prefill's chunk) taken
-from the step's budget, preempting the latest running request (recompute or swap, chosen by
-`PreemptionCostModel`) when no block is free; then, if nothing was preempted, swapped requests
-come back, and only then are waiting requests admitted, oldest first, the first that does not
-fit stopping admission. LoRA slots, speculative drafts and grammar bitmasks ride the same pass
-(the whole policy is in docs/engine.md, "Scheduling").
+from the step's budget, preempting the last running request in that order (the lowest
+priority, latest arrival; recompute or swap, chosen by `PreemptionCostModel`) when no block is
+free; then, if nothing was preempted, swapped requests come back, and only then are waiting
+requests admitted, first in order first, the first that does not fit stopping admission. A
+waiting request never preempts a running one. LoRA slots, speculative drafts and grammar
+bitmasks ride the same pass (the whole policy is in docs/engine.md, "Scheduling").
 
 Invariants: the running requests use at most `max_loras` distinct adapters, so every step's
-adapters fit the device slots; a request waiting for a slot is never starved: while it waits no
-request with an adapter is admitted after it, so the running adapter requests only drain (each
-ends within its max_tokens) until its adapter fits, and being earlier in arrival order it is then
-considered before any later request. The plan never has two sequences writing one slot and
-every write goes to a block its writer holds alone (the block manager's tables guarantee both);
-a request is in exactly one of waiting / running / swapped, or finished; no sequence appears
-in a plan in the step it is released.
+adapters fit the device slots; a request waiting for a slot is not passed by one of its own
+priority: while it waits no request with an adapter is admitted after it, so the running
+adapter requests only drain (each ends within its max_tokens) until its adapter fits, and
+being earlier in queue order it is then considered before any later request (a stream of
+higher-priority requests can starve lower ones, as vLLM's priority policy can). The plan never
+has two sequences writing one slot and every write goes to a block its writer holds alone (the
+block manager's tables guarantee both); a request is in exactly one of waiting / running /
+swapped, or finished; no sequence appears in a plan in the step it is released.
 """
 
 from __future__ import annotations
@@ -73,11 +77,15 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        _insert_by_arrival(self.waiting, request)
+        _insert_in_order(self.waiting, request)
 
     def speculation_counters(self) -> SpeculationCounters | None:
         """A copy of the speculator's counters (None: speculative decoding off)."""
         return None if self.speculator is None else self.speculator.counters.copy()
+
+    def num_waiting_ahead(self, priority: int) -> int:
+        """Waiting requests that start before a new one of `priority` (all under fcfs)."""
+        return sum(1 for request in self.waiting if request.priority <= priority)
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
@@ -99,7 +107,7 @@ class Scheduler:
             for branch in request.active_branches:
                 self._drop_sequence(branch)
             request.status = RequestStatus.WAITING
-            _insert_by_arrival(self.waiting, request)
+            _insert_in_order(self.waiting, request)
             return None
         request = self.waiting.pop(0)
         for branch in request.branches:
@@ -239,8 +247,9 @@ class Scheduler:
 
     def _append_pending(self, request: Request, step: SchedulerStep, *, may_preempt: bool) -> bool:
         """Gives each active branch a table slot for its sampled token, all branches at once.
-        When the blocks are short, later requests are preempted (latest first), possibly this
-        one; False when this request left the device or (without `may_preempt`) must wait."""
+        When the blocks are short, later requests in queue order are preempted (the last
+        first: lowest priority, latest arrival), possibly this one; False when this request
+        left the device or (without `may_preempt`) must wait."""
         pending = [
             b for b in request.active_branches if len(b.token_ids) > self.bm.num_tokens(b.seq_id)
         ]
@@ -334,7 +343,7 @@ class Scheduler:
             step.swapped.append(request)
             self._forget_on_workers(request.active_branches)
             request.status = RequestStatus.SWAPPED
-            _insert_by_arrival(self.swapped, request)
+            _insert_in_order(self.swapped, request)
             self.preemptions.swap += 1
         else:
             self._requeue(request)
@@ -351,12 +360,13 @@ class Scheduler:
         for branch in request.active_branches:
             self._drop_sequence(branch)
         request.status = RequestStatus.WAITING
-        _insert_by_arrival(self.waiting, request)
+        _insert_in_order(self.waiting, request)
 
     # --- swapped and waiting ------------------------------------------------------------------
 
     def _schedule_swapped(self, step: SchedulerStep, budget: StepBudget) -> bool:
-        """Brings swapped requests back, oldest first; True if any is still swapped."""
+        """Brings swapped requests back, first in queue order first; True if any is still
+        swapped."""
         while self.swapped:
             request = self.swapped[0]
             seq_ids = [b.seq_id for b in request.active_branches]
@@ -372,7 +382,7 @@ class Scheduler:
             step.swapped.append(request)
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
-            _insert_by_arrival(self.running, request)
+            _insert_in_order(self.running, request)
             if self._append_pending(request, step, may_preempt=False):
                 self._schedule_chunks(request, step, budget)  # no drafts the step it returns
         return False
@@ -413,7 +423,7 @@ class Scheduler:
                 request.num_cached_tokens = cached
             self.waiting.pop(index)
             request.status = RequestStatus.RUNNING
-            _insert_by_arrival(self.running, request)
+            _insert_in_order(self.running, request)
             self._schedule_chunks(request, step, budget)
 
     def _allocate(self, request: Request, branches: list[Branch]) -> int:
@@ -492,6 +502,10 @@ def _seq_demand(request: Request) -> int:
     return len(request.active_branches) if request.forked else request.n
 
 
-def _insert_by_arrival(queue: list[Request], request: Request) -> None:
-    keys = [r.arrival_index for r in queue]
-    queue.insert(bisect.bisect_left(keys, request.arrival_index), request)
+def _insert_in_order(queue: list[Request], request: Request) -> None:
+    """Keeps `queue` sorted by `Request.queue_order`."""
+    queue.insert(bisect.bisect_left(queue, request.queue_order, key=_queue_order), request)
+
+
+def _queue_order(request: Request) -> tuple[int, int]:
+    return request.queue_order

@@ -24,6 +24,13 @@ NO_TEMPLATE = "none"
 
 ChatMessages = Sequence[Mapping[str, Any]]
 
+RENDER_OWN = frozenset(
+    {"conversation", "messages", "tools", "chat_template", "tokenize", "add_generation_prompt"}
+    | {"return_dict", "continue_final_message", "documents", "tokenizer_kwargs"}
+)
+"""Template variables and `apply_chat_template` arguments the renderer sets itself: a request's
+`chat_template_kwargs` cannot replace them (the edge refuses them, naming the key)."""
+
 
 @dataclass(frozen=True)
 class RenderedPrompt:
@@ -84,10 +91,12 @@ class PromptRenderer:
         *,
         chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> RenderedPrompt:
         """Text, chat messages (a list of {"role", "content"}), {"prompt_token_ids": [...]} or
         {"prompt": text} (vLLM's `TokensPrompt` and `TextPrompt`); `tools` (OpenAI's tool
-        definitions) are passed to the chat template."""
+        definitions) and `chat_template_kwargs` (extra template variables, vLLM's, e.g.
+        `enable_thinking`) are passed to the chat template."""
         if isinstance(prompt, Mapping) and set(prompt) == {"prompt"}:
             prompt = prompt["prompt"]
             if not isinstance(prompt, str):
@@ -97,7 +106,12 @@ class PromptRenderer:
         if isinstance(prompt, Mapping):
             return self._from_token_ids(prompt)
         if isinstance(prompt, Sequence):
-            return self.render_chat(prompt, chat_template=chat_template, tools=tools)
+            return self.render_chat(
+                prompt,
+                chat_template=chat_template,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+            )
         raise RequestRejected(
             "prompt must be a string, a list of chat messages or {'prompt_token_ids': [...]}, "
             f"got {type(prompt).__name__}"
@@ -166,11 +180,14 @@ class PromptRenderer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> RenderedPrompt:
         """Renders with `chat_template` or the model's own; the digest is of the one used.
         A prompt for generation ends with the assistant's header (`add_generation_prompt`) and
         gets no special tokens beyond what the template writes (`add_special_tokens`); the
-        other values are for `/tokenize`, which may ask for them."""
+        other values are for `/tokenize`, which may ask for them. `chat_template_kwargs` become
+        template variables (never the ones set here: the messages, tools, template and
+        generation prompt)."""
         template = chat_template or self.tokenizer.chat_template
         if not template:
             raise RequestRejected("this model has no chat template; send a text prompt instead")
@@ -183,6 +200,7 @@ class PromptRenderer:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             tools=[dict(t) for t in tools] if tools else None,
+            **{k: v for k, v in (chat_template_kwargs or {}).items() if k not in RENDER_OWN},
         )
         # the template writes the special tokens itself (e.g. BOS): a generation prompt adds none
         ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

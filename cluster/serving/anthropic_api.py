@@ -87,7 +87,7 @@ class MessagesServing:
         )
         (final,) = await self.openai.finals(run.submission.streams)
         output = final.outputs[0]
-        message, reason = self.openai.assistant_message(output, run.plan)
+        message, reason = self.openai.assistant_message(output, run.plan, final.prompt_token_ids)
         stop_sequence = output.stop_reason if isinstance(output.stop_reason, str) else None
         usage = final.usage
         return message_object(

@@ -154,6 +154,11 @@ class ServeAppArgs(BaseModel):
         "parser that fits the model's chat template (hermes for templates with <tool_call> "
         "and for the fallback used by templates without tools, llama3_json for Llama 3's)",
     )
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None,
+        description="vLLM's --reasoning-parser: the chat answer's thinking span goes to "
+        "reasoning_content (cluster.serving.reasoning_parsers)",
+    )
 
     directory: DirectoryArgs = Field(default_factory=DirectoryArgs)
     kv_transfer: KVTransferArgs = Field(default_factory=KVTransferArgs)

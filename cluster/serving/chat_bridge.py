@@ -131,10 +131,7 @@ async def start_chat(
         request = await frontend.off_loop(chat_request_of, fields)
         plan = await frontend.off_loop(request.tool_plan, serving.tools)
         params = sampling_params(request.sampling_kwargs(), plan)
-        render = serving.chat_render(request, plan)
-        submission = await serving.submit(
-            request.model, [request.chat_messages()], params, request_id, salt, meta, render
-        )
+        submission = await serving.submit_chat(request, plan, params, request_id, salt, meta)
     except OpenAIError as error:
         raise names.translate(error) from None
     return ChatRun(request, plan, submission)

@@ -129,6 +129,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "model's chat template)",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split a reasoning model's thinking span into reasoning_content: qwen3 or deepseek_r1",
+    )
+    parser.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
@@ -219,7 +224,7 @@ def resolve_serve_config(args: argparse.Namespace) -> dict[str, Any]:
         chunks = stream_chunks_flag(args.stream_chunks_per_step)
         for app in config.get("applications", []):
             app.setdefault("args", {})["stream_chunks_per_step"] = chunks
-    for flag in ("enable_auto_tool_choice", "tool_call_parser"):
+    for flag in ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"):
         if getattr(args, flag) is not None:
             for app in config.get("applications", []):
                 app.setdefault("args", {})[flag] = getattr(args, flag)

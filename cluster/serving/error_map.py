@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from cluster.engine.errors import AdapterNotFound, EngineDead, EngineOverloaded, RequestRejected
+from cluster.engine.errors import (
+    AdapterNotFound,
+    EngineDead,
+    EngineOverloaded,
+    PriorityNotEnabled,
+    RequestRejected,
+)
 from cluster.serving.frontend import ContextOverflow
 from cluster.serving.grpc_validation import GrpcAbort
 from cluster.serving.openai_protocol import OpenAIError
@@ -38,6 +44,7 @@ ANSWERS: tuple[tuple[type[Exception], Answer], ...] = (
     (Forbidden, Answer(403, S.PERMISSION_DENIED, "permission_error", "forbidden")),
     (AdapterNotFound, Answer(404, S.NOT_FOUND, "NotFoundError", "model_not_found", "model")),
     (ContextOverflow, Answer(400, S.INVALID_ARGUMENT, code="context_length_exceeded")),
+    (PriorityNotEnabled, Answer(400, S.INVALID_ARGUMENT, param="priority")),
     (RequestRejected, Answer(400, S.INVALID_ARGUMENT)),
     (EngineOverloaded, Answer(503, S.RESOURCE_EXHAUSTED, "server_error", "engine_overloaded")),
     (EngineDead, Answer(503, S.UNAVAILABLE, "server_error", "engine_unavailable")),

@@ -32,6 +32,7 @@ from cluster.engine.client import EngineClient
 from cluster.engine.errors import RequestRejected
 from cluster.engine.generate_request import GenerateRequest, PromptInput, RequestBuilder
 from cluster.engine.output_stream import BranchDelta, RequestDelta
+from cluster.engine.reasoning import ThinkingTags
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenization import PromptRenderer
 from cluster.serving.lora_admin import AdapterService
@@ -105,11 +106,14 @@ class FrontEnd:
         adapter: str | None = None,
         chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        priority: int = 0,
+        thinking: ThinkingTags | None = None,
     ) -> GenerateRequest:
         """Renders `prompt` once into a request for the base model or the LoRA `adapter` (a name
         the front end resolved), with its block-hash chain when the front end routes. Raises
         RequestRejected for a prompt that cannot be rendered and ContextOverflow for one that
-        does not fit (`what` names it)."""
+        does not fit (`what` names it). The other arguments are `RequestBuilder.build`'s."""
         request = self.builder.build(
             prompt,
             params,
@@ -118,6 +122,9 @@ class FrontEnd:
             adapter=adapter,
             chat_template=chat_template,
             tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            priority=priority,
+            thinking=thinking,
         )
         overflow = context_overflow(
             request.num_prompt_tokens, params.max_tokens, self.max_model_len, what
@@ -150,10 +157,14 @@ class FrontEnd:
         tenant_salt: bytes | None,
         what: str = "prompt",
         render: Mapping[str, Any] | None = None,
+        priority: int = 0,
+        thinking: ThinkingTags | None = None,
     ) -> Submission:
         """The one admission path: resolve `model`, prepare every prompt off the loop, start one
         engine stream per prompt (ids `request_id`, or `request_id-i` for several) and wait for
-        each first delta. `render`: `chat_template` / `tools` for the chat renderer. Raises
+        each first delta. `render`: `chat_template` / `tools` / `chat_template_kwargs` for the
+        chat renderer; `priority`: the scheduling priority of every prompt's request;
+        `thinking`: the reasoning parser's tags (None: none). Raises
         what the module doc lists; closing a returned stream aborts its request."""
         adapter = await self.adapters.resolve(model)
         requests = [
@@ -165,6 +176,8 @@ class FrontEnd:
                 tenant_salt=tenant_salt,
                 what=what,
                 adapter=adapter,
+                priority=priority,
+                thinking=thinking,
                 **(render or {}),
             )
             for i, prompt in enumerate(prompts)

@@ -32,6 +32,7 @@ from cluster.engine.errors import RequestRejected
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.output_stream import BranchDelta, RequestDelta
 from cluster.engine.outputs import Logprob
+from cluster.engine.reasoning import ThinkingTags
 from cluster.serving.error_map import ANSWERED, grpc_abort
 from cluster.serving.frontend import FrontEnd, StreamTally
 from cluster.serving.grpc_validation import (
@@ -42,6 +43,7 @@ from cluster.serving.grpc_validation import (
     requested_model,
     validate_generate,
 )
+from cluster.serving.reasoning_parsers import ReasoningStream
 from cluster.serving.tool_calls import ToolSettings, ToolStream
 from protos import generation_pb2 as pb
 
@@ -98,19 +100,32 @@ class GenerateStreamEncoder:
     each reported once); the final response carries the usage, and the first response after
     the prompt's logprobs are complete carries them (when asked)."""
 
-    def __init__(self, decode: Decode, tools: ToolStream | None = None) -> None:
+    def __init__(
+        self,
+        decode: Decode,
+        tools: ToolStream | None = None,
+        reasoning: ReasoningStream | None = None,
+    ) -> None:
+        """`reasoning`: the chat's thinking span goes to `reasoning_text`, never `text`."""
         self._decode = decode
         self._tally = StreamTally()
         self._tools = tools
+        self._reasoning = reasoning or ReasoningStream(None, decode)
 
     def encode(self, delta: RequestDelta) -> pb.GenerateResponse | None:
         self._tally.add(delta)
+        if delta.prompt_token_ids is not None:
+            self._reasoning.start(delta.prompt_token_ids)
         response = pb.GenerateResponse(request_id=delta.request_id, finished=delta.finished)
         for branch in delta.branches:
             choice = completion_delta(branch, self._decode)
-            if self._tools is not None:  # calls read from the text as it grows
+            piece = self._reasoning.piece(
+                branch.index, branch.text, branch.finish_reason is not None
+            )
+            choice.text, choice.reasoning_text = piece.content, piece.reasoning
+            if self._tools is not None:  # calls read from the answer's text as it grows
                 finished = branch.finish_reason is not None
-                _, calls = self._tools.update(branch.index, branch.text, finished)
+                _, calls = self._tools.update(branch.index, piece.content, finished)
                 for call in calls or []:
                     choice.tool_calls.append(
                         pb.ToolCallDelta(
@@ -178,11 +193,18 @@ def health_response(serving: bool) -> health_pb2.HealthCheckResponse:
 class GenerationRpc:
     """The four `Generation` RPCs over one engine serving one base model and its adapters."""
 
-    def __init__(self, frontend: FrontEnd, tools: ToolSettings | None = None) -> None:
+    def __init__(
+        self,
+        frontend: FrontEnd,
+        tools: ToolSettings | None = None,
+        reasoning: ThinkingTags | None = None,
+    ) -> None:
+        """`reasoning`: the `--reasoning-parser`'s tags (None: chat answers are not split)."""
         self.frontend = frontend
         self.adapters = frontend.adapters
         model_template = frontend.renderer.tokenizer.chat_template
         self.tools = (tools or ToolSettings()).for_template(model_template)
+        self.reasoning = reasoning
 
     @property
     def served_model_name(self) -> str:
@@ -197,6 +219,9 @@ class GenerationRpc:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.frontend.renderer.decode(token_ids)
 
+    def decode_keeping_special(self, token_ids: Sequence[int]) -> str:
+        return self.frontend.renderer.decode(token_ids, skip_special_tokens=False)
+
     async def generate(
         self, request: pb.GenerateRequest, *, request_id: str, tenant_salt: bytes | None
     ) -> AsyncIterator[pb.GenerateResponse]:
@@ -208,7 +233,9 @@ class GenerationRpc:
             self.frontend.renderer.tokenizer.chat_template,
         )
         tools = None if checked.tools is None else checked.tools.stream()
-        encoder = GenerateStreamEncoder(self.decode, tools)
+        thinking = self.reasoning if request.WhichOneof("prompt") == "chat" else None
+        reasoning = ReasoningStream(thinking, self.decode_keeping_special)
+        encoder = GenerateStreamEncoder(self.decode, tools, reasoning)
         # Closing the engine stream is what aborts the request and frees its blocks, so a cancelled
         # call closes it at once here rather than whenever the generator is garbage-collected.
         try:
@@ -219,6 +246,8 @@ class GenerationRpc:
                 request_id=request_id,
                 tenant_salt=tenant_salt,
                 render=checked.render,
+                priority=checked.priority,
+                thinking=thinking,
             )
             (stream,) = submission.streams
             async with contextlib.aclosing(stream):

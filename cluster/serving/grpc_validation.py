@@ -177,6 +177,20 @@ def tool_fields(request: pb.GenerateRequest) -> dict[str, Any]:
     return fields
 
 
+def template_kwargs_fields(request: pb.GenerateRequest) -> dict[str, Any]:
+    """HTTP's `chat_template_kwargs` from `chat_template_kwargs_json` (none when empty)."""
+    if not request.chat_template_kwargs_json:
+        return {}
+    try:
+        kwargs = json.loads(request.chat_template_kwargs_json)
+    except json.JSONDecodeError as error:
+        raise GrpcAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"chat_template_kwargs_json is not valid JSON: {error}",
+        ) from None
+    return {"chat_template_kwargs": kwargs}
+
+
 def chat_request(chat: pb.ChatMessages, fields: dict[str, Any]) -> ChatCompletionRequest:
     """Chat messages (and sampling `fields`) as a validated `ChatCompletionRequest`."""
     messages = []
@@ -214,12 +228,14 @@ def _validated(model: type[RequestT], fields: dict[str, Any]) -> RequestT:
 @dataclass(frozen=True)
 class ValidatedGenerate:
     """A `GenerateRequest` after the HTTP checks: the prompt, the engine's parameters, the tool
-    plan (None: no tools) and how to render the chat (`chat_template`, `tools`)."""
+    plan (None: no tools), how to render the chat (`chat_template`, `tools`) and the
+    scheduling priority."""
 
     prompt: PromptInput
     params: SamplingParams
     tools: ToolPlan | None = None
     render: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
 
 
 def validated_generate(request: pb.GenerateRequest) -> tuple[PromptInput, SamplingParams]:
@@ -236,10 +252,14 @@ def validate_generate(
     (`tool_settings`: the server's flags; `model_template`: the model's chat template)."""
     kind = request.WhichOneof("prompt")
     fields = sampling_fields(request.sampling, chat=kind == "chat")
+    fields["priority"] = request.priority
     fields.update(structured_outputs_fields(request))
-    extra = tool_fields(request)
+    extra = tool_fields(request) | template_kwargs_fields(request)
     if extra and kind != "chat":
-        raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "tools need a chat prompt (prompt.chat)")
+        raise GrpcAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{', '.join(extra)} need a chat prompt (prompt.chat)",
+        )
     fields.update(extra)
     prompt: PromptInput
     parsed: CompletionRequest | ChatCompletionRequest
@@ -266,6 +286,8 @@ def validate_generate(
         except OpenAIError as error:
             raise invalid_argument(error) from None
         render = render_options(plan, parsed.messages, model_template)
+        if parsed.chat_template_kwargs:
+            render["chat_template_kwargs"] = parsed.chat_template_kwargs
     kwargs = parsed.sampling_kwargs()
     constraint = None if plan is None else plan.constraint()
     if constraint is not None:
@@ -274,4 +296,4 @@ def validate_generate(
         params = SamplingParams(**kwargs)
     except ValueError as error:
         raise GrpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {error}") from None
-    return ValidatedGenerate(prompt, params, plan, render)
+    return ValidatedGenerate(prompt, params, plan, render, parsed.priority)

@@ -59,6 +59,7 @@ from cluster.serving.metrics_listener import MetricsListener
 from cluster.serving.openai_serving import OpenAIServing
 from cluster.serving.pd_client import DisaggregatedClient
 from cluster.serving.prometheus import render_prometheus
+from cluster.serving.reasoning_parsers import reasoning_tags
 from cluster.serving.routed_engine import RoutedEngineClient, client_error, no_holdings
 from cluster.serving.tenancy import Tenancy, Unauthenticated
 from cluster.serving.tool_calls import ToolSettings
@@ -122,8 +123,9 @@ class OpenAIIngress(GrpcMethods):
             builder, info.max_model_len, client, self.adapters, description.keys
         )
         tools = ToolSettings(self.args.enable_auto_tool_choice, self.args.tool_call_parser)
-        self.openai = OpenAIServing(self.frontend, name, tools)
-        self.rpc = GenerationRpc(self.frontend, tools)
+        reasoning = reasoning_tags(self.args.reasoning_parser)
+        self.openai = OpenAIServing(self.frontend, name, tools, reasoning)
+        self.rpc = GenerationRpc(self.frontend, tools, reasoning)
         self.created = int(time.time())
         self.metrics_listener: MetricsListener | None = None
         metrics_args = self.args.limits.metrics

@@ -187,6 +187,8 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
+    """vLLM's: the thinking span, with `--reasoning-parser` (left out when there is none)."""
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -210,6 +212,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
 

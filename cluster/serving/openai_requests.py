@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, TypedDict, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 
 from cluster.engine.structured_outputs import StructuredOutputsParams
+from cluster.engine.tokenization import RENDER_OWN
 from cluster.serving.openai_protocol import invalid_request, parse_object
 from cluster.serving.structured_fields import (
     FieldError,
@@ -68,6 +69,9 @@ def _non_blank(word: str) -> str:
     return word
 
 
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+"""A request's `priority` is a 32-bit integer on every front end (gRPC's `int32`)."""
+
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 """`presence_penalty` / `frequency_penalty`: OpenAI's range."""
 
@@ -83,11 +87,12 @@ class StreamOptions(_Edge):
 class _SamplingRequest(_Edge):
     """Fields shared by completions and chat completions; `top_k`, `ignore_eos`,
     `stop_token_ids`, `include_stop_str_in_output`, `repetition_penalty`, `min_p`,
-    `min_tokens`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens` and
-    `prompt_logprobs` are vLLM's extensions beyond OpenAI's API. Float fields take JSON integers too
-    (`"temperature": 1`), as OpenAI's API does; `logit_bias` maps token ids written as strings
-    (`{"50256": -100}`) to biases. `min_tokens` never exceeds the request's token limit
-    (checked by `check_supported`, as the limit's default depends on the route)."""
+    `min_tokens`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
+    `prompt_logprobs` and `priority` are vLLM's extensions beyond OpenAI's API. Float fields
+    take JSON integers too (`"temperature": 1`), as OpenAI's API does; `logit_bias` maps
+    token ids written as strings (`{"50256": -100}`) to biases. `min_tokens` never exceeds the
+    request's token limit (checked by `check_supported`, as the limit's default depends on the
+    route)."""
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -124,6 +129,9 @@ class _SamplingRequest(_Edge):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    priority: Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
+    """vLLM's extension: the request's scheduling priority (lower runs first); non-zero only on
+    a server started with `--scheduling-policy priority` (else a 400 from the engine)."""
     _constraint: tuple[StructuredOutputsParams | None] | None = PrivateAttr(default=None)
 
     def _check_supported(self) -> None:
@@ -319,12 +327,21 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDef] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: extra variables for the chat template (e.g. `{"enable_thinking": false}` for
+    Qwen3); none may be one the renderer sets itself (`tokenization.RENDER_OWN`)."""
 
     def check_supported(self) -> None:
         """Raise a 400 for a valid request this server cannot honour."""
         self._check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        for key in self.chat_template_kwargs or {}:
+            if key in RENDER_OWN:
+                raise invalid_request(
+                    f"chat_template_kwargs cannot set {key!r}: the server sets it",
+                    f"chat_template_kwargs.{key}",
+                )
         for i, message in enumerate(self.messages):
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
                 if part.type != "text" or part.text is None:

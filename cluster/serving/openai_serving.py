@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from cluster.engine.generate_request import PromptInput
 from cluster.engine.output_stream import BranchDelta, OutputAccumulator, RequestDelta
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from cluster.engine.reasoning import ThinkingTags
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.error_map import ANSWERED, http_error
 from cluster.serving.frontend import DeltaStream, FrontEnd, StreamTally, Submission
@@ -60,6 +61,7 @@ from cluster.serving.openai_requests import (
     Prompt,
     SamplingKwargs,
 )
+from cluster.serving.reasoning_parsers import ReasoningStream, reasoning_of
 from cluster.serving.tool_calls import (
     ToolPlan,
     ToolSettings,
@@ -165,31 +167,67 @@ class OpenAIServing:
     """Runs OpenAI requests on an engine and shapes its outputs into OpenAI responses."""
 
     def __init__(
-        self, frontend: FrontEnd, served_model_name: str, tools: ToolSettings | None = None
+        self,
+        frontend: FrontEnd,
+        served_model_name: str,
+        tools: ToolSettings | None = None,
+        reasoning: ThinkingTags | None = None,
     ) -> None:
+        """`reasoning`: the `--reasoning-parser`'s tags (None: chat answers are not split)."""
         self.frontend = frontend
         self.model = served_model_name
         model_template = frontend.renderer.tokenizer.chat_template
         self.tools = (tools or ToolSettings()).for_template(model_template)
+        self.reasoning = reasoning
+
+    async def submit_chat(
+        self,
+        request: ChatCompletionRequest,
+        plan: ToolPlan | None,
+        params: SamplingParams,
+        rid: str,
+        salt: bytes | None,
+        meta: ResponseMeta | None,
+    ) -> Submission:
+        """A chat's one submission: rendered as `chat_render` says, the reasoning parser's tags
+        attached (a constraint waits for the thinking span's end)."""
+        return await self.submit(
+            request.model,
+            [request.chat_messages()],
+            params,
+            rid,
+            salt,
+            meta,
+            self.chat_render(request, plan),
+            request.priority,
+            self.reasoning,
+        )
 
     def chat_render(self, request: ChatCompletionRequest, plan: ToolPlan | None) -> dict[str, Any]:
+        """How a chat renders: with its tools (through a template that supports them) and its
+        `chat_template_kwargs`."""
         model_template = self.frontend.renderer.tokenizer.chat_template
-        return render_options(plan, request.messages, model_template)
+        render = render_options(plan, request.messages, model_template)
+        if request.chat_template_kwargs:
+            render["chat_template_kwargs"] = request.chat_template_kwargs
+        return render
 
     def assistant_message(
-        self, output: CompletionOutput, plan: ToolPlan | None
+        self, output: CompletionOutput, plan: ToolPlan | None, prompt_token_ids: list[int]
     ) -> tuple[AssistantMessage, FinishReason]:
-        """The message of a finished branch: its tool calls read back when the plan has any
-        (finish_reason "tool_calls" when it stopped by itself), else its text."""
+        """The message of a finished branch: the thinking span split off first (with a
+        reasoning parser), then the tool calls read back from the rest when the plan has any
+        (finish_reason "tool_calls" when it stopped by itself), else the rest as text."""
         reason = finish_reason(output) or "stop"
+        reasoning, text = reasoning_of(output.text, self.reasoning, prompt_token_ids, self.decode)
+        plain = text or (None if reasoning is not None else text)
         if plan is None:
-            return AssistantMessage(content=output.text), reason
-        content, calls = calls_of(output.text, plan)
+            return AssistantMessage(content=plain, reasoning_content=reasoning), reason
+        content, calls = calls_of(text, plan)
         if not calls:
-            return AssistantMessage(content=content), reason
-        return AssistantMessage(content=content, tool_calls=calls), (
-            "tool_calls" if reason == "stop" else reason
-        )
+            return AssistantMessage(content=plain, reasoning_content=reasoning), reason
+        message = AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
+        return message, ("tool_calls" if reason == "stop" else reason)
 
     def token_text(self, token_id: int) -> str:
         return self.frontend.token_text(token_id)
@@ -207,10 +245,13 @@ class OpenAIServing:
         salt: bytes | None,
         meta: ResponseMeta | None,
         render: Mapping[str, Any] | None = None,
+        priority: int = 0,
+        thinking: ThinkingTags | None = None,
     ) -> Submission:
         """`FrontEnd.submit`, its refusals raised as `OpenAIError` before any byte is sent;
         `meta` learns which engine replica served the first prompt; `render` holds
-        `chat_template` / `tools` for the chat renderer."""
+        `chat_template` / `tools` / `chat_template_kwargs` for the chat renderer; `priority`
+        the request's scheduling priority; `thinking` the reasoning parser's tags."""
         param = "prompt" if isinstance(prompts[0], str | Mapping) else "messages"
         try:
             submission = await self.frontend.submit(
@@ -221,6 +262,8 @@ class OpenAIServing:
                 tenant_salt=salt,
                 what=param,
                 render=render,
+                priority=priority,
+                thinking=thinking,
             )
         except ANSWERED as error:
             raise http_error(error, param) from None
@@ -285,7 +328,9 @@ class OpenAIServing:
         params = sampling_params(request.sampling_kwargs())
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
-        submission = await self.submit(request.model, prompts, params, rid, salt, meta)
+        submission = await self.submit(
+            request.model, prompts, params, rid, salt, meta, priority=request.priority
+        )
         finals = await self.finals(submission.streams)
         choices = []
         for i, final in enumerate(finals):
@@ -323,7 +368,9 @@ class OpenAIServing:
         params = sampling_params(request.sampling_kwargs())
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
-        submission = await self.submit(request.model, prompts, params, rid, salt, meta)
+        submission = await self.submit(
+            request.model, prompts, params, rid, salt, meta, priority=request.priority
+        )
         encoder = CompletionChunks(self, rid, submission.adapter or self.model, params.n)
         return self.events(submission.streams, encoder, request.include_usage)
 
@@ -333,13 +380,11 @@ class OpenAIServing:
         plan = await self.frontend.off_loop(request.tool_plan, self.tools)
         params = sampling_params(request.sampling_kwargs(), plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        render = self.chat_render(request, plan)
-        prompts = [request.chat_messages()]
-        submission = await self.submit(request.model, prompts, params, rid, salt, meta, render)
+        submission = await self.submit_chat(request, plan, params, rid, salt, meta)
         (final,) = await self.finals(submission.streams)
         choices = []
         for output in final.outputs:
-            message, reason = self.assistant_message(output, plan)
+            message, reason = self.assistant_message(output, plan, final.prompt_token_ids)
             logprobs = None
             if output.logprobs is not None:
                 logprobs = chat_logprobs(output.logprobs, self.token_text)
@@ -367,11 +412,10 @@ class OpenAIServing:
         plan = await self.frontend.off_loop(request.tool_plan, self.tools)
         params = sampling_params(request.sampling_kwargs(), plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        render = self.chat_render(request, plan)
-        prompts = [request.chat_messages()]
-        submission = await self.submit(request.model, prompts, params, rid, salt, meta, render)
+        submission = await self.submit_chat(request, plan, params, rid, salt, meta)
         tool_stream = None if plan is None else plan.stream()
-        encoder = ChatChunks(self, rid, submission.adapter or self.model, tool_stream)
+        reasoning = ReasoningStream(self.reasoning, self.decode)
+        encoder = ChatChunks(self, rid, submission.adapter or self.model, tool_stream, reasoning)
         return self.events(submission.streams, encoder, request.include_usage)
 
 
@@ -445,29 +489,49 @@ class ChatChunks(_StreamChunks):
     response_model = ChatCompletionChunk
 
     def __init__(
-        self, serving: OpenAIServing, rid: str, model: str, tools: ToolStream | None = None
+        self,
+        serving: OpenAIServing,
+        rid: str,
+        model: str,
+        tools: ToolStream | None = None,
+        reasoning: ReasoningStream | None = None,
     ) -> None:
         super().__init__(serving, rid, model)
         self.started: set[int] = set()
         self.tools = tools
+        self.reasoning = reasoning or ReasoningStream(None, serving.decode)
 
     def chunks(self, index: int, delta: RequestDelta) -> list[BaseModel]:
         chunks = []
+        if delta.prompt_token_ids is not None:
+            self.reasoning.start(delta.prompt_token_ids)
         for branch in delta.branches:
             role = None if branch.index in self.started else "assistant"
             self.started.add(branch.index)
             logprobs = None
             if branch.logprobs is not None:
                 logprobs = chat_logprobs(branch.logprobs, self.serving.token_text)
-            delta_out = ChatDelta(role=role, content=branch.text)
             reason = finish_reason(branch)
-            if self.tools is not None:  # tool calls are read back as the text grows
-                content, calls = self.tools.update(branch.index, branch.text, reason is not None)
-                delta_out = ChatDelta(role=role, content=content, tool_calls=calls)
+            piece = self.reasoning.piece(branch.index, branch.text, reason is not None)
+            thought = piece.reasoning or None
+            delta_out = ChatDelta(
+                role=role,
+                content=None if thought and not piece.content else piece.content,
+                reasoning_content=thought,
+            )
+            if self.tools is not None:  # tool calls are read back as the content grows
+                content, calls = self.tools.update(branch.index, piece.content, reason is not None)
+                delta_out = ChatDelta(
+                    role=role, content=content, reasoning_content=thought, tool_calls=calls
+                )
                 if reason == "stop" and self.tools.called(branch.index):
                     reason = "tool_calls"
-                if content is None and calls is None and role is None and reason is None:
+                if not (content or calls or role or reason or thought):
                     continue  # held back: the text may be the start of a call
+            elif self.reasoning.active and not (
+                piece.content or thought or role or reason or logprobs
+            ):
+                continue  # held back: the text may be the start of a reasoning tag
             choice = ChatChunkChoice(
                 index=branch.index, delta=delta_out, logprobs=logprobs, finish_reason=reason
             )

@@ -102,7 +102,9 @@ class ResponsesServing:
             names=RESPONSES_NAMES,
         )
         (final,) = await self.openai.finals(run.submission.streams)
-        message, reason = self.openai.assistant_message(final.outputs[0], run.plan)
+        message, reason = self.openai.assistant_message(
+            final.outputs[0], run.plan, final.prompt_token_ids
+        )
         usage = final.usage
         body = response_object(
             request,

@@ -95,3 +95,34 @@ def test_no_limit_never_refuses_by_time(slot_engine: SlotEngineFactory) -> None:
         clock.now += 100.0
     for i in range(5):  # the rate predicts hours; nothing is refused
         engine.add_request(engine.request_builder.build({"prompt_token_ids": [6, i]}, params))
+
+
+def test_a_high_priority_request_is_judged_by_the_queue_ahead_of_it(
+    slot_engine: SlotEngineFactory,
+) -> None:
+    """Under priority scheduling the predicted wait counts only the waiting requests that would
+    start first: a burst at priority 5 makes a priority-5 newcomer too late, while a priority-0
+    one, which passes them all, is taken."""
+    clock = FakeClock()
+    engine = slot_engine(
+        scheduler={"max_num_seqs": 2, "max_queue_wait_s": 5.0, "scheduling_policy": "priority"},
+        queue_wait=QueueWait(window=4, clock=clock),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def add(i: int, priority: int) -> None:
+        request = engine.request_builder.build(
+            {"prompt_token_ids": [7, i]}, params, priority=priority
+        )
+        engine.add_request(request)
+
+    for i in range(12):
+        add(i, 5)
+    while engine.recorder.num_finished_requests < 4:  # 1 departure a second
+        finished_before = engine.recorder.num_finished_requests
+        engine.step()
+        clock.now += engine.recorder.num_finished_requests - finished_before
+    with pytest.raises(EngineOverloaded, match="waiting ahead of it"):
+        add(99, 5)
+    add(100, 0)
+    assert engine.scheduler.waiting[0].prompt_token_ids == [7, 100]

@@ -1,7 +1,8 @@
-"""Property test: random workloads arriving over time, pool sizes, budgets, preemption modes
-and aborts over `SlotWorkers`; every finished branch equals the paging-free reference, the block
-manager's integrity holds after every step, every block is free at the end, and only a request
-that cannot run even alone in the whole pool is ever given up on."""
+"""Property test: random workloads arriving over time, pool sizes, budgets, preemption modes,
+scheduling policies (random priorities) and aborts over `SlotWorkers`; every finished branch
+equals the paging-free reference, the block manager's integrity holds after every step, every
+block is free at the end, and only a request that cannot run even alone in the whole pool is
+ever given up on."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ request_strategy = st.fixed_dictionaries(
         "seed": st.integers(0, 3),
         "arrive_at_step": st.integers(0, 12),
         "abort_at_step": st.one_of(st.none(), st.integers(0, 30)),
+        "priority": st.integers(-2, 2),
     }
 )
 
@@ -43,6 +45,7 @@ request_strategy = st.fixed_dictionaries(
     budget=st.integers(8, 64),
     prefix_caching=st.booleans(),
     prefill_cap=st.one_of(st.none(), st.integers(1, 16)),
+    policy=st.sampled_from(["fcfs", "priority"]),
 )
 def test_random_workloads_match_reference(
     slot_engine: SlotEngineFactory,
@@ -54,6 +57,7 @@ def test_random_workloads_match_reference(
     budget: int,
     prefix_caching: bool,
     prefill_cap: int | None,
+    policy: str,
 ) -> None:
     if mode == "swap" and cpu_blocks == 0:
         mode = "recompute"
@@ -68,6 +72,7 @@ def test_random_workloads_match_reference(
             "max_num_batched_tokens": budget,
             "max_num_seqs": 8,
             "max_prefill_tokens": prefill_cap,
+            "scheduling_policy": policy,
         },
     )
     submitted: list[tuple[str, dict[str, Any], SamplingParams]] = []
@@ -82,8 +87,11 @@ def test_random_workloads_match_reference(
                     temperature=spec["temperature"],
                     seed=spec["seed"],
                 )
+                priority = spec["priority"] if policy == "priority" else 0
                 request = engine.add_request(
-                    engine.request_builder.build({"prompt_token_ids": spec["prompt"]}, params)
+                    engine.request_builder.build(
+                        {"prompt_token_ids": spec["prompt"]}, params, priority=priority
+                    )
                 )
                 submitted.append((request.request_id, spec, params))
         for rid, spec, _ in submitted:
