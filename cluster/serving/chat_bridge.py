@@ -225,7 +225,6 @@ async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
     engine error mid-stream propagates (one of `ANSWERED`)."""
     tools = None if run.plan is None else run.plan.stream()
     tally = StreamTally()
-    text = ""
     reason: FinishReason = "stop"
     stop_sequence = None
     async with contextlib.aclosing(merge_streams(run.submission.streams)) as merged:
@@ -239,8 +238,7 @@ async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
                     if branch.text:
                         yield TextPiece(branch.text)
                 else:
-                    text += branch.text
-                    content, calls = tools.update(branch.index, text, finish is not None)
+                    content, calls = tools.update(branch.index, branch.text, finish is not None)
                     if content:
                         yield TextPiece(content)
                     for call in calls or []:

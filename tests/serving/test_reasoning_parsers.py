@@ -4,6 +4,7 @@ holding the thinking span, and any chunking of a stream adding up to the unary s
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 
@@ -79,7 +80,10 @@ def test_openings_follow_the_prompt_end() -> None:
 
 class _Renderer:
     """Decodes the fake prompt ids 1 and 2 as a template that opened the span and one that did
-    not (what `ThinkingTags.opening_of` reads)."""
+    not (what `ThinkingTags.opening_of` reads); its tokenizer has no chat template of its own,
+    so tools take the fallback template's `hermes` parser."""
+
+    tokenizer = types.SimpleNamespace(chat_template=None)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return {1: "<|im_start|>assistant\n<think>\n", 2: "<|im_start|>assistant\n"}[ids[-1]]
