@@ -198,7 +198,7 @@ class SamplingParams:
             presence_penalty=float(self.presence_penalty),
             frequency_penalty=float(self.frequency_penalty),
             repetition_penalty=float(self.repetition_penalty),
-            logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+            logit_bias=tuple(sorted((t, float(b)) for t, b in (self.logit_bias or {}).items())),
             min_tokens=self.min_tokens,
             stop_token_ids=tuple(sorted(stops)) if self.min_tokens else (),
             prompt_len=prompt_len,

@@ -41,7 +41,7 @@ PENALIZED = dataclasses.replace(
     repetition_penalty=1.4,
     frequency_penalty=0.8,
     presence_penalty=0.5,
-    logit_bias={5: 2.0, 11: -1.5},
+    logit_bias={5: 2, 11: -1.5},  # an int bias too, as users write them
 )
 ENCOURAGED = dataclasses.replace(
     GREEDY, repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=-1.0
