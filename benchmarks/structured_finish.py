@@ -8,7 +8,8 @@ required, no additional properties), sampled as the OpenAI client does by defaul
 (temperature 1.0; `--temperature 0` is greedy), `--seeds` seeds each. Variants (each on the
 same questions and seeds):
 - `plain`: the schema constrains decoding, the prompt is the question alone;
-- `prompted`: the schema also stated in a system turn (`json_bounds.schema_instruction`).
+- `prompted`: the schema also stated in a system turn (`schema_instruction`), as OpenAI's
+  and llama-server's templates show a response format or tools to the model.
 The engine bounds open lengths (`json_bounds.bounded_schema`) and guards against a token cycle
 repeating without end (`cycle_guard`) on every constrained request; run this script on a tree
 without them for the figures before them.
@@ -87,6 +88,11 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 VARIANTS = ["plain", "prompted"]
 
 
+def schema_instruction(schema: dict[str, Any]) -> str:
+    """The schema stated for the model: what its answer must be."""
+    return "Answer with a JSON object that matches this JSON schema:\n" + json.dumps(schema)
+
+
 def _request(
     question: str,
     schema: dict[str, Any],
@@ -97,8 +103,6 @@ def _request(
 ) -> tuple[list[dict[str, str]], SamplingParams]:
     messages = [{"role": "user", "content": question}]
     if variant == "prompted":
-        from cluster.engine.json_bounds import schema_instruction
-
         messages.insert(0, {"role": "system", "content": schema_instruction(schema)})
     params = SamplingParams(
         temperature=temperature,

@@ -1,11 +1,11 @@
 """Tool calls with the shipped model: how often a single question gets one call that ends.
 
-`python -m benchmarks.tool_finish [--seeds 2] [--max-tokens 128]` serves SmolLM2-135M-Instruct
-in process and asks single questions (each answerable by one call of one of four tools) the way
-the chat endpoint does: the tools rendered by the template the server picks, the output
-constrained by the request's `tool_choice`, the calls read back by the server's parser. For each
-choice (`required` with parallel calls allowed, `required` with `parallel_tool_calls: false`,
-a named function, `auto`) it prints as JSON:
+`python -m benchmarks.tool_finish [--seeds 2] [--max-tokens 128] [--modes ...]` serves
+SmolLM2-135M-Instruct in process and asks single questions (each answerable by one call of one
+of four tools) the way the chat endpoint does: the tools rendered by the template the server
+picks, the output constrained by the request's `tool_choice`, the calls read back by the
+server's parser. For each choice (`required` with parallel calls allowed, `required` with
+`parallel_tool_calls: false`, a named function, `auto`) it prints as JSON:
 - `one_call_finished`: the fraction that ended by itself (`stop`) with exactly one call;
 - `finished`: the fraction that ended by itself (with any number of calls);
 - `mean_calls`: calls per answer; `valid`: the fraction whose calls all name a listed function
@@ -106,13 +106,14 @@ def valid(calls: list[Any]) -> bool:
     return True
 
 
-def run(seeds: int, max_tokens: int) -> dict[str, Any]:
+def run(seeds: int, max_tokens: int, modes: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     settings = ToolSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
     with LLM(max_model_len=2048, max_queue_wait_s=None) as llm:
         renderer = llm.engine.request_builder.renderer
         template = renderer.tokenizer.chat_template
-        for label, choice in CHOICES.items():
+        for label in modes:
+            choice = CHOICES[label]
             prompts, params, plans = [], [], []
             for question, expected in QUESTIONS:
                 request = request_for(question, expected, choice)
@@ -157,6 +158,7 @@ def run(seeds: int, max_tokens: int) -> dict[str, Any]:
                 "answers": total,
                 "examples": examples,
             }
+            print(json.dumps({label: results[label]}), flush=True)
     return results
 
 
@@ -164,8 +166,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--modes", nargs="+", default=list(CHOICES), choices=list(CHOICES))
     args = parser.parse_args()
-    print(json.dumps(run(args.seeds, args.max_tokens), indent=2))
+    print(json.dumps(run(args.seeds, args.max_tokens, args.modes), indent=2))
 
 
 if __name__ == "__main__":

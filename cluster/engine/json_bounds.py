@@ -6,14 +6,10 @@ without a length, pattern, format or set of values at most `MAX_OPEN_STRING` cha
 every integer without bounds at most `MAX_INTEGER_DIGITS` digits, so the grammar closes such a
 value and the model goes on to the next field. Every output valid under the bounded schema is
 valid under the original; the user's schema is what requests are keyed and validated by.
-
-`schema_instruction` states a schema in words for the prompt, as OpenAI's and llama-server's
-templates show a response format or tools to the model.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 MAX_OPEN_STRING = 256
@@ -55,9 +51,3 @@ def bounded_schema(schema: Any) -> Any:
     ):
         bounded["minimum"] = -(10**MAX_INTEGER_DIGITS - 1)
     return bounded
-
-
-def schema_instruction(schema: Any) -> str:
-    """The schema stated for the model: what its answer must be."""
-    text = json.dumps(schema, ensure_ascii=False)
-    return f"Answer with a JSON object that matches this JSON schema:\n{text}"
