@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -66,27 +67,30 @@ async def one(client: httpx.AsyncClient, model: str, ids: list[int], max_tokens:
     return "ok"
 
 
-async def drive(args: argparse.Namespace, base: str, model: str) -> dict[str, Any]:
+async def drive(args: argparse.Namespace, base: str, model: str, outcomes: list[str]) -> None:
+    """Sends the workload; each request's outcome is appended to `outcomes` as it ends."""
     rng = random.Random(args.seed + 1)
-    jobs = [
-        ids
-        for _, ids in workload(
-            random.Random(args.seed), args.prefixes, args.prefix_tokens, args.repeats
-        )
-    ]
-    limits = httpx.Limits(max_connections=len(jobs))
-    started = time.perf_counter()
+    sent = workload(random.Random(args.seed), args.prefixes, args.prefix_tokens, args.repeats)
+    limits = httpx.Limits(max_connections=len(sent))
+
+    async def record(client: httpx.AsyncClient, ids: list[int]) -> None:
+        outcomes.append(await one(client, model, ids, args.max_tokens))
+
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
         tasks = []
-        for ids in jobs:
-            tasks.append(asyncio.create_task(one(client, model, ids, args.max_tokens)))
+        for _, ids in sent:
+            tasks.append(asyncio.create_task(record(client, ids)))
             await asyncio.sleep(rng.expovariate(args.rate))
-        outcomes = await asyncio.gather(*tasks)
+        await asyncio.gather(*tasks)
+
+
+def summary(outcomes: list[str], requests: int, seconds: float) -> dict[str, Any]:
     counts = Counter(outcomes)
     return {
-        "requests": len(jobs),
+        "requests": requests,
         "completed": counts.pop("ok", 0),
-        "seconds": round(time.perf_counter() - started, 1),
+        "unfinished": requests - len(outcomes),
+        "seconds": round(seconds, 1),
         "failures": dict(counts.most_common()),
     }
 
@@ -104,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--overload-fraction", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--time-limit", type=float, default=None, help="seconds; then report what ended"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     server = None
@@ -124,13 +131,20 @@ def main(argv: list[str] | None = None) -> int:
         base = server.base
         if args.model:
             model = args.model
+    outcomes: list[str] = []
+    started = time.perf_counter()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server on the way out
     try:
-        report = asyncio.run(drive(args, base, model))
+        asyncio.run(asyncio.wait_for(drive(args, base, model, outcomes), args.time_limit))
+    except TimeoutError:
+        pass  # reported as unfinished
     finally:
         if server is not None:
             server.stop()
             server.kill()
-    print(json.dumps(report, indent=2) if args.json else report)
+        requests = args.prefixes * args.repeats
+        report = summary(outcomes, requests, time.perf_counter() - started)
+        print(json.dumps(report, indent=2) if args.json else report, flush=True)
     return 0
 
 
