@@ -39,7 +39,7 @@ def build_smollm2_adapters(root: pathlib.Path) -> dict[str, pathlib.Path]:
     paths = {}
     for seed, name in enumerate(ADAPTERS, start=31):
         model = build_adapter(
-            base, root / name, rank=8, targets=("q_proj", "v_proj"), seed=seed, std=0.05
+            base, root / name, rank=8, targets=("q_proj", "v_proj"), seed=seed, std=0.15
         )
         base = model.unload()
         paths[name] = root / name

@@ -80,6 +80,7 @@ def test_readme_offline_llm_knows_the_capital(
 
 
 def test_readme_streaming_chat_names_colours(client: openai.OpenAI) -> None:
+    """The text arrives in pieces, and it is about colours."""
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Name three colours."}],
@@ -88,9 +89,12 @@ def test_readme_streaming_chat_names_colours(client: openai.OpenAI) -> None:
         stream=True,
     )
     chunks = list(stream)
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
-    named = {c for c in ("red", "blue", "green", "yellow", "orange") if c in text.lower()}
-    assert len(named) >= 2, text
+    pieces = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    text = "".join(pieces).lower()
+    assert len(pieces) >= 3, pieces  # streamed: 32 tokens in chunks of about 4 (shipped config)
+    assert any(colour in text for colour in ("red", "blue", "green", "yellow")), text
     assert chunks[-1].choices[0].finish_reason in {"stop", "length"}
 
 
