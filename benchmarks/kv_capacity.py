@@ -68,7 +68,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="benchmarks.kv_capacity", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="benchmarks.kv_capacity", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--json", action="store_true", help="JSON on stdout, the table on stderr")
     parser.add_argument("--kv-cache-mib", type=float, default=1024.0, help="per mode and shape")
     parser.add_argument("--steps", type=int, default=3, help="timed decode steps per point")

@@ -41,9 +41,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 def canonical(kv_cache_dtype: str) -> str:
     """The one name of a `kv_cache_dtype` value ("fp8" is "fp8_e4m3"); ValueError if unknown."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype {kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}"
-        )
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
     return ALIASES.get(kv_cache_dtype, kv_cache_dtype)
 
 

@@ -54,7 +54,10 @@ def test_llm_keywords_swap_space_is_gib_and_the_no_ops_change_nothing() -> None:
     ("kwargs", "fragment"),
     [
         ({"kv_cache_dtype": "fp8_e5m2"}, r"cache\.kv_cache_dtype: Input should be 'auto', 'int8'"),
-        ({"kv_cache_dtype": "int8", "kv_layout": "virtual"}, r"kv_cache_dtype 'int8' needs .*'paged'"),
+        (
+            {"kv_cache_dtype": "int8", "kv_layout": "virtual"},
+            r"kv_cache_dtype 'int8' needs .*'paged'",
+        ),
         ({"quantization": "awq"}, r"quantization='awq' is not supported: .*GGUF"),
         ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2 .*tensor_parallel_size"),
         ({"swap_space": -1}, r"swap_space: GiB .*>= 0; got -1"),

@@ -21,9 +21,7 @@ def test_write_kv_rounds_to_fp8_and_touches_only_its_slots(dtype: torch.dtype) -
     key = torch.randn(3, 2, 64, dtype=dtype) * 3
     value = torch.randn(3, 2, 64, dtype=dtype) * 3
     slots = torch.tensor([9, -1, 30])
-    triton_cache_ops.write_kv(
-        key.to(device), value.to(device), k_cache, v_cache, slots.to(device)
-    )
+    triton_cache_ops.write_kv(key.to(device), value.to(device), k_cache, v_cache, slots.to(device))
     flat_k = k_cache.cpu().view(torch.uint8).view(-1, 2, 64)
     flat_v = v_cache.cpu().view(torch.uint8).view(-1, 2, 64)
     assert torch.equal(flat_k[9], key[0].to(FP8).view(torch.uint8))

@@ -97,9 +97,7 @@ def test_native_kernel_reads_int8_codes_as_the_oracle_does(
             case.query, case.k_cache, case.v_cache, rows, case.scale, window, out, isa
         )
         bound = _bound(query_dtype)
-        torch.testing.assert_close(
-            out.float(), _oracle(case, window), atol=bound, rtol=bound
-        )
+        torch.testing.assert_close(out.float(), _oracle(case, window), atol=bound, rtol=bound)
 
 
 @pytest.mark.parametrize("native", [True, False])
