@@ -185,3 +185,20 @@ def test_storage_dtypes_of_each_setting() -> None:
     assert kv_quant.canonical("fp8") == kv_quant.canonical("fp8_e4m3") == "fp8_e4m3"
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2'"):
         kv_quant.canonical("fp8_e5m2")
+
+
+def test_block_transfers_carry_the_scales_and_refuse_other_dtypes() -> None:
+    """The bytes a peer pull moves (`workers.block_io`): an int8 block arrives with its scales,
+    and rows of a bfloat16 pool do not fit an int8 one."""
+    from workers.block_io import read_blocks, write_blocks
+
+    shape = {"num_layers": 2, "num_blocks": 4, "block_size": 4, "num_kv_heads": 2, "head_dim": 32}
+    source = pagedserve_kernels.allocate_kv_pool(**shape, dtype=torch.int8, device="cpu")
+    source.copy_(kv_quant.quantize_int8(torch.randn(*source.shape[:-1], 32)))
+    target = pagedserve_kernels.allocate_kv_pool(**shape, dtype=torch.int8, device="cpu")
+    assert write_blocks(target, [3, 0], read_blocks(source, [1, 2])) == 2
+    assert torch.equal(target[:, :, 3], source[:, :, 1])
+    assert torch.equal(target[:, :, 0], source[:, :, 2])
+    bf16 = pagedserve_kernels.allocate_kv_pool(**shape, dtype=torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        write_blocks(target, [0], read_blocks(bf16, [0]))
