@@ -9,6 +9,13 @@ run the figures of `layouts_run._summarize`, and ratios against paged, among the
 `paged_over_contiguous_peak_concurrency`. Without `--model` a seeded tiny random Llama is written
 to a temporary directory (the figures that matter here are memory and scheduling, which depend
 on lengths, not on weights).
+
+The model runs in `--dtype` (float32 unless given), never `auto`: the KV budget is in bytes, and
+`auto` (bfloat16 on CPUs with native bfloat16) would halve the bytes of a token on some machines
+and not others, so the same command would compare layouts at twice the tokens there. With twice
+the tokens, contiguous fits twice the sequences while paged stays at `max_num_seqs`, and the
+ratio measures the cap, not paging. `paged_capped_by_max_num_seqs` says when paged's peak is the
+cap (its ratio is then a lower bound).
 """
 
 from __future__ import annotations
@@ -54,6 +61,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--max-tokens-cap", type=int, default=256, help="clients' max_tokens")
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the model's (and KV's) dtype: one byte budget, the same tokens on every CPU",
+    )
     parser.add_argument("--shared-prefix", type=int, default=128, help="tokens, variant 2")
     parser.add_argument("--slo-ttft-s", type=float, default=5.0)
     parser.add_argument("--slo-tpot-s", type=float, default=0.25)
@@ -65,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def base_config(args: argparse.Namespace, model: str) -> EngineConfig:
     return EngineConfig.build(
         {
-            "model": {"model": model, "max_model_len": args.max_model_len},
+            "model": {"model": model, "max_model_len": args.max_model_len, "dtype": args.dtype},
             "cache": {
                 "kv_cache_bytes": int(args.kv_cache_mib * 2**20),
                 "watermark": 0.0,
@@ -95,7 +108,7 @@ def _ratios(run: dict[str, Any], paged: dict[str, Any]) -> dict[str, float | Non
     }
 
 
-def workload_report(results: list[RunResult]) -> dict[str, Any]:
+def workload_report(results: list[RunResult], max_num_seqs: int) -> dict[str, Any]:
     runs = {r.layout: r.metrics for r in results}
     paged = runs["paged"]
     report: dict[str, Any] = {"runs": runs}
@@ -105,6 +118,7 @@ def workload_report(results: list[RunResult]) -> dict[str, Any]:
     report["paged_over_contiguous_peak_concurrency"] = round(
         paged["peak_concurrent_sequences"] / max(contiguous_peak, 1), 3
     )
+    report["paged_capped_by_max_num_seqs"] = paged["peak_concurrent_sequences"] >= max_num_seqs
     report["kv_utilization"] = paged["kv_utilization"]
     report["virtual_throughput_vs_paged"] = runs["virtual"]["ratios"]["throughput_vs_paged"]
     return report
@@ -200,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for size in BLOCK_SIZES:
                 block_runs.append(run_layout(base, workloads[0], "paged", size, **slo))
             print(format_table("== paged block sizes (mixed) ==", block_runs), file=sys.stderr)
-    mixed = workload_report(results["mixed"])
+    mixed = workload_report(results["mixed"], args.max_num_seqs)
     report: dict[str, Any] = {
         "model": args.model or "tiny random Llama (tests/tiny_model.py)",
         "device": "cpu",
@@ -209,11 +223,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "requests": args.requests,
         "arrival": "all at once (scheduling is timing-independent; times are this machine's)",
         "slo": {"ttft_s": args.slo_ttft_s, "tpot_s": args.slo_tpot_s},
+        "dtype": args.dtype,
         "paged_over_contiguous_peak_concurrency": mixed["paged_over_contiguous_peak_concurrency"],
+        "paged_capped_by_max_num_seqs": mixed["paged_capped_by_max_num_seqs"],
         "kv_utilization": mixed["kv_utilization"],
         "virtual_throughput_vs_paged": mixed["virtual_throughput_vs_paged"],
         "mixed": mixed,
-        "shared_prefix": workload_report(results["shared_prefix"]),
+        "shared_prefix": workload_report(results["shared_prefix"], args.max_num_seqs),
         "block_sizes": {
             str(r.block_size): {
                 key: r.metrics[key]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve_kernels import kv_quant
 from pagedserve_kernels.native import FLAG, POINTER, SIZE, NativeLibrary
 
 MAX_HEAD_DIM = 256
@@ -91,7 +92,7 @@ def _native() -> NativeLibrary:
     attention = [
         FLAG,  # instruction set
         POINTER, SIZE, SIZE,  # query, its row and head strides
-        POINTER, POINTER, FLAG,  # k_cache, v_cache, bfloat16
+        POINTER, POINTER, FLAG, FLAG,  # k_cache, v_cache, bfloat16, int8 caches
         POINTER, POINTER, POINTER, SIZE,  # rows, context_lens, block_tables, table stride
         SIZE, SIZE, SIZE, SIZE, SIZE,  # seqs, kv heads, group, head_dim, block_size
         ctypes.c_float, SIZE,  # scale, window
@@ -128,13 +129,15 @@ def accepts(
 
     `query` / `out` `[tokens, H_q, D]` and the caches `[blocks, block_size, H_kv, D]` (already
     validated against each other) must share a dtype, float32 or bfloat16, on the CPU, with the
-    head dimension contiguous; the caches contiguous."""
-    head_dim = k_cache.shape[-1]
+    head dimension contiguous; the caches contiguous. Int8 caches (`kv_quant`: codes and a scale
+    per vector) go with a float32 or bfloat16 query: the kernel reads their codes in place."""
+    head_dim = kv_quant.head_dim_of(k_cache)
     group = query.shape[1] // k_cache.shape[2]
     return (
         available()
         and query.dtype in (torch.float32, torch.bfloat16)
-        and query.dtype == k_cache.dtype == out.dtype
+        and query.dtype == out.dtype
+        and k_cache.dtype in (query.dtype, torch.int8)
         and k_cache.device.type == "cpu"
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -165,7 +168,8 @@ def decode_attention(
     num_seqs = decodes.rows.shape[0]
     if num_seqs == 0:
         return
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    head_dim = kv_quant.head_dim_of(k_cache)
     status = library.decode_attention(
         _native().isa_number(isa),
         query.data_ptr(),
@@ -174,6 +178,7 @@ def decode_attention(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         int(query.dtype == torch.bfloat16),
+        int(kv_quant.is_int8(k_cache)),
         decodes.rows.data_ptr(),
         decodes.context_lens.data_ptr(),
         decodes.block_tables.data_ptr(),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve_kernels import validation
+from pagedserve_kernels import kv_quant, validation
 
 
 def allocate_kv_pool(
@@ -22,7 +22,9 @@ def allocate_kv_pool(
     device: torch.device | str,
     pin_memory: bool = False,
 ) -> torch.Tensor:
-    """One zeroed tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """One zeroed tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, width]``:
+    ``width`` is ``head_dim``, or ``head_dim`` codes plus the scale's bytes for an int8
+    ``dtype`` (``pagedserve_kernels.kv_quant``).
 
     ``pool[l, 0]`` is layer l's K cache and ``pool[l, 1]`` its V cache. A block id names the same
     block in every layer, so copies and swaps over all layers are single indexed operations.
@@ -41,9 +43,10 @@ def allocate_kv_pool(
         raise ValueError(
             f"head_dim {head_dim} unsupported; supported: {validation.SUPPORTED_HEAD_DIMS}"
         )
-    if dtype not in validation.SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {dtype} unsupported; supported: {validation.SUPPORTED_DTYPES}")
+    if dtype not in validation.CACHE_DTYPES:
+        raise ValueError(f"dtype {dtype} unsupported; supported: {validation.CACHE_DTYPES}")
     device = torch.device(device)
     pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    width = kv_quant.stored_width(head_dim, dtype)
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, width)
     return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve_kernels import attention_cpu
+from pagedserve_kernels import attention_cpu, kv_quant
 from pagedserve_kernels.metadata import DecodeGroup, PreparedAttention
 
 
@@ -35,10 +35,12 @@ def write_kv(
     slots: torch.Tensor,
     rows: torch.Tensor | None,
 ) -> None:
-    """Copy token ``rows`` (all when None) into int64 ``slots`` of the ``[num_slots, H_kv, D]``
-    views of the caches (validated: in range, distinct)."""
+    """Copy token ``rows`` (all when None) into int64 ``slots`` of the ``[num_slots, H_kv, W]``
+    views of the caches (validated: in range, distinct), encoded as the caches store them
+    (``kv_quant.encode``: int8 codes and scales, fp8, or as given)."""
     if rows is not None:
         key, value = key.index_select(0, rows), value.index_select(0, rows)
+    key, value = kv_quant.encode(key, k_cache.dtype), kv_quant.encode(value, v_cache.dtype)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
 
@@ -164,12 +166,12 @@ def _all_heads(
     return mixed.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(seqs, rows, head_dim)
 
 
-def _folds(cache_dtype: torch.dtype, num_kv_heads: int, num_seqs: int) -> bool:
-    """Whether a decode group attends with ``_all_heads`` rather than SDPA: bfloat16 caches of
+def _folds(dtype: torch.dtype, num_kv_heads: int, num_seqs: int) -> bool:
+    """Whether a decode group attends with ``_all_heads`` rather than SDPA: bfloat16 keys of
     few KV heads and at least ``FOLDED_MIN_SEQS`` sequences, where it measured faster than SDPA
     (1.1-1.3x at 4-32 sequences of 3 KV heads; slower at 1-2)."""
     return (
-        cache_dtype == torch.bfloat16
+        dtype == torch.bfloat16
         and num_kv_heads <= FOLDED_MAX_KV_HEADS
         and num_seqs >= FOLDED_MIN_SEQS
     )
@@ -191,18 +193,22 @@ def _attend_decodes(
     """One gather per cache and one attention call for every decode of ``group``; fills its rows.
 
     ``key_bias`` is the group's key mask already in the dtype the call wants (None: no mask):
-    float32 for ``_all_heads`` (bfloat16 caches with few KV heads), the query's for SDPA."""
+    float32 for ``_all_heads`` (bfloat16 caches with few KV heads), the query's for SDPA.
+    A quantized cache's gathered blocks are decoded to the query's dtype (this path only; the
+    native kernel reads the codes in place)."""
     block_size, num_kv_heads, group_size, head_dim = geometry
     seqs, count = group.num_seqs, group.block_ids.shape[0]
-    shape = (seqs, group.width * block_size, num_kv_heads, head_dim)
+    width = buffers[0].shape[-1] // num_kv_heads // block_size
+    shape = (seqs, group.width * block_size, num_kv_heads, width)
     keys = torch.index_select(k_flat, 0, group.block_ids, out=buffers[0][:count]).view(shape)
     values = torch.index_select(v_flat, 0, group.block_ids, out=buffers[1][:count]).view(shape)
+    keys, values = kv_quant.decode(keys, query.dtype), kv_quant.decode(values, query.dtype)
     if group.row_range is not None:
         q = query[group.row_range[0] : group.row_range[1]]
     else:
         q = query.index_select(0, group.rows)
     q = q.reshape(seqs, num_kv_heads, group_size, head_dim)
-    folded = _folds(keys.dtype, num_kv_heads, seqs) and softcap is None
+    folded = _folds(query.dtype, num_kv_heads, seqs) and softcap is None
     if sliding_window is not None:
         dtype = torch.float32 if folded else query.dtype
         bias = _window_bias(group, block_size, sliding_window, dtype)
@@ -248,7 +254,8 @@ def paged_attention(
     ):
         attention_cpu.decode_attention(query, k_cache, v_cache, rows, scale, sliding_window, out)
         return out
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads, width = k_cache.shape[1:]
+    head_dim = kv_quant.head_dim_of(k_cache)
     group_size = query.shape[1] // num_kv_heads
     geometry = (block_size, num_kv_heads, group_size, head_dim)
     k_flat = k_cache.reshape(k_cache.shape[0], -1)  # a view: a layer's cache is contiguous
@@ -256,7 +263,7 @@ def paged_attention(
     workspace = metadata.workspace
     buffers = workspace.buffers(k_cache)
     for index, group in enumerate(metadata.decode_groups):
-        folded = _folds(k_cache.dtype, num_kv_heads, group.num_seqs) and softcap is None
+        folded = _folds(query.dtype, num_kv_heads, group.num_seqs) and softcap is None
         bias = workspace.key_bias(index, group, torch.float32 if folded else query.dtype)
         _attend_decodes(
             query, k_flat, v_flat, buffers, group, bias, geometry, scale, sliding_window, out,
@@ -272,8 +279,9 @@ def paged_attention(
         skip = first_key - first_block * block_size
         keys = torch.index_select(k_flat, 0, ids, out=buffers[0][:count])
         values = torch.index_select(v_flat, 0, ids, out=buffers[1][:count])
-        keys = keys.view(-1, num_kv_heads, head_dim)[skip : skip + context_len - first_key]
-        values = values.view(-1, num_kv_heads, head_dim)[skip : skip + context_len - first_key]
+        keys = keys.view(-1, num_kv_heads, width)[skip : skip + context_len - first_key]
+        values = values.view(-1, num_kv_heads, width)[skip : skip + context_len - first_key]
+        keys, values = kv_quant.decode(keys, query.dtype), kv_quant.decode(values, query.dtype)
         q = query[start : start + q_len].reshape(q_len, num_kv_heads, group_size, head_dim)
         attended = _prefill_one(
             q, keys, values, scale, first_key, context_len, sliding_window, softcap

@@ -100,6 +100,7 @@ def _attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k_off = block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
         k = tl.load(k_ptr + k_off + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)  # an fp8 cache's values widened exactly (no-op for the query's dtype)
         if FP32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -119,6 +120,7 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
         v = tl.load(v_ptr + v_off + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        v = v.to(q.dtype)
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:

@@ -61,9 +61,12 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter each token's K/V into its slot (-1 skipped); input validated, caches contiguous."""
+    """Scatter each token's K/V into its slot (-1 skipped); input validated, caches contiguous.
+    An fp8 cache gets the step's K/V rounded by torch first (to nearest even, scale 1): one small
+    tensor per call, and the kernel then only copies, the same on a GPU and in the interpreter."""
     if key.shape[0] == 0:
         return
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     slots = slot_mapping.to(device=key.device, dtype=torch.int64).contiguous()
     num_elems = key.shape[1] * key.shape[2]
     block = min(triton.next_power_of_2(num_elems), COPY_CHUNK)

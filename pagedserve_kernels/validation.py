@@ -12,7 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve_kernels import kv_quant
+
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES: tuple[torch.dtype, ...] = (*SUPPORTED_DTYPES, torch.int8, kv_quant.FP8_DTYPE)
+"""What a KV cache may hold: the compute dtypes, int8 codes with scales, or fp8 values."""
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 128, 256)
 INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 KV_POOL_DIMS = 6
@@ -64,27 +68,42 @@ def _check_index_tensor(name: str, tensor: torch.Tensor, dims: int, device: torc
         _fail(f"{name} is on {tensor.device} but the data is on {device}")
 
 
-def _check_float_tensor(name: str, tensor: torch.Tensor, dims: int) -> None:
+def _check_float_tensor(
+    name: str, tensor: torch.Tensor, dims: int, dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
+) -> None:
     if not isinstance(tensor, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dim() != dims:
         _fail(f"{name} must have {dims} dimensions, got shape {tuple(tensor.shape)}")
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        _fail(f"{name} has unsupported dtype {tensor.dtype}; supported: {SUPPORTED_DTYPES}")
+    if tensor.dtype not in dtypes:
+        _fail(f"{name} has unsupported dtype {tensor.dtype}; supported: {dtypes}")
+
+
+def _check_compute_dtype(name: str, dtype: torch.dtype, cache: torch.Tensor) -> None:
+    """A tensor of the model's dtype beside `cache`: the cache's own dtype, or any compute dtype
+    when the cache is quantized."""
+    if kv_quant.is_quantized(cache):
+        return
+    if dtype != cache.dtype:
+        _fail(f"{name} dtype {dtype} differs from cache dtype {cache.dtype}")
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """K and V caches ``[num_blocks, block_size, H_kv, head_dim]``: same shape, dtype, device."""
-    _check_float_tensor("k_cache", k_cache, 4)
-    _check_float_tensor("v_cache", v_cache, 4)
+    """K and V caches ``[num_blocks, block_size, H_kv, width]`` (``width``: the head dim, plus
+    the scale's bytes for int8 caches): same shape, dtype, device."""
+    _check_float_tensor("k_cache", k_cache, 4, CACHE_DTYPES)
+    _check_float_tensor("v_cache", v_cache, 4, CACHE_DTYPES)
     if k_cache.shape != v_cache.shape:
         _fail(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
     if k_cache.dtype != v_cache.dtype:
         _fail(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} differ in dtype")
     if k_cache.device != v_cache.device:
         _fail(f"k_cache on {k_cache.device} and v_cache on {v_cache.device}")
-    if k_cache.shape[3] not in SUPPORTED_HEAD_DIMS:
-        _fail(f"head_dim {k_cache.shape[3]} unsupported; supported: {SUPPORTED_HEAD_DIMS}")
+    if kv_quant.head_dim_of(k_cache) not in SUPPORTED_HEAD_DIMS:
+        _fail(
+            f"head_dim {kv_quant.head_dim_of(k_cache)} unsupported; "
+            f"supported: {SUPPORTED_HEAD_DIMS}"
+        )
     if k_cache.shape[0] < 1 or k_cache.shape[1] < 1 or k_cache.shape[2] < 1:
         _fail(f"cache shape {tuple(k_cache.shape)} has an empty dimension")
 
@@ -98,14 +117,16 @@ def check_kv_operands(
     _check_float_tensor("value", value, 3)
     if key.shape != value.shape:
         _fail(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, head_dim = k_cache.shape[2], kv_quant.head_dim_of(k_cache)
     if tuple(key.shape[1:]) != (num_kv_heads, head_dim):
         _fail(
             f"key/value heads x dim {tuple(key.shape[1:])} do not match the cache's "
             f"({num_kv_heads}, {head_dim})"
         )
-    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
-        _fail(f"key/value dtype {key.dtype}/{value.dtype} differs from cache dtype {k_cache.dtype}")
+    _check_compute_dtype("key", key.dtype, k_cache)
+    _check_compute_dtype("value", value.dtype, k_cache)
+    if key.dtype != value.dtype:
+        _fail(f"key dtype {key.dtype} and value dtype {value.dtype} differ")
     if key.device != k_cache.device or value.device != k_cache.device:
         _fail(f"key/value on {key.device}/{value.device} but the cache is on {k_cache.device}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -159,14 +180,13 @@ def check_attention_operands(
     soft cap."""
     check_cache_pair(k_cache, v_cache)
     _check_float_tensor("query", query, 3)
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, head_dim = k_cache.shape[2], kv_quant.head_dim_of(k_cache)
     num_q_heads, q_head_dim = query.shape[1], query.shape[2]
     if q_head_dim != head_dim:
         _fail(f"query head_dim {q_head_dim} differs from the cache's {head_dim}")
     if num_q_heads % num_kv_heads != 0:
         _fail(f"query heads {num_q_heads} is not a multiple of KV heads {num_kv_heads}")
-    if query.dtype != k_cache.dtype:
-        _fail(f"query dtype {query.dtype} differs from cache dtype {k_cache.dtype}")
+    _check_compute_dtype("query", query.dtype, k_cache)
     if query.device != k_cache.device:
         _fail(f"query on {query.device} but the cache is on {k_cache.device}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale:
@@ -284,7 +304,7 @@ def check_paged_attention(
         block_size=k_cache.shape[1],
         num_kv_heads=k_cache.shape[2],
         group_size=query.shape[1] // k_cache.shape[2],
-        head_dim=k_cache.shape[3],
+        head_dim=kv_quant.head_dim_of(k_cache),
     )
 
 

@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from pagedserve_kernels import kv_quant
+
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -63,6 +65,9 @@ class WorkerConfig:
     device: str = "auto"
     """Where ranks compute: "auto" (CUDA when their bundle holds a GPU), "cpu" or "cuda"."""
     """`virtual` layout: sequence slots of the virtual pool (the engine's max running seqs)."""
+    kv_cache_dtype: str = "auto"
+    """auto | int8 | fp8 | fp8_e4m3: how the KV pool stores values (`pagedserve_kernels.kv_quant`;
+    int8 on CPU ranks, fp8 on CUDA ranks, the paged layout only)."""
     verify_swaps: bool = False
     """Checksum every block copied to the CPU pool and check it when copied back."""
     num_threads: int | str | None = None
@@ -111,6 +116,17 @@ class WorkerConfig:
                 "dtype",
                 f"dtype {self.dtype!r} is not 'auto' or one of {sorted(SUPPORTED_DTYPES)}",
             )
+        if self.kv_cache_dtype not in kv_quant.KV_CACHE_DTYPES:
+            yield (
+                "kv_cache_dtype",
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of "
+                f"{list(kv_quant.KV_CACHE_DTYPES)}",
+            )
+        elif self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
+            yield (
+                "kv_cache_dtype",
+                f"kv_cache_dtype {self.kv_cache_dtype!r} needs kv_layout 'paged'",
+            )
         if self.quantized_activations not in (True, False, "auto"):
             yield (
                 "quantized_activations",
@@ -157,6 +173,19 @@ class WorkerConfig:
         if self.dtype == "auto":
             raise ValueError("dtype 'auto' is resolved by WorkerGroup before the ranks start")
         return SUPPORTED_DTYPES[self.dtype]
+
+    def kv_storage_dtype(self, device: torch.device) -> torch.dtype:
+        """The KV pool's dtype on `device`; raises WorkerConfigError for a quantized cache the
+        device has no kernels for (int8: CPU; fp8: CUDA)."""
+        name = kv_quant.canonical(self.kv_cache_dtype)
+        wanted = {"int8": "cpu", "fp8_e4m3": "cuda"}.get(name)
+        if wanted is not None and device.type != wanted:
+            raise WorkerConfigError(
+                "kv_cache_dtype",
+                f"kv_cache_dtype {self.kv_cache_dtype!r} runs on {wanted.upper()} ranks; "
+                f"this rank computes on {device.type}",
+            )
+        return kv_quant.storage_dtype(name, self.torch_dtype)
 
     def cpu_threads(self) -> int | None:
         """The intra-op thread count a CPU rank sets (None: leave torch's). "auto": the cores
@@ -334,6 +363,9 @@ class ModelInfo:
     rope: str
     quantization: str
     kv_bytes_per_block: int
+    kv_cache_dtype: str = "auto"
+    """How the KV cache stores values (`kv_quant.canonical`: auto, int8, fp8_e4m3); in the
+    cache identity, so blocks of one never serve a request of another."""
     quantized_activations: bool = False
     """Whether the products take int8-quantized activations (it changes KV values, so it is in
     the cache identity)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pagedserve_kernels import kv_quant
 from workers.block_io import BlockShard
 from workers.config import ModelInfo, ModelSpec, WorkerConfig
 from workers.cpu_features import CpuFeatures, auto_dtype, auto_quantized_activations
@@ -75,11 +76,12 @@ def _max_model_len(config: WorkerConfig, spec: ModelSpec) -> int:
 
 
 def _model_info(
-    config: WorkerConfig, description: ModelDescription, max_model_len: int
+    config: WorkerConfig, description: ModelDescription, max_model_len: int, device: str
 ) -> ModelInfo:
     spec = description.spec
+    kv_dtype = config.kv_storage_dtype(torch.device(device))
     full_shape = KVShape(
-        spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, config.torch_dtype
+        spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype
     )
     return ModelInfo(
         architecture=spec.architecture,
@@ -98,6 +100,7 @@ def _model_info(
         rope=spec.rope.canonical(),
         quantization=description.quantization,
         kv_bytes_per_block=full_shape.bytes_per_block,
+        kv_cache_dtype=kv_quant.canonical(config.kv_cache_dtype),
         quantized_activations=bool(config.quantized_activations),
     )
 
@@ -153,7 +156,7 @@ class WorkerGroup:
             device = self.placement.devices[0]
         config = resolve_auto(config, device)
         self.config = config
-        self.model_info = _model_info(config, description, max_model_len)
+        self.model_info = _model_info(config, description, max_model_len, device)
         args = (config, description, str(cache_root))
         try:
             if config.backend == "local":

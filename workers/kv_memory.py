@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve_kernels import kv_quant
 from workers.config import WorkerConfig
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
@@ -18,7 +19,9 @@ DEFAULT_CPU_KV_BYTES = 512 * 2**20
 
 @dataclass(frozen=True)
 class KVShape:
-    """One rank's KV pool geometry (all layers, K and V, this rank's KV heads)."""
+    """One rank's KV pool geometry (all layers, K and V, this rank's KV heads); `dtype` is the
+    pool's (`pagedserve_kernels.kv_quant.storage_dtype`), so an int8 pool's bytes count the
+    scales stored beside the codes."""
 
     num_layers: int
     block_size: int
@@ -28,8 +31,9 @@ class KVShape:
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        element = kv_quant.element_bytes(self.dtype)
+        width = kv_quant.stored_width(self.head_dim, self.dtype)
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * width * element
 
 
 def blocks_from_budget(budget_bytes: int, shape: KVShape, what: str) -> int:

@@ -80,7 +80,7 @@ class WorkerRank:
             config.block_size,
             layout.num_kv,
             description.spec.head_dim,
-            config.torch_dtype,
+            config.kv_storage_dtype(self.device),
         )
         self.registry = SequenceRegistry()
         self.model: CausalLM | None = None

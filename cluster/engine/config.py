@@ -87,6 +87,13 @@ class CacheSettings(_Section):
         "per-sequence virtual ranges committed on demand (CPU); prefix caching, swap and n > 1 "
         "need 'paged'",
     )
+    kv_cache_dtype: Literal["auto", "int8", "fp8", "fp8_e4m3"] = Field(
+        "auto",
+        description="how KV is stored (vLLM's flag): auto, the model's dtype; int8 (CPU), int8 "
+        "codes with a bfloat16 scale per token and head, about half of bfloat16's bytes; "
+        "fp8_e4m3 or its alias fp8 (CUDA), fp8 values with a scale of 1; quantized caches need "
+        "kv_layout 'paged'",
+    )
 
     @model_validator(mode="after")
     def _one_device_budget(self) -> CacheSettings:
@@ -292,6 +299,11 @@ class EngineConfig(_Section):
             raise ValueError(
                 "cache.kv_layout 'virtual' runs on one rank (CPU): "
                 "parallel.tensor_parallel_size must be 1"
+            )
+        if self.cache.kv_layout != "paged" and self.cache.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"cache.kv_cache_dtype {self.cache.kv_cache_dtype!r} needs cache.kv_layout "
+                f"'paged' (the {self.cache.kv_layout!r} layout keeps the model's dtype)"
             )
         if self.cache.kv_layout != "paged" and self.scheduler.preemption_mode == "swap":
             raise ValueError(

@@ -92,7 +92,7 @@ class EngineCore:
                 model_weights_digest=info.weights_digest,
                 tokenizer_digest=self.renderer.digest,
                 dtype=info.dtype,
-                kv_cache_dtype="auto",
+                kv_cache_dtype=info.kv_cache_dtype,
                 block_size=config.cache.block_size,
                 rope=info.rope,
                 quantization=info.quantization

@@ -8,9 +8,9 @@ where it does not.
   nothing here, and are accepted as booleans: every step already runs eagerly (no CUDA graphs
   are captured), model architectures are built in (no model code is downloaded or run), and the
   engine logs neither periodic statistics nor each request (metrics are read on demand).
-- `kv_cache_dtype`, `quantization` and `pipeline_parallel_size` are accepted at the one value
-  that describes this engine ("auto"; None or "gguf"; 1); another value is a ConfigError
-  saying why, never silently ignored.
+- `quantization` and `pipeline_parallel_size` are accepted at the one value that describes
+  this engine (None or "gguf"; 1); another value is a ConfigError saying why, never silently
+  ignored. (`kv_cache_dtype` is `cache.kv_cache_dtype`, a setting of its own.)
 
 Invariant: a name here is never also an `EngineConfig` field, so each setting has one spelling
 per section and the two translations (keywords, flags) cannot disagree.
@@ -35,7 +35,6 @@ ACCEPTED_AS_IS: dict[str, str] = {
 """Boolean vLLM arguments with nothing to change here, and why."""
 
 ONE_VALUE: dict[str, tuple[tuple[Any, ...], str]] = {
-    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
     "quantization": (
         (None, "gguf"),
         "weights are used as stored: a GGUF file's quantized codes, or the dtype of an HF "

@@ -284,7 +284,7 @@ class GenerationRpc:
             block_size=block_size,
             tensor_parallel_size=tp_size,
             dtype=model.dtype,
-            kv_cache_dtype=model.dtype,
+            kv_cache_dtype=model.dtype if model.kv_cache_dtype == "auto" else model.kv_cache_dtype,
             weights_digest=model.weights_digest,
             quantization=model.quantization,
             architecture=model.architecture,

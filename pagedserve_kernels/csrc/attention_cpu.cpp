@@ -10,6 +10,12 @@
 // wherever the compiler's 512-bit lane sum (reduce_add, the softmax total) halves as the AVX2
 // one does, as GCC's does.
 //
+// Int8 caches (pagedserve_kernels/kv_quant.py) are read in place: each (token, KV head) vector is
+// head_dim int8 codes and then its bfloat16 scale; the codes are widened to float32 in registers,
+// a key's products with the query are scaled by its scale (with the softmax scale), and a value's
+// softmax weight is multiplied by its scale after the weights' sum is taken. No float copy of the
+// cache is made.
+//
 // Numerics: everything after the loads is float32. Keys and values (float32 or bfloat16, widened
 // exactly) are multiplied with the float32 query, the scores scaled, the softmax taken in float32
 // (max subtracted, a vector exp within a few ulp of expf), the values summed with float32 weights
@@ -53,6 +59,7 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kSerialKeyRows = 256;  // below this many (key, KV head) rows: no team
+constexpr int64_t kScaleBytes = 2;  // an int8 cache's bfloat16 scale after each vector's codes
 
 struct Geometry {
   int64_t num_kv_heads, group, head_dim, block_size;
@@ -99,13 +106,14 @@ int decode_attention_supported(void) { return decode_attention_isa_supported(cpu
 // in elements, the last dimension contiguous) attends over its context_lens[s] keys (the last
 // `window` of them when window > 0), read from k_cache / v_cache
 // [num_blocks, block_size, num_kv_heads, head_dim] (contiguous) through block_tables row s
-// (int32, table_stride apart); the result goes to the same row of `out`. query, caches and out
-// share one dtype: float32 (bf16 = 0) or bfloat16 (bf16 = 1). The caller validates ids and
+// (int32, table_stride apart); the result goes to the same row of `out`. query and out share one
+// dtype: float32 (bf16 = 0) or bfloat16 (bf16 = 1); the caches have it too, or (kv_int8 = 1)
+// hold int8 codes, [..., head_dim + kScaleBytes] per KV head. The caller validates ids and
 // lengths. Returns 0; -1 for a head_dim that is not a multiple of 16 up to 256 or a group over
 // 16; -2 where the CPU lacks `isa`.
 int decode_attention(int isa, const void* query, int64_t query_row_stride,
                      int64_t query_head_stride, const void* k_cache, const void* v_cache,
-                     int bf16, const int64_t* rows, const int32_t* context_lens,
+                     int bf16, int kv_int8, const int64_t* rows, const int32_t* context_lens,
                      const int32_t* block_tables, int64_t table_stride, int64_t num_seqs,
                      int64_t num_kv_heads, int64_t group,
                      int64_t head_dim, int64_t block_size, float scale, int64_t window,
@@ -116,9 +124,14 @@ int decode_attention(int isa, const void* query, int64_t query_row_stride,
   const Geometry g{num_kv_heads,     group,          head_dim,       block_size,
                    query_row_stride, query_head_stride, out_row_stride, out_head_stride,
                    scale,            window};
-  const auto attend = isa == cpu_common::kAvx512
-                           ? (bf16 ? isa_avx512::attend_all<true> : isa_avx512::attend_all<false>)
-                           : (bf16 ? isa_avx2::attend_all<true> : isa_avx2::attend_all<false>);
+  using Attend = decltype(&isa_avx2::attend_all<false, false>);
+  const Attend by_isa[2][2][2] = {
+      {{isa_avx2::attend_all<false, false>, isa_avx2::attend_all<false, true>},
+       {isa_avx2::attend_all<true, false>, isa_avx2::attend_all<true, true>}},
+      {{isa_avx512::attend_all<false, false>, isa_avx512::attend_all<false, true>},
+       {isa_avx512::attend_all<true, false>, isa_avx512::attend_all<true, true>}},
+  };
+  const Attend attend = by_isa[isa == cpu_common::kAvx512][bf16 ? 1 : 0][kv_int8 ? 1 : 0];
   attend(query, k_cache, v_cache, rows, context_lens, block_tables, table_stride, num_seqs, g,
          out);
   return 0;

@@ -35,7 +35,7 @@ int decode_attention_supported(void);
 int decode_attention_isa_supported(int isa);
 int decode_attention(int isa, const void* query, int64_t query_row_stride,
                      int64_t query_head_stride, const void* k_cache, const void* v_cache,
-                     int bf16, const int64_t* rows, const int32_t* context_lens,
+                     int bf16, int kv_int8, const int64_t* rows, const int32_t* context_lens,
                      const int32_t* block_tables, int64_t table_stride, int64_t num_seqs,
                      int64_t num_kv_heads, int64_t group,
                      int64_t head_dim, int64_t block_size, float scale, int64_t window,

@@ -167,7 +167,7 @@ int decoder_stack(int isa, int quant_isa, const int64_t* layers, int64_t num_lay
                                head_dim, cos, sin, slots, k_cache, v_cache, w.queries.data());
     if (status == 0)
       status = decode_attention(isa, w.queries.data(), q_width, head_dim, k_cache, v_cache,
-                                bf16, seq_rows, context_lens, block_tables, table_stride, rows,
+                                bf16, 0, seq_rows, context_lens, block_tables, table_stride, rows,
                                 num_kv, num_q / num_kv, head_dim, block_size, scale,
                                 layer[kWindow], w.attended.data(), q_width, head_dim);
     if (status == 0)

@@ -168,7 +168,7 @@ def test_swap_blocks_rejects_one_pool_as_both_ends() -> None:
     [
         ({"num_blocks": 0}, "num_blocks"),
         ({"head_dim": 48}, "head_dim"),
-        ({"dtype": torch.int8}, "dtype"),
+        ({"dtype": torch.int32}, "dtype"),
     ],
 )
 def test_allocate_kv_pool_rejects(overrides: dict[str, object], match: str) -> None:
