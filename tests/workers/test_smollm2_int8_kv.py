@@ -7,7 +7,8 @@ bfloat16 test is (`tests/workers/test_smollm2_bfloat16.py`), on the rule the rep
 8-bit modes (`tests/workers/test_smollm2_quantized_activations.py`): at every step our logits
 move HF's top-2 margin by less than `NEAR_TIE`, and by less than `TYPICAL_MOVE` at the median
 step, so a flip is a near tie HF itself barely decided, and flips stay under 10 % of the
-steps. Run through the native decode kernel (reading the codes in place) and through the torch path (decoding what it gathers).
+steps. Run through the native decode kernel (reading the codes in place) and through the
+torch path (decoding what it gathers).
 
 The pool's bytes: an int8 block costs (head_dim + 2) / (2 * head_dim) of a bfloat16 one, so the
 same `kv_cache_bytes` holds about twice the blocks.
