@@ -48,7 +48,21 @@ def _overloaded(message: str, retry_after_s: float) -> EngineOverloaded:
 
 
 class EngineDead(RuntimeError):
-    """The engine's step loop stopped after an internal error; no request can make progress."""
+    """The engine's step loop stopped after an internal error; no request can make progress.
+    Answered with 503 and Retry-After: another replica, or the one Serve starts in its place,
+    can take the retry (`retry_after_s`)."""
+
+    def __init__(self, message: str = "", *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Crosses process boundaries (Serve handles) as its own class with its retry hint.
+        return (_dead, (type(self), str(self), self.retry_after_s))
+
+
+def _dead(kind: type[EngineDead], message: str, retry_after_s: float) -> EngineDead:
+    return kind(message, retry_after_s=retry_after_s)
 
 
 class RequestFailed(EngineDead):

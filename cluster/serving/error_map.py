@@ -67,8 +67,9 @@ def http_error(error: Exception, param: str | None = None) -> OpenAIError:
     if answer is None:
         raise TypeError(f"{type(error).__name__} is not a client's answer") from error
     headers = None
-    if isinstance(error, EngineOverloaded):
-        headers = {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}
+    retry_after_s = _retry_after_s(error)
+    if retry_after_s is not None:
+        headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
     is_input = answer.http_status == 400
     return OpenAIError(
         answer.http_status,
@@ -86,6 +87,14 @@ def grpc_abort(error: Exception) -> GrpcAbort:
     if answer is None:
         raise TypeError(f"{type(error).__name__} is not a client's answer") from error
     details = str(error)
-    if isinstance(error, EngineOverloaded):
-        details = f"{error}; retry after {error.retry_after_s:g} s"
+    retry_after_s = _retry_after_s(error)
+    if retry_after_s is not None:
+        details = f"{error}; retry after {retry_after_s:g} s"
     return GrpcAbort(answer.grpc_code, details)
+
+
+def _retry_after_s(error: Exception) -> float | None:
+    """When a refused request may be sent again: every 503 carries the wait its error predicts
+    (`retry_after_s`), so a client always has something to act on."""
+    retry_after_s = getattr(error, "retry_after_s", None)
+    return float(retry_after_s) if isinstance(retry_after_s, int | float) else None

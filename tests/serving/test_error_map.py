@@ -36,6 +36,7 @@ S = grpc.StatusCode
         (ServerDraining("draining"), 503, S.RESOURCE_EXHAUSTED, "engine_overloaded"),
         (RequestFailed("step failed"), 503, S.UNAVAILABLE, "engine_unavailable"),
         (EngineDead("stopped"), 503, S.UNAVAILABLE, "engine_unavailable"),
+        (EngineDead("replaced", retry_after_s=13.2), 503, S.UNAVAILABLE, "engine_unavailable"),
     ],
 )  # fmt: skip
 def test_each_kind_is_answered_alike_over_http_and_grpc(
@@ -47,10 +48,12 @@ def test_each_kind_is_answered_alike_over_http_and_grpc(
     assert http.param == {400: "prompt", 404: "model"}.get(status)
     abort = grpc_abort(error)
     assert abort.code == code and str(error) in abort.details
-    if isinstance(error, EngineOverloaded):  # its retry hint, whole seconds and at least one
-        wait = error.retry_after_s
+    if status == 503:  # every 503 has its retry hint, whole seconds and at least one
+        wait = error.retry_after_s  # type: ignore[attr-defined]
         assert http.headers == {"Retry-After": str(max(1, -int(-wait // 1)))}
         assert f"retry after {wait:g} s" in abort.details
+    else:
+        assert not http.headers
 
 
 def test_an_error_no_row_names_is_not_a_clients_answer() -> None:
@@ -59,3 +62,12 @@ def test_an_error_no_row_names_is_not_a_clients_answer() -> None:
         http_error(ValueError("a bug"))
     with pytest.raises(TypeError, match="ValueError"):
         grpc_abort(ValueError("a bug"))
+
+
+@pytest.mark.parametrize("error", [EngineDead("gone", retry_after_s=3.0), RequestFailed("x")])
+def test_a_dead_engine_keeps_its_class_and_retry_hint_across_processes(error: EngineDead) -> None:
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error)
+    assert copy.retry_after_s == error.retry_after_s
