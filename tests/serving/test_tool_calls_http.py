@@ -139,9 +139,8 @@ def test_a_named_choice_cut_by_max_tokens_is_still_a_call(
     assert choice.message.tool_calls is not None and choice.message.content is None
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_time" and call.id
-    assert '{"zone": "UTC"}'.startswith(call.function.arguments) or '{"zone": "CET"}'.startswith(
-        call.function.arguments
-    )
+    written = "".join(call.function.arguments.split())  # free whitespace between tokens
+    assert '{"zone":"UTC"}'.startswith(written) or '{"zone":"CET"}'.startswith(written)
 
 
 def test_streamed_parallel_calls_are_each_valid(client: openai.OpenAI) -> None:
@@ -168,10 +167,11 @@ def test_streamed_parallel_calls_are_each_valid(client: openai.OpenAI) -> None:
                 )
             if choice.finish_reason:
                 reasons.append(choice.finish_reason)
-    assert reasons == ["tool_calls"]
+    assert len(reasons) == 1 and reasons[0] in ("tool_calls", "length")
     assert names and sorted(names) == list(range(len(names)))
-    for index, name in names.items():
-        jsonschema.validate(json.loads(arguments[index]), SCHEMAS[name])
+    complete = sorted(names) if reasons == ["tool_calls"] else sorted(names)[:-1]
+    for index in complete:  # a call cut by max_tokens is a prefix
+        jsonschema.validate(json.loads(arguments[index]), SCHEMAS[names[index]])
 
 
 class City(BaseModel):
