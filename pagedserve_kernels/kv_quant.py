@@ -89,8 +89,8 @@ def quantize_int8(values: torch.Tensor) -> torch.Tensor:
     divisor = scale.float()
     divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
     codes = torch.round(wide / divisor).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    rows = torch.empty((*values.shape[:-1], head_dim + SCALE_BYTES), dtype=torch.int8)
-    rows = rows.to(values.device)
+    shape = (*values.shape[:-1], head_dim + SCALE_BYTES)
+    rows = torch.empty(shape, dtype=torch.int8, device=values.device)
     rows[..., :head_dim] = codes
     rows[..., head_dim:] = scale.view(torch.int8)
     return rows

@@ -6,9 +6,9 @@ token and head, `pagedserve_kernels.kv_quant`). Teacher-forced on HF's own greed
 bfloat16 test is (`tests/workers/test_smollm2_bfloat16.py`), on the rule the repo keeps for its
 8-bit modes (`tests/workers/test_smollm2_quantized_activations.py`): at every step our logits
 move HF's top-2 margin by less than `NEAR_TIE`, and by less than `TYPICAL_MOVE` at the median
-step, so a flip is a near tie HF itself barely decided, and flips stay under 10 % of the
-steps. Run through the native decode kernel (reading the codes in place) and through the
-torch path (decoding what it gathers).
+step, so a flip is a near tie HF itself barely decided, and flips stay under 10 % of the steps.
+Run through the native decode kernel (reading the codes in place) and through the torch path
+(decoding what it gathers).
 
 The pool's bytes: an int8 block costs (head_dim + 2) / (2 * head_dim) of a bfloat16 one, so the
 same `kv_cache_bytes` holds about twice the blocks.
