@@ -76,7 +76,7 @@ def hf_greedy(model: Any, prompt_ids: list[int], params: SamplingParams) -> list
     processors: list[LogitsProcessor] = []
     if params.logit_bias:
         processors.append(
-            SequenceBiasLogitsProcessor({(t,): b for t, b in params.logit_bias.items()})
+            SequenceBiasLogitsProcessor({(t,): float(b) for t, b in params.logit_bias.items()})
         )
     if params.min_tokens:
         processors.append(
