@@ -159,8 +159,10 @@ def test_a_cut_constrained_answer_is_still_a_call() -> None:
     assert calls_of(cut, auto) == (cut, [])
     plan = plan_tools(TOOLS, named, None, SERVER)
     assert plan is not None
-    _, calls = calls_of('<tool_call>\n{"na', plan)  # cut before the name: still that call
-    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", "")]
+    for cut_early in ('<tool_call>\n{"na', "<tool"):  # cut before the name: still that call
+        content, calls = calls_of(cut_early, plan)
+        assert content is None
+        assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", "")]
     stream = plan.stream()
     assert stream is not None
     _, streamed = stream.update(0, '<tool_call>\n{"na', finished=True)
