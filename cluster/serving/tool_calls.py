@@ -347,6 +347,8 @@ def calls_of(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolCallOut]]:
     ]
     if not calls:
         return text, []
+    if plan.constrained:  # the grammar allows calls only: a cut tag is not content
+        return None, calls
     return (content.strip() or None), calls
 
 
@@ -419,7 +421,8 @@ class ToolStream:
                     function=FunctionCallOut(name=call.name, arguments=call.arguments),
                 )
             )
-        return delta.content or None, out or None
+        content = None if self._plan.constrained else delta.content or None
+        return content, out or None
 
     def called(self, branch: int) -> bool:
         return any(key[0] == branch for key in self._ids)

@@ -288,9 +288,7 @@ class HermesParser:
     """`<tool_call>{json}</tool_call>` blocks; the rest is content. A block that does not hold
     a call object is dropped."""
 
-    FORMAT = CallFormat(f"{HERMES_OPEN}\n", "arguments", f"}}\n{HERMES_CLOSE}\n", "")
-    """As the fallback template writes calls: each block ends with a newline, and the turn
-    ends right after one (so after a call the model chooses another call or the end)."""
+    FORMAT = CallFormat(f"{HERMES_OPEN}\n", "arguments", f"}}\n{HERMES_CLOSE}", "\n")
 
     def __init__(self) -> None:
         self._found = _Calls()

@@ -77,7 +77,7 @@ def test_named_choice_calls_that_function(client: openai.OpenAI) -> None:
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_time"}},
         seed=2,
-        max_tokens=40,
+        max_tokens=120,
     )
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls"

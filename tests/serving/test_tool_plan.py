@@ -80,7 +80,7 @@ def test_plan_refusals_name_the_field() -> None:
 
 
 def _hermes_call(name: str, arguments: Any) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>\n"
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def _grammar(plan: ToolPlan | None) -> Grammar:
@@ -95,7 +95,7 @@ def test_required_is_one_or_more_hermes_calls_ending_after_any() -> None:
     grammar = _grammar(plan)
     weather = _hermes_call("get_weather", {"city": "Oslo"})
     ping = _hermes_call("ping", {})
-    for text in (weather, f"{weather}{ping}", f"{ping}{ping}{weather}"):
+    for text in (weather, f"{weather}\n{ping}", f"{ping}\n{ping}\n{weather}"):
         assert _is_grammar_accept_string(grammar, text), text
     for text in (
         "",
@@ -107,7 +107,7 @@ def test_required_is_one_or_more_hermes_calls_ending_after_any() -> None:
     ):
         assert not _is_grammar_accept_string(grammar, text), text
     assert plan is not None
-    content, calls = calls_of(f"{weather}{ping}", plan)
+    content, calls = calls_of(f"{weather}\n{ping}", plan)
     assert content is None
     assert [(c.function.name, json.loads(c.function.arguments or "")) for c in calls] == [
         ("get_weather", {"city": "Oslo"}),
@@ -127,7 +127,7 @@ def test_single_and_named_choices_allow_exactly_one_call() -> None:
         )
     )
     assert _is_grammar_accept_string(single, weather)
-    assert not _is_grammar_accept_string(single, f"{weather}{weather}")
+    assert not _is_grammar_accept_string(single, f"{weather}\n{weather}")
     assert _is_grammar_accept_string(named, _hermes_call("ping", {}))
     assert not _is_grammar_accept_string(named, weather)
 
@@ -159,8 +159,10 @@ def test_a_cut_constrained_answer_is_still_a_call() -> None:
     assert calls_of(cut, auto) == (cut, [])
     plan = plan_tools(TOOLS, named, None, SERVER)
     assert plan is not None
-    _, calls = calls_of('<tool_call>\n{"na', plan)  # cut before the name: still that call
-    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", "")]
+    for cut_early in ('<tool_call>\n{"na', "<tool"):  # cut before the name: still that call
+        content, calls = calls_of(cut_early, plan)
+        assert content is None
+        assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", "")]
     stream = plan.stream()
     assert stream is not None
     _, streamed = stream.update(0, '<tool_call>\n{"na', finished=True)
@@ -170,7 +172,7 @@ def test_a_cut_constrained_answer_is_still_a_call() -> None:
 
 def test_a_stream_sends_what_the_whole_answer_holds() -> None:
     weather = _hermes_call("get_weather", {"city": "Oslo"})
-    text = weather + _hermes_call("ping", {})
+    text = f"{weather}\n{_hermes_call('ping', {})}"
     plan = plan_tools(TOOLS, "required", None, SERVER)
     assert plan is not None
     stream = plan.stream()
