@@ -48,6 +48,8 @@ TOOLS: list[Any] = [
     }
 ]
 WEATHER_QUESTION: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOL_TOKENS = 96
+"""Room for a call and its tags; a bound as a user sets one, so a call SmolLM2 repeats ends."""
 
 
 @pytest.fixture
@@ -164,18 +166,54 @@ def _single_weather_call(choice: Any) -> dict[str, Any]:
 def test_forced_tool_choice_is_one_call_in_tool_calls(
     client: openai.OpenAI, tool_choice: Any
 ) -> None:
+    """One question, one call: a named choice is one call by definition; `required` is one
+    when parallel calls are off (with them on, SmolLM2 may repeat the call: the test below)."""
     response = client.chat.completions.create(
-        model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS, tool_choice=tool_choice, temperature=0
+        model=MODEL,
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=TOOL_TOKENS,
     )
     arguments = _single_weather_call(response.choices[0])
     assert "paris" in arguments["city"].lower()
+
+
+def test_required_with_parallel_calls_answers_in_tool_calls(client: openai.OpenAI) -> None:
+    """OpenAI's default `parallel_tool_calls`: every call is a listed function with valid
+    arguments and the first asks about Paris (the count is the model's: SmolLM2 may repeat it
+    until `max_tokens`, which then ends the answer as "length" with the calls kept)."""
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=TOOL_TOKENS,
+    )
+    (choice,) = response.choices
+    calls = choice.message.tool_calls or []
+    assert calls and choice.message.content is None
+    assert choice.finish_reason in {"tool_calls", "length"}
+    complete = calls if choice.finish_reason == "tool_calls" else calls[:-1]
+    for call in complete:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
+    assert "paris" in calls[0].function.arguments.lower()
 
 
 def test_auto_tool_choice_needs_no_flag(client: openai.OpenAI) -> None:
     """`tool_choice: auto` (the default with tools) works on a server started with no tool
     flags: the answer is either text or calls the hermes parser read, never a refusal."""
     response = client.chat.completions.create(
-        model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS, tool_choice="auto", temperature=0
+        model=MODEL,
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice="auto",
+        temperature=0,
+        max_tokens=TOOL_TOKENS,
     )
     (choice,) = response.choices
     if choice.message.tool_calls:
@@ -187,7 +225,13 @@ def test_auto_tool_choice_needs_no_flag(client: openai.OpenAI) -> None:
 
 def test_a_tool_result_is_answered_in_text(client: openai.OpenAI) -> None:
     first = client.chat.completions.create(
-        model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS, tool_choice="required", temperature=0
+        model=MODEL,
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=TOOL_TOKENS,
     )
     (call,) = first.choices[0].message.tool_calls or []
     messages = [
@@ -222,6 +266,7 @@ def test_parse_gives_the_pydantic_object(client: openai.OpenAI) -> None:
         messages=[{"role": "user", "content": "Describe the sky as JSON."}],
         response_format=Sky,
         temperature=0,
+        max_tokens=TOOL_TOKENS,
     )
     (choice,) = completion.choices
     assert choice.finish_reason == "stop"
