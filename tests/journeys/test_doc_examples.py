@@ -22,6 +22,7 @@ NOT_RUN = {
     ("README.md", "make serve"): "starts a server in the foreground, and runs this suite",
     ("docs/serving.md", ".venv/bin/serve run"): "starts a server in the foreground",
     ("docs/serving.md", "docker build"): "Docker, an image registry, Kubernetes with KubeRay",
+    ("docs/serving.md", "lm_eval --model"): "lm-eval is not a dependency; a task takes hours",
 }
 """(doc, the block's first words) of every block marked not-run."""
 SERVER_MARKS = [pytest.mark.ray, pytest.mark.own_ray]
