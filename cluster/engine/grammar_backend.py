@@ -180,14 +180,21 @@ class BranchGrammar:
         is the state after the first i drafts, which the grammar must accept (`valid_drafts`),
         less the token that would continue an endless cycle (`cycle_guard.cut_cycles`)."""
         masks = torch.full((1 + len(drafts), self._words), -1, dtype=torch.int32)
-        self._matcher.fill_next_token_bitmask(masks, 0)
+        self._fill(masks, 0)
         for row, token in enumerate(drafts, start=1):
-            if not self._matcher.accept_token(token):
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
                 if row > 1:
                     self._matcher.rollback(row - 1)
                 raise RuntimeError(f"draft token {token} is not accepted by the grammar")
-            self._matcher.fill_next_token_bitmask(masks, row)
+            self._fill(masks, row)
         if drafts:
             self._matcher.rollback(len(drafts))
         cut_cycles(masks, self._recent, drafts)
         return masks
+
+    def _fill(self, masks: torch.Tensor, row: int) -> None:
+        """Row `row` is what may follow the current state; once the stop token was accepted
+        (a draft that ends the branch) nothing follows, and the row stays all-allowed: the
+        branch ends at that draft, so no token is ever sampled from it."""
+        if not self._matcher.is_terminated():
+            self._matcher.fill_next_token_bitmask(masks, row)

@@ -290,3 +290,27 @@ def test_tensor_parallel_two_gives_the_same_constrained_outputs(
         outputs = llm.generate(prompts, params)
     assert [[c.text for c in o.outputs] for o in outputs] == single
     assert all(_valid_json(c.text) for o in outputs for c in o.outputs)
+
+
+def test_a_draft_that_ends_the_grammar_gets_masks_not_a_crash(
+    tiny_model_dir: pathlib.Path,
+) -> None:
+    """An n-gram draft may be the stop token right where the grammar completes (a prompt that
+    shows the answer's form ends it so): the drafts up to it are valid, their masks are the
+    grammar's, and the row after the stop token is never read (the branch ends there)."""
+    with LLM(config=tiny_config(tiny_model_dir)) as llm:
+        compiled = llm.engine.grammars.compile(StructuredOutputsParams(choice=["yes"]).spec)
+        tokenizer = llm.get_tokenizer()
+        answer = tokenizer.encode("yes", add_special_tokens=False)
+        stop = tokenizer.eos_token_id
+        grammar = compiled.new_matcher()
+        drafts = [*answer, stop, answer[0]]
+        assert grammar.valid_drafts(drafts) == len(answer) + 1  # the stop token ends them
+        masks = grammar.bitmasks(drafts[: len(answer) + 1])
+        assert masks.shape[0] == len(answer) + 2
+        for row, token in enumerate([*answer, stop]):  # each draft allowed where it stands
+            word, bit = divmod(token, 32)
+            assert (int(masks[row, word]) >> bit) & 1
+        first_word, first_bit = divmod(answer[0], 32)
+        assert not (int(masks[len(answer), first_word]) >> first_bit) & 1  # only the stop
+        assert grammar.num_accepted == 0 and not grammar.is_terminated  # state unchanged
