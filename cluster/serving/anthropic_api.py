@@ -40,7 +40,7 @@ from cluster.serving.anthropic_requests import (
     parse_count_tokens_request,
     parse_messages_request,
 )
-from cluster.serving.chat_bridge import chat_pieces, render_only, start_chat
+from cluster.serving.chat_bridge import ChatRun, chat_pieces, render_only, start_chat
 from cluster.serving.error_map import ANSWERED, http_error
 from cluster.serving.http_api import HttpIngress, meta_of
 from cluster.serving.limits import read_body
@@ -73,9 +73,11 @@ class MessagesServing:
     def __init__(self, openai: OpenAIServing) -> None:
         self.openai = openai
 
-    async def create(
+    async def admit(
         self, request: MessagesRequest, salt: bytes | None, meta: ResponseMeta
-    ) -> dict[str, Any]:
+    ) -> tuple[str, ChatRun]:
+        """The message's id and its admitted chat run (the one admission of unary and
+        streamed messages; refusals raised here)."""
         message_id = new_message_id()
         run = await start_chat(
             self.openai,
@@ -85,6 +87,12 @@ class MessagesServing:
             meta=meta,
             names=ANTHROPIC_NAMES,
         )
+        return message_id, run
+
+    async def create(
+        self, request: MessagesRequest, salt: bytes | None, meta: ResponseMeta
+    ) -> dict[str, Any]:
+        message_id, run = await self.admit(request, salt, meta)
         (final,) = await self.openai.finals(run.submission.streams)
         output = final.outputs[0]
         message, reason = self.openai.assistant_message(output, run.plan, final.prompt_token_ids)
@@ -104,15 +112,7 @@ class MessagesServing:
     ) -> AsyncIterator[str]:
         """Admits the request (refusals raised here, before any byte), then streams its
         events."""
-        message_id = new_message_id()
-        run = await start_chat(
-            self.openai,
-            request.chat_fields(),
-            request_id=message_id,
-            salt=salt,
-            meta=meta,
-            names=ANTHROPIC_NAMES,
-        )
+        message_id, run = await self.admit(request, salt, meta)
         encoder = MessageEncoder(message_id, run.submission.adapter or self.openai.model)
 
         async def events() -> AsyncIterator[str]:

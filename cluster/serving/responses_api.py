@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.serving.chat_bridge import chat_pieces, start_chat
+from cluster.serving.chat_bridge import ChatRun, chat_pieces, start_chat
 from cluster.serving.error_map import ANSWERED, http_error
 from cluster.serving.http_api import HttpIngress, meta_of, tenant_salt_of
 from cluster.serving.limits import read_body
@@ -88,9 +88,11 @@ class ResponsesServing:
             turn = conversation + assistant_turn(body["output"])
             self.store.put(salt, body["id"], StoredResponse(body, turn))
 
-    async def create(
+    async def admit(
         self, request: ResponsesRequest, salt: bytes | None, meta: ResponseMeta
-    ) -> dict[str, Any]:
+    ) -> tuple[str, list[dict[str, Any]], ChatRun]:
+        """The response's id, the conversation it continues and its admitted chat run (the
+        one admission of unary and streamed responses; refusals raised here)."""
         response_id = new_id("resp")
         conversation = self.conversation(request, salt)
         run = await start_chat(
@@ -101,6 +103,12 @@ class ResponsesServing:
             meta=meta,
             names=RESPONSES_NAMES,
         )
+        return response_id, conversation, run
+
+    async def create(
+        self, request: ResponsesRequest, salt: bytes | None, meta: ResponseMeta
+    ) -> dict[str, Any]:
+        response_id, conversation, run = await self.admit(request, salt, meta)
         (final,) = await self.openai.finals(run.submission.streams)
         message, reason = self.openai.assistant_message(
             final.outputs[0], run.plan, final.prompt_token_ids
@@ -123,16 +131,7 @@ class ResponsesServing:
     ) -> AsyncIterator[str]:
         """Admits the request (refusals raised here, before any byte), then streams its
         events."""
-        response_id = new_id("resp")
-        conversation = self.conversation(request, salt)
-        run = await start_chat(
-            self.openai,
-            request.chat_fields(conversation),
-            request_id=response_id,
-            salt=salt,
-            meta=meta,
-            names=RESPONSES_NAMES,
-        )
+        response_id, conversation, run = await self.admit(request, salt, meta)
         encoder = ResponseEncoder(request, response_id, run.submission.adapter or self.openai.model)
 
         async def events() -> AsyncIterator[str]:
