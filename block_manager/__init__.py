@@ -1,12 +1,11 @@
 """Paged KV-cache bookkeeping: physical pools, block tables, exact cache identity, sharing.
 
 Pure Python: imports no torch, no ray and nothing else of pagedserve. It emits plans (block ids,
-copy and swap pairs) that the workers execute. Every layout's manager (`KVCacheManager`,
-`ContiguousKVManager`, `VirtualKVManager`) satisfies the one `KVManager` protocol.
+copy and swap pairs) that the workers execute. `KVCacheManager` satisfies the `KVManager`
+protocol the scheduler codes against; the research baselines beside it live in `kv_layouts`.
 """
 
 from block_manager.cache_key import CacheKey
-from block_manager.contiguous import ContiguousKVManager
 from block_manager.errors import (
     AllocationFailure,
     BlockManagerError,
@@ -24,7 +23,6 @@ from block_manager.protocol import KVManager, TableDelta
 from block_manager.tiers import TierCounters, TierTransfers
 from block_manager.types import BlockCopy, SeqId
 from block_manager.usage import LayoutAccounting, LayoutUsage
-from block_manager.virtual import VirtualKVManager
 
 __all__ = [
     "AllocationFailure",
@@ -33,7 +31,6 @@ __all__ = [
     "BlockManagerError",
     "CacheIdentity",
     "CacheKey",
-    "ContiguousKVManager",
     "IntegrityError",
     "InvalidOperation",
     "KVCacheManager",
@@ -48,7 +45,6 @@ __all__ = [
     "TierCounters",
     "TierPressure",
     "TierTransfers",
-    "VirtualKVManager",
     "block_hash",
     "cacheable_blocks",
     "prompt_block_hashes",

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from kv_layouts.pools import KVPoolLayout, pool_layout_for
 from pagedserve_kernels import allocate_kv_pool, copy_blocks, swap_blocks
 from workers import block_io
 from workers.batch import SequenceRegistry, pack_batch
@@ -27,7 +28,6 @@ from workers.lora import AdapterSummary, LoRAStep, RankLoRA
 from workers.model import AttentionMetadata, CausalLM
 from workers.parallel import TensorParallel, head_layout
 from workers.plan import BlockPair, PlanRejected, StepOutput, StepPlan
-from workers.pool_layouts import KVPoolLayout, pool_layout_for
 from workers.sampling import check_settings, prompt_logprobs, sample_rows
 
 PROFILE_TOKENS = 2048

@@ -27,7 +27,6 @@ from cluster.engine.errors import ConfigError, PriorityNotEnabled, RequestReject
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.grammar_backend import CompiledConstraint, GrammarCompilerCache
 from cluster.engine.handoff import check_handoff, hand_off, resume_request
-from cluster.engine.kv_layouts import build_kv_manager
 from cluster.engine.lora_manager import LoRAManager
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.metrics import EngineMetrics, MetricsRecorder, collect_metrics
@@ -45,6 +44,7 @@ from cluster.engine.speculation import NgramSpeculator
 from cluster.engine.step_progress import AppliedToken, StepProgress, apply_texts
 from cluster.engine.structured_outputs import ConstraintError
 from cluster.engine.tokenization import PromptRenderer
+from kv_layouts.registry import build_kv_manager
 from workers import ModelInfo, WorkerGroup, load_tokenizer
 from workers.lora import AdapterSummary
 from workers.plan import StepOutput

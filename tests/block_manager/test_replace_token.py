@@ -8,11 +8,11 @@ import pytest
 
 from block_manager import (
     CacheKey,
-    ContiguousKVManager,
     InvalidOperation,
     KVManager,
-    VirtualKVManager,
 )
+from kv_layouts.contiguous import ContiguousKVManager
+from kv_layouts.virtual import VirtualKVManager
 from tests.block_manager.helpers import SEED, make_manager
 
 KEY = CacheKey(SEED)

@@ -11,12 +11,12 @@ import pytest
 
 from block_manager import (
     CacheKey,
-    ContiguousKVManager,
     InvalidOperation,
     KVCacheManager,
     KVManager,
-    VirtualKVManager,
 )
+from kv_layouts.contiguous import ContiguousKVManager
+from kv_layouts.virtual import VirtualKVManager
 from tests.block_manager.helpers import SEED, make_manager, prefill
 
 KEY = CacheKey(SEED)

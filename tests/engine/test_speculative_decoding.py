@@ -20,7 +20,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from block_manager import CacheKey, InvalidOperation
-from block_manager.contiguous import ContiguousKVManager
 from cluster.engine.config import EngineConfig, SpeculativeSettings
 from cluster.engine.errors import ConfigError
 from cluster.engine.llm import LLM, config_from_kwargs
@@ -28,6 +27,7 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.speculation import NgramIndex, NgramSpeculator, SpeculationCounters
 from cluster.serving.cli_serve import apply_speculative_flag
+from kv_layouts.contiguous import ContiguousKVManager
 from tests.block_manager.helpers import SEED, make_manager, prefill
 from tests.engine.tiny_engine import PROMPTS, assert_all_free, tiny_config
 from workers.batch import PackedBatch, SequenceRegistry, pack_batch

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from block_manager.virtual import VirtualKVManager
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine_core import EngineCore
+from kv_layouts.virtual import VirtualKVManager
 from tests.engine.slot_workers import SlotWorkers
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from block_manager import CacheKey, KVCacheManager, NeverFits, NoFreeBlocks
-from block_manager.contiguous import ContiguousKVManager
 from cluster.engine.sampling_params import SamplingParams
+from kv_layouts.contiguous import ContiguousKVManager
 from tests.engine.slot_workers import reference_tokens
 from tests.layouts.conftest import SlotLayoutEngine
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kv_layouts.pools import ContiguousPool, PagedPool, VirtualPool, pool_layout_for
+from kv_layouts.virtual_pool import virtual_geometry
 from pagedserve_kernels import allocate_kv_pool
 from workers.config import WorkerConfig
 from workers.kv_memory import KVShape
 from workers.plan import StepPlan
-from workers.pool_layouts import ContiguousPool, PagedPool, VirtualPool, pool_layout_for
-from workers.virtual_pool import virtual_geometry
 
 SHAPE = KVShape(num_layers=2, block_size=16, num_kv_heads=2, head_dim=32, dtype=torch.float32)
 MAX_LEN = 1024

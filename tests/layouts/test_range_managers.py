@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from block_manager import CacheKey, NeverFits, NoFreeBlocks
-from block_manager.contiguous import ContiguousKVManager
-from block_manager.virtual import VirtualKVManager
+from kv_layouts.contiguous import ContiguousKVManager
+from kv_layouts.virtual import VirtualKVManager
 
 SEED = b"\x01" * 32
 BLOCK = 4

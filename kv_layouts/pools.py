@@ -6,7 +6,7 @@ plan's decommit ranges:
 
 - `PagedPool`: a pool of `num_device_blocks` blocks, tables of any blocks, no decommits;
 - `ContiguousPool`: the same pool, but every table is one run of blocks (range attention);
-- `VirtualPool`: one virtual slot per sequence (`workers.virtual_pool`, CPU only) whose
+- `VirtualPool`: one virtual slot per sequence (`kv_layouts.virtual_pool`, CPU only) whose
   `num_device_blocks` physical budget the engine's manager enforces; decommits hand pages back.
 
 Invariant: `allocate` is called once before `decommit` or `resident_bytes`.
@@ -19,10 +19,10 @@ from typing import Protocol
 
 import torch
 
+from kv_layouts.virtual_pool import VirtualKVPool, virtual_geometry
 from workers.config import WorkerConfig
 from workers.kv_memory import KVShape
 from workers.plan import StepPlan
-from workers.virtual_pool import VirtualKVPool, virtual_geometry
 
 PoolAllocator = Callable[[int, torch.device], torch.Tensor]
 """(num_blocks, device) -> a KV pool tensor of the rank's shape."""

@@ -3,7 +3,7 @@
 `build_kv_manager` returns the paged `KVCacheManager` or a range manager (`ContiguousKVManager`,
 `VirtualKVManager`) behind the one `block_manager.KVManager` protocol, so the scheduler, model,
 sampling and workload are the same under every layout. The worker side of the setting is
-`workers.pool_layouts`; the layouts benchmark measures a layout from outside the engine's step
+`kv_layouts.pools`; the layouts benchmark measures a layout from outside the engine's step
 (`benchmarks.layout_recorder`).
 """
 
@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import math
 
-from block_manager import (
-    ContiguousKVManager,
-    KVCacheManager,
-    KVManager,
-    VirtualKVManager,
-)
+from block_manager import KVCacheManager, KVManager
 from cluster.engine.config import EngineConfig
+from kv_layouts.contiguous import ContiguousKVManager
+from kv_layouts.virtual import VirtualKVManager
+from kv_layouts.virtual_pool import virtual_geometry
 from workers import ModelInfo
-from workers.virtual_pool import virtual_geometry
 
 
 def build_kv_manager(

@@ -20,10 +20,10 @@ from __future__ import annotations
 import heapq
 
 from block_manager.errors import InvalidOperation, NeverFits, NoFreeBlocks
-from block_manager.reserved_range import RangeKVManager, SequenceRange
 from block_manager.types import SeqId
 from block_manager.usage import LayoutUsage
 from block_manager.validation import check_count
+from kv_layouts.ranges import RangeKVManager, SequenceRange
 
 
 class VirtualKVManager(RangeKVManager):

@@ -16,9 +16,9 @@ from __future__ import annotations
 import bisect
 
 from block_manager.errors import IntegrityError, NeverFits, NoFreeBlocks
-from block_manager.reserved_range import RangeKVManager, SequenceRange
 from block_manager.types import SeqId
 from block_manager.usage import LayoutUsage
+from kv_layouts.ranges import RangeKVManager, SequenceRange
 
 
 class ContiguousKVManager(RangeKVManager):
