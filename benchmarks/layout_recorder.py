@@ -3,8 +3,8 @@
 It runs an engine's steps (`LayoutRecorder.step`, in place of `EngineCore.step`) and samples, at
 each, bytes reserved, bytes physically backed and bytes holding live tokens (plus internal
 fragmentation and reservation waste apart), and counts the page faults of the in-process rank's
-forward passes (hooks on its model) and the decommits the plans carry; an engine that is not
-recorded pays for none of it.
+forward passes (hooks on its model) and the ranges its pool handed back to the OS; an engine that
+is not recorded pays for none of it.
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ class LayoutRecorder:
     num_samples: int = 0
     page_faults: int = 0
     """Minor page faults taken inside the rank's forward passes."""
-    decommit_ranges: int = 0
     forward_seconds: float = 0.0
     measured_backed_bytes: list[tuple[float, int]] = field(default_factory=list)
     """(time, bytes) resident in the rank's device pool after each step, kept with `keep_samples`
@@ -92,7 +91,7 @@ class LayoutRecorder:
 
     def step(self, engine: EngineCore) -> list[RequestOutput]:
         """`engine.step()`, sampling the layout's memory once the step is scheduled and the
-        rank's page faults, resident bytes and the plan's decommits once it ran."""
+        rank's page faults and resident bytes once it ran."""
         step = engine.begin_step()
         running = sum(len(r.active_branches) for r in engine.scheduler.running)
         manager = engine.block_manager
@@ -100,7 +99,7 @@ class LayoutRecorder:
         self.observe(manager.usage(), running)
         result = engine.execute(step)
         if isinstance(result, StepOutput):
-            self.observe_output(result, len(step.plan.decommit))
+            self.observe_output(result)
         return [request.make_output() for request in engine.finish_step(step, result)]
 
     def observe(self, usage: LayoutUsage, running_sequences: int) -> None:
@@ -126,9 +125,14 @@ class LayoutRecorder:
         self.sum_internal_fragmentation_bytes += sample.internal_fragmentation_bytes
         self.sum_reservation_waste_bytes += sample.reservation_waste_bytes
 
-    def observe_output(self, output: StepOutput, decommit_ranges: int) -> None:
+    @property
+    def decommit_ranges(self) -> int:
+        """Ranges the rank's pool handed back to the OS so far (the virtual layout's released
+        slots; 0 for the others)."""
+        return 0 if self.rank is None else self.rank.kv_pool.returned_ranges
+
+    def observe_output(self, output: StepOutput) -> None:
         self.forward_seconds += output.forward_seconds
-        self.decommit_ranges += decommit_ranges
         if not self.keep_samples or self.rank is None:
             return
         resident = self.rank.resident_bytes()

@@ -31,7 +31,7 @@ from block_manager.identity import (
 from block_manager.manager_views import CacheViews
 from block_manager.pool import BlockPool
 from block_manager.prompt_blocks import cacheable_blocks
-from block_manager.protocol import NoReservationHooks, TableDelta
+from block_manager.protocol import TableDelta
 from block_manager.swap import SwapCounters, plan_swap_in, plan_swap_out
 from block_manager.table import BlockTable
 from block_manager.tiers import CpuHits, CpuTier
@@ -54,16 +54,13 @@ class _Prompt(NamedTuple):
     cpu_hits: CpuHits | None = None
 
 
-class KVCacheManager(CacheViews, NoReservationHooks):
+class KVCacheManager(CacheViews):
     """Two-tier paged KV cache manager with prefix caching, copy-on-write and swap planning.
 
-    Satisfies `block_manager.KVManager` (layout "paged"): it can fork, reserves nothing and never
-    decommits, so those hooks are no-ops. Its read-only views (pressure, usage, cached hashes,
-    events, integrity) and the CPU cache tier's hooks are in `block_manager.manager_views`.
+    Satisfies `block_manager.KVManager` and its optional pieces (`CacheTier`,
+    `BlockEventSource`). Its read-only views (pressure, usage, cached hashes, events, integrity)
+    and the CPU cache tier's hooks are in `block_manager.manager_views`.
     """
-
-    layout = "paged"
-    can_fork = True
 
     __slots__ = (
         "_block_size",

@@ -1,26 +1,22 @@
-"""`KVManager`: the one contract every KV layout's manager satisfies.
+"""`KVManager`: the one contract the scheduler and the engine code against.
 
-The scheduler and the engine code against this protocol only; nothing outside `block_manager`
-asks which layout it holds. Layout differences are answered by hooks, not by type checks:
+It is only the calls they make on every layout; nothing outside `kv_layouts` asks which layout
+it holds. What only some managers have is an optional piece, looked up once when the engine is
+built (`cache_tier_of`, `block_events_of`), never per call:
 
-- `layout` names the layout ("paged", "contiguous", "virtual"); `can_fork` says whether
-  sequences can share blocks (parallel sampling);
-- `reserve` / `forget` give and drop a sequence's maximum length (a range layout sizes its
-  reservation from it; the paged layout ignores both);
-- `take_decommits` / `has_pending_decommits` hand over memory to return to the OS (only the
-  virtual layout has any);
 - `truncate` drops uncomputed tokens (a speculative step's rejected drafts) and any blocks only
   they used;
 - `take_table_delta` reports what changed in a sequence's block table since the workers were
   last told, so the scheduler never copies or diffs whole tables;
-- `take_transfers` / `complete_transfers` hand the step's CPU cache tier copies to the workers
-  and unpin them once run; `tier_counters`, `set_promotion` and `discard` complete the tier
-  (only the paged layout has one: `NoCacheTier` gives the others empty answers).
+- `CacheTier`: the CPU cache tier's copies (`take_transfers` / `complete_transfers` hand the
+  step's demotions and promotions to the workers and unpin them once run), its promotion
+  policy and its counters;
+- `BlockEventSource`: what a cluster-wide prefix index learns of the cache (seals and
+  evictions, and a full scan for resyncs).
 
 A layout's memory accounting (`usage`) is outside it: the layouts benchmark reads it through
-`block_manager.usage.LayoutAccounting`, which every manager also satisfies.
-
-`NoDecommits` and `NoReservationHooks` give a manager the do-nothing hooks it has no use for.
+`block_manager.usage.LayoutAccounting`. How a layout sizes, places and returns memory is its own
+(`kv_layouts`): the step plans and the model carry nothing of it.
 """
 
 from __future__ import annotations
@@ -46,16 +42,15 @@ class KVManager(Protocol):
     docstring); a manager's other views (its token ids, slot mappings, cached hashes) are its
     own.
 
+    `fork` and swapping may refuse (`InvalidOperation`) in a layout that has neither: its
+    `kv_layouts.KVLayout` says so once, and admission and preemption never ask it then.
+
     Invariants every implementation keeps: a mutation either succeeds whole or raises with
     nothing changed; `block_table(s)` holds `ceil(num_tokens(s) / block_size)` device block ids;
     applying every `take_table_delta(s)` in order to a table reset at `allocate`, `fork`, `free`
     and `swap_out` of `s` gives `block_table(s)`.
     """
 
-    @property
-    def layout(self) -> str: ...
-    @property
-    def can_fork(self) -> bool: ...
     @property
     def block_size(self) -> int: ...
     @property
@@ -90,72 +85,39 @@ class KVManager(Protocol):
     def swap_out(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]]: ...
     def swap_in(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]]: ...
     def take_table_delta(self, seq_id: SeqId) -> TableDelta: ...
+    def discard(self, device_blocks: Sequence[int], cpu_blocks: Sequence[int]) -> None:
+        """Makes blocks whose content is wrong (a swap-in that failed its checksum) unfindable
+        by any later prefix lookup."""
+        ...
 
-    # what the cluster-wide index learns of this cache
-    def take_events(self) -> list[BlockEvent]: ...
-    def cached_hashes_by_tier(self) -> dict[Tier, list[bytes]]: ...
 
-    # the CPU cache tier
+@runtime_checkable
+class CacheTier(Protocol):
+    """A manager whose CPU pool is also a cache tier: evicted prefix blocks are demoted to it and
+    promoted back on a hit. The scheduler asks `cache_tier_of` once and drives it every step."""
+
     @property
     def cpu_cache(self) -> bool: ...
     def set_promotion(self, enabled: bool) -> None: ...
     def take_transfers(self, step_id: int = 0) -> TierTransfers: ...
     def complete_transfers(self, step_id: int | None = None) -> None: ...
     def tier_counters(self) -> TierCounters: ...
-    def discard(self, device_blocks: Sequence[int], cpu_blocks: Sequence[int]) -> None: ...
-
-    # layout hooks
-    def reserve(self, seq_id: SeqId, max_total_tokens: int) -> None: ...
-    def forget(self, seq_id: SeqId) -> None: ...
-    def take_decommits(self) -> list[tuple[int, int]]: ...
-    def has_pending_decommits(self) -> bool: ...
 
 
-class NoDecommits:
-    """The decommit hooks of a layout that never hands memory back to the OS."""
+@runtime_checkable
+class BlockEventSource(Protocol):
+    """A manager that seals blocks under hashes a cluster-wide prefix index can follow."""
 
-    __slots__ = ()
-
-    def take_decommits(self) -> list[tuple[int, int]]:
-        """Always empty: nothing is ever decommitted."""
-        return []
-
-    def has_pending_decommits(self) -> bool:
-        return False
+    def take_events(self) -> list[BlockEvent]: ...
+    def cached_hashes_by_tier(self) -> dict[Tier, list[bytes]]: ...
 
 
-class NoReservationHooks(NoDecommits):
-    """The layout hooks of a manager that needs none of them: no reservations, no decommits."""
-
-    __slots__ = ()
-
-    def reserve(self, seq_id: SeqId, max_total_tokens: int) -> None:
-        """Nothing to reserve: this layout sizes nothing from a sequence's maximum length."""
-
-    def forget(self, seq_id: SeqId) -> None:
-        """Nothing was reserved, so nothing to drop."""
+def cache_tier_of(manager: KVManager) -> CacheTier | None:
+    """`manager`'s CPU cache tier, or None for a layout without one (asked once, at build)."""
+    return manager if isinstance(manager, CacheTier) else None
 
 
-class NoCacheTier:
-    """The CPU cache tier hooks of a layout without one: nothing demoted, promoted or pinned."""
-
-    __slots__ = ()
-
-    @property
-    def cpu_cache(self) -> bool:
-        return False
-
-    def set_promotion(self, enabled: bool) -> None:
-        """No tier: nothing to promote."""
-
-    def take_transfers(self, step_id: int = 0) -> TierTransfers:
-        return TierTransfers()
-
-    def complete_transfers(self, step_id: int | None = None) -> None:
-        """Nothing is ever in flight."""
-
-    def tier_counters(self) -> TierCounters:
-        return TierCounters()
-
-    def discard(self, device_blocks: Sequence[int], cpu_blocks: Sequence[int]) -> None:
-        """Nothing is sealed by hash in a layout without prefix caching."""
+def block_events_of(manager: KVManager) -> BlockEventSource | None:
+    """`manager`'s block events, or None for a layout that seals nothing (asked once, at
+    build)."""
+    return manager if isinstance(manager, BlockEventSource) else None

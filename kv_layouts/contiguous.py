@@ -7,6 +7,9 @@ apart: the unused tail of each reservation (reservation waste) and external frag
 blocks split into runs too short for the next request, which then waits although the free total
 would hold it, and although its actual tokens would fit a paged pool).
 
+`ContiguousLayout` is its `KVLayout`: this manager, and the paged layout's dense pool (a run of
+blocks is a block table like any other, so the workers and the attention kernels are the same).
+
 Invariant: `_free_runs` is sorted by start, its runs never touch or overlap (neighbours are
 merged on release), and free + reserved blocks == the pool.
 """
@@ -14,17 +17,43 @@ merged on release), and free + reserved blocks == the pool.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 from block_manager.errors import IntegrityError, NeverFits, NoFreeBlocks
 from block_manager.types import SeqId
 from block_manager.usage import LayoutUsage
-from kv_layouts.ranges import RangeKVManager, SequenceRange
+from kv_layouts.layout import KVBudget, KVPool, SequenceBounds
+from kv_layouts.ranges import RangeKVManager, RangeLayout, SequenceRange
+
+if TYPE_CHECKING:
+    from workers.config import WorkerConfig
+    from workers.kv_memory import KVShape
+
+
+class ContiguousLayout(RangeLayout):
+    """The `contiguous` layout (see the module docstring)."""
+
+    name = "contiguous"
+
+    def build_manager(self, budget: KVBudget) -> ContiguousKVManager:
+        return ContiguousKVManager(
+            num_device_blocks=budget.num_device_blocks,
+            block_size=budget.block_size,
+            max_model_len=budget.max_model_len,
+            watermark_blocks=budget.watermark_blocks,
+            bounds=budget.bounds,
+        )
+
+    def build_pool(self, config: WorkerConfig, kv_shape: KVShape, max_model_len: int) -> KVPool:
+        from kv_layouts.pools import DensePool
+
+        return DensePool()
 
 
 class ContiguousKVManager(RangeKVManager):
     """Max-length contiguous reservations, first-fit (see the module docstring)."""
 
-    layout = "contiguous"
+    name = "contiguous"
 
     def __init__(
         self,
@@ -33,12 +62,14 @@ class ContiguousKVManager(RangeKVManager):
         block_size: int,
         max_model_len: int,
         watermark_blocks: int = 0,
+        bounds: SequenceBounds | None = None,
     ) -> None:
         super().__init__(
             num_device_blocks=num_device_blocks,
             block_size=block_size,
             max_model_len=max_model_len,
             watermark_blocks=watermark_blocks,
+            bounds=bounds,
         )
         self._free_runs: list[tuple[int, int]] = [(0, num_device_blocks)]
         """(start, length) of each free run, sorted by start."""

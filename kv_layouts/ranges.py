@@ -1,15 +1,18 @@
 """Shared bookkeeping of the non-paged KV layouts: one contiguous run of block ids per sequence.
 
-`RangeKVManager` implements the `KVManager` protocol (`block_manager.protocol`) for layouts where
+`RangeKVManager` implements the `KVManager` protocol (`block_manager.protocol`), and none of its
+optional pieces (no CPU cache tier, no block events), for layouts where
 a sequence's KV lives in ONE contiguous run of block ids `[first, first + reserved)`. Subclasses
 decide where the run comes from and what counts as "full" (`_admit`, `_grow`, `_release`,
 `_device_used_blocks`, `_backed_blocks`).
 
 What these layouts do not do, by design of the layouts they model: no prefix sharing (every
 sequence owns its range alone), no parallel-sampling fork (n > 1), no CPU swap tier (preemption
-is by recompute). Each refusal raises `InvalidOperation` naming the layout, and `can_fork` is
-False. The `CacheKey` argument is accepted for the common interface and unused: nothing is ever
-found cached.
+is by recompute). Each refusal raises `InvalidOperation` naming the layout, and the layout says
+so up front (`RangeLayout`: `can_fork`, `has_swap_tier`, `shares_prefixes` False; `validate`
+refuses the settings that would need them). The `CacheKey` argument is accepted for the common
+interface and unused: nothing is ever found cached. A sequence's most tokens come from the
+engine's `SequenceBounds` (its request's prompt + max_tokens).
 
 Invariants (checked by `check_integrity`): ranges of live sequences never overlap; a sequence's
 tokens fit its reserved range; the layout's used-block count never exceeds its pool.
@@ -21,15 +24,19 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from block_manager.cache_key import CacheKey
-from block_manager.errors import IntegrityError, InvalidOperation, Tier
-from block_manager.events import BlockEvent
+from block_manager.errors import IntegrityError, InvalidOperation
 from block_manager.pressure import PressureSnapshot, TierPressure
-from block_manager.protocol import NoCacheTier, NoDecommits, TableDelta
+from block_manager.protocol import TableDelta
 from block_manager.types import BlockCopy, SeqId
 from block_manager.usage import LayoutUsage
 from block_manager.validation import check_count
+from kv_layouts.layout import SequenceBounds
+
+if TYPE_CHECKING:
+    from cluster.engine.config import EngineConfig
 
 
 @dataclass
@@ -47,11 +54,32 @@ class SequenceRange:
     synced: int = 0
 
 
-class RangeKVManager(NoDecommits, NoCacheTier, ABC):
-    """Base of the contiguous and virtual layouts (see the module docstring)."""
+class RangeLayout:
+    """What the contiguous and virtual layouts share as `KVLayout`s: one run per sequence, so no
+    forks, no swap tier and no prefix sharing, and the model's dtype for the KV."""
 
-    layout = "range"
+    name = "range"
     can_fork = False
+    shares_prefixes = False
+    has_swap_tier = False
+
+    def validate(self, config: EngineConfig) -> None:
+        if config.cache.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"cache.kv_cache_dtype {config.cache.kv_cache_dtype!r} needs cache.kv_layout "
+                f"'paged' (the {self.name!r} layout keeps the model's dtype)"
+            )
+        if config.scheduler.preemption_mode == "swap":
+            raise ValueError(
+                f"cache.kv_layout {self.name!r} has no CPU swap tier: set "
+                "scheduler.preemption_mode to 'recompute' or 'auto'"
+            )
+
+
+class RangeKVManager(ABC):
+    """Base of the contiguous and virtual layouts' managers (see the module docstring)."""
+
+    name = "range"
 
     def __init__(
         self,
@@ -60,7 +88,10 @@ class RangeKVManager(NoDecommits, NoCacheTier, ABC):
         block_size: int,
         max_model_len: int,
         watermark_blocks: int = 0,
+        bounds: SequenceBounds | None = None,
     ) -> None:
+        """`bounds`: each sequence's most tokens (None: every sequence may reach the model's
+        context, `max_model_len`)."""
         check_count("num_device_blocks", num_device_blocks, minimum=1)
         check_count("block_size", block_size, minimum=1)
         check_count("max_model_len", max_model_len, minimum=1)
@@ -75,7 +106,7 @@ class RangeKVManager(NoDecommits, NoCacheTier, ABC):
         self._max_model_len = max_model_len
         self._watermark = watermark_blocks
         self._seqs: dict[SeqId, SequenceRange] = {}
-        self._limits: dict[SeqId, int] = {}
+        self._bounds = bounds
 
     # ------------------------------------------------------------------ attributes
     @property
@@ -99,21 +130,11 @@ class RangeKVManager(NoDecommits, NoCacheTier, ABC):
     def watermark_blocks(self) -> int:
         return self._watermark
 
-    # ------------------------------------------------------------------ reservation hints
-    def reserve(self, seq_id: SeqId, max_total_tokens: int) -> None:
-        """The most tokens (prompt + output) `seq_id` can ever hold; its reservation size.
-
-        Kept until `forget` (across preemptions); without it a sequence reserves the model context.
-        """
-        check_count("max_total_tokens", max_total_tokens, minimum=1)
-        self._limits[seq_id] = min(max_total_tokens, self._max_model_len)
-
-    def forget(self, seq_id: SeqId) -> None:
-        """The request is over: drop its hint (its range, if any, must be freed separately)."""
-        self._limits.pop(seq_id, None)
-
+    # ------------------------------------------------------------------ reservations
     def _reservation_blocks(self, seq_id: SeqId, num_tokens: int) -> int:
-        limit = max(self._limits.get(seq_id, self._max_model_len), num_tokens + 1)
+        bound = None if self._bounds is None else self._bounds.max_tokens(seq_id)
+        limit = self._max_model_len if bound is None else min(bound, self._max_model_len)
+        limit = max(limit, num_tokens + 1)
         return -(-limit // self._block_size)
 
     def _range_blocks(self, seq_id: SeqId, num_tokens: int) -> int:
@@ -178,13 +199,6 @@ class RangeKVManager(NoDecommits, NoCacheTier, ABC):
     def cached_block_hashes(self) -> Iterator[bytes]:
         """No block is ever sealed for reuse in a reserved-range layout: nothing to publish."""
         return iter(())
-
-    def take_events(self) -> list[BlockEvent]:
-        """Nothing is ever sealed, so nothing changes in the findable set."""
-        return []
-
-    def cached_hashes_by_tier(self) -> dict[Tier, list[bytes]]:
-        return {"device": [], "cpu": []}
 
     def blocks_needed_to_allocate(self, token_ids: Sequence[int], key: CacheKey) -> int:
         """Blocks `allocate` would charge against the budget (no prefix is ever cached)."""
@@ -269,15 +283,19 @@ class RangeKVManager(NoDecommits, NoCacheTier, ABC):
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         raise InvalidOperation(
-            f"the {self.layout} KV layout does not share memory between sequences: parallel "
+            f"the {self.name} KV layout does not share memory between sequences: parallel "
             "sampling (n > 1) needs cache.kv_layout 'paged'"
         )
 
     def swap_out(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]]:
-        raise InvalidOperation(f"the {self.layout} KV layout has no CPU swap tier")
+        raise InvalidOperation(f"the {self.name} KV layout has no CPU swap tier")
 
     def swap_in(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]]:
-        raise InvalidOperation(f"the {self.layout} KV layout has no CPU swap tier")
+        raise InvalidOperation(f"the {self.name} KV layout has no CPU swap tier")
+
+    def discard(self, device_blocks: Sequence[int], cpu_blocks: Sequence[int]) -> None:
+        """Nothing is ever findable by hash here (and nothing is swapped): nothing to drop."""
+        return
 
     # ------------------------------------------------------------------ accounting
     @abstractmethod
@@ -326,7 +344,7 @@ class RangeKVManager(NoDecommits, NoCacheTier, ABC):
             if len(seq.tokens) > seq.reserved_blocks * self._block_size:
                 raise IntegrityError(f"sequence {seq_id!r} holds more tokens than its range")
         if self._device_used_blocks() > self._num_blocks:
-            raise IntegrityError(f"the {self.layout} layout uses more blocks than its budget")
+            raise IntegrityError(f"the {self.name} layout uses more blocks than its budget")
 
     # ------------------------------------------------------------------ layout hooks
     @abstractmethod

@@ -1,65 +1,70 @@
-"""The `cache.kv_layout` setting: which manager the scheduler drives.
+"""The `cache.kv_layout` setting: every layout by name, and the engine's manager of one.
 
-`build_kv_manager` returns the paged `KVCacheManager` or a range manager (`ContiguousKVManager`,
-`VirtualKVManager`) behind the one `block_manager.KVManager` protocol, so the scheduler, model,
-sampling and workload are the same under every layout. The worker side of the setting is
-`kv_layouts.pools`; the layouts benchmark measures a layout from outside the engine's step
-(`benchmarks.layout_recorder`).
+`layout_named` is the one place a layout's name is turned into behaviour; the engine and each
+rank ask it once (`EngineCore`, `WorkerRank`) and hold the `KVLayout` from then on.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-from block_manager import KVCacheManager, KVManager
-from cluster.engine.config import EngineConfig
-from kv_layouts.contiguous import ContiguousKVManager
-from kv_layouts.virtual import VirtualKVManager
-from kv_layouts.virtual_pool import virtual_geometry
-from workers import ModelInfo
+from block_manager import KVManager
+from kv_layouts.contiguous import ContiguousLayout
+from kv_layouts.layout import KVBudget, KVLayout, SequenceBounds
+from kv_layouts.paged import PagedLayout
+from kv_layouts.virtual import VirtualLayout
+
+if TYPE_CHECKING:
+    from cluster.engine.config import EngineConfig
+    from workers.config import ModelInfo
+
+_LAYOUTS: Mapping[str, KVLayout] = MappingProxyType(
+    {layout.name: layout for layout in (PagedLayout(), ContiguousLayout(), VirtualLayout())}
+)
+
+LAYOUT_NAMES: tuple[str, ...] = tuple(_LAYOUTS)
+"""Every `cache.kv_layout` value, the default ('paged') first."""
+
+
+def layout_named(name: str) -> KVLayout:
+    """The layout `cache.kv_layout` names; ValueError naming the setting for an unknown one."""
+    layout = _LAYOUTS.get(name)
+    if layout is None:
+        raise ValueError(f"kv_layout {name!r} is not one of {list(LAYOUT_NAMES)}")
+    return layout
 
 
 def build_kv_manager(
+    layout: KVLayout,
     config: EngineConfig,
     info: ModelInfo,
     num_device_blocks: int,
     num_cpu_blocks: int,
     *,
+    bounds: SequenceBounds,
     record_events: bool = False,
 ) -> KVManager:
-    """The manager of `config.cache.kv_layout` over a budget of `num_device_blocks` blocks;
-    `record_events` keeps its `BlockEvent`s for a cluster-wide index (paged layout only: the
-    range layouts cache nothing)."""
+    """`layout`'s manager over a budget of `num_device_blocks` blocks (`cache.watermark` of
+    them kept free at admission); `bounds`: each sequence's most tokens; `record_events` keeps
+    the `BlockEvent`s of a layout that seals blocks, for a cluster-wide index."""
     cache = config.cache
     watermark = min(num_device_blocks - 1, math.floor(cache.watermark * num_device_blocks))
-    if cache.kv_layout == "paged":
-        return KVCacheManager(
+    tp = config.parallel.tensor_parallel_size
+    return layout.build_manager(
+        KVBudget(
             num_device_blocks=num_device_blocks,
             num_cpu_blocks=num_cpu_blocks,
             block_size=cache.block_size,
+            watermark_blocks=watermark,
+            max_model_len=info.max_model_len,
+            max_num_seqs=config.scheduler.seats(config.engine_device()),
+            plane_block_bytes=info.kv_bytes_per_block // (2 * info.num_layers * tp),
             enable_prefix_caching=cache.enable_prefix_caching,
             cpu_cache=cache.cpu_cache,
-            watermark_blocks=watermark,
             record_events=record_events,
+            bounds=bounds,
         )
-    if cache.kv_layout == "contiguous":
-        return ContiguousKVManager(
-            num_device_blocks=num_device_blocks,
-            block_size=cache.block_size,
-            max_model_len=info.max_model_len,
-            watermark_blocks=watermark,
-        )
-    tp = config.parallel.tensor_parallel_size
-    plane_block_bytes = info.kv_bytes_per_block // (2 * info.num_layers * tp)
-    geometry = virtual_geometry(
-        config.scheduler.max_num_seqs, info.max_model_len, cache.block_size, plane_block_bytes
-    )
-    return VirtualKVManager(
-        num_device_blocks=num_device_blocks,
-        block_size=cache.block_size,
-        max_model_len=info.max_model_len,
-        num_slots=geometry.num_slots,
-        slot_blocks=geometry.slot_blocks,
-        commit_blocks=geometry.commit_blocks,
-        watermark_blocks=watermark,
     )

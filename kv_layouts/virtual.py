@@ -4,12 +4,19 @@ The worker's pool is a virtual reservation of `num_slots * slot_blocks` blocks (
 memory). Slot i owns block ids `[i * slot_blocks, (i + 1) * slot_blocks)`, enough for the model
 context, so a sequence's KV is always one contiguous run and never moves. Physical memory is
 committed as tokens arrive, in units of `commit_blocks` blocks (the blocks spanning one page of the
-pool, or more), and released when the sequence ends: the freed range goes into the next plan's
-`decommit` list (`take_decommits`), which the worker returns to the OS before its forward pass.
+pool, or more), and released when the sequence ends: the rank's `VirtualPool`
+(`kv_layouts.virtual_pool`) sees the release in the next plan and returns the slot's pages to
+the OS before its forward pass, from the sequence's block table it holds (no plan field names
+them).
 
 "Full" is the physical budget: committed blocks never exceed `num_device_blocks` (the same byte
 budget the paged pool gets). A free slot is also needed; slots are `max_num_seqs`, so the
 scheduler's own limit binds first.
+
+Geometry (`virtual_geometry`): slot i owns block ids `[i * slot_blocks, (i + 1) * slot_blocks)`;
+`commit_blocks` is the fewest blocks whose bytes in one (layer, K/V) plane are a whole number of
+pages, and `slot_blocks` is a multiple of it, so every slot and every commit unit starts on a page
+boundary in every plane and handing a slot back never touches a neighbour's page.
 
 Invariant: committed == sum over live sequences of their committed blocks; a slot is either free
 or owned by exactly one live sequence.
@@ -18,18 +25,92 @@ or owned by exactly one live sequence.
 from __future__ import annotations
 
 import heapq
+import math
+import mmap
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from block_manager.errors import InvalidOperation, NeverFits, NoFreeBlocks
 from block_manager.types import SeqId
 from block_manager.usage import LayoutUsage
 from block_manager.validation import check_count
-from kv_layouts.ranges import RangeKVManager, SequenceRange
+from kv_layouts.layout import KVBudget, KVPool, SequenceBounds
+from kv_layouts.ranges import RangeKVManager, RangeLayout, SequenceRange
+
+if TYPE_CHECKING:
+    from cluster.engine.config import EngineConfig
+    from workers.config import WorkerConfig
+    from workers.kv_memory import KVShape
+
+PAGE_BYTES = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class VirtualGeometry:
+    """Slot and commit sizes of a virtual pool, in blocks."""
+
+    num_slots: int
+    slot_blocks: int
+    commit_blocks: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_slots * self.slot_blocks
+
+
+def virtual_geometry(
+    num_slots: int, max_model_len: int, block_size: int, plane_block_bytes: int
+) -> VirtualGeometry:
+    """`plane_block_bytes`: bytes of one block in one (layer, K/V) plane of the pool."""
+    if min(num_slots, max_model_len, block_size, plane_block_bytes) <= 0:
+        raise ValueError(
+            f"virtual pool sizes must be positive: num_slots={num_slots}, "
+            f"max_model_len={max_model_len}, block_size={block_size}, "
+            f"plane_block_bytes={plane_block_bytes}"
+        )
+    commit = PAGE_BYTES // math.gcd(PAGE_BYTES, plane_block_bytes)
+    blocks = -(-max_model_len // block_size)
+    return VirtualGeometry(num_slots, -(-blocks // commit) * commit, commit)
+
+
+class VirtualLayout(RangeLayout):
+    """The `virtual` layout: this manager over the rank's `VirtualPool` (one rank, CPU)."""
+
+    name = "virtual"
+
+    def validate(self, config: EngineConfig) -> None:
+        super().validate(config)
+        if config.parallel.tensor_parallel_size != 1:
+            raise ValueError(
+                "cache.kv_layout 'virtual' runs on one rank (CPU): "
+                "parallel.tensor_parallel_size must be 1"
+            )
+
+    def build_manager(self, budget: KVBudget) -> VirtualKVManager:
+        geometry = virtual_geometry(
+            budget.max_num_seqs, budget.max_model_len, budget.block_size, budget.plane_block_bytes
+        )
+        return VirtualKVManager(
+            num_device_blocks=budget.num_device_blocks,
+            block_size=budget.block_size,
+            max_model_len=budget.max_model_len,
+            num_slots=geometry.num_slots,
+            slot_blocks=geometry.slot_blocks,
+            commit_blocks=geometry.commit_blocks,
+            watermark_blocks=budget.watermark_blocks,
+            bounds=budget.bounds,
+        )
+
+    def build_pool(self, config: WorkerConfig, kv_shape: KVShape, max_model_len: int) -> KVPool:
+        from kv_layouts.virtual_pool import VirtualPool
+
+        return VirtualPool(config, kv_shape, max_model_len)
 
 
 class VirtualKVManager(RangeKVManager):
     """Per-slot virtual ranges with page-granular commit (see the module docstring)."""
 
-    layout = "virtual"
+    name = "virtual"
 
     def __init__(
         self,
@@ -41,12 +122,14 @@ class VirtualKVManager(RangeKVManager):
         slot_blocks: int,
         commit_blocks: int = 1,
         watermark_blocks: int = 0,
+        bounds: SequenceBounds | None = None,
     ) -> None:
         super().__init__(
             num_device_blocks=num_device_blocks,
             block_size=block_size,
             max_model_len=max_model_len,
             watermark_blocks=watermark_blocks,
+            bounds=bounds,
         )
         check_count("num_slots", num_slots, minimum=1)
         check_count("commit_blocks", commit_blocks, minimum=1)
@@ -61,7 +144,6 @@ class VirtualKVManager(RangeKVManager):
         self._unit = commit_blocks
         self._free_slots = list(range(num_slots))
         self._committed = 0
-        self._decommits: list[tuple[int, int]] = []
 
     @property
     def num_virtual_blocks(self) -> int:
@@ -71,14 +153,6 @@ class VirtualKVManager(RangeKVManager):
     @property
     def commit_blocks(self) -> int:
         return self._unit
-
-    def take_decommits(self) -> list[tuple[int, int]]:
-        """`[first, end)` block ranges freed since the last call, for the next plan's decommit."""
-        ranges, self._decommits = self._decommits, []
-        return ranges
-
-    def has_pending_decommits(self) -> bool:
-        return bool(self._decommits)
 
     def committed_blocks(self, num_tokens: int) -> int:
         """Blocks committed for a sequence of `num_tokens` tokens (whole commit units)."""
@@ -144,7 +218,6 @@ class VirtualKVManager(RangeKVManager):
     def _release(self, seq: SequenceRange) -> None:
         committed = self.committed_blocks(len(seq.tokens))
         self._committed -= committed
-        self._decommits.append((seq.first, seq.first + committed))
         heapq.heappush(self._free_slots, seq.first // self._slot_blocks)
 
     def _device_used_blocks(self) -> int:

@@ -1,14 +1,14 @@
 """The `virtual` KV layout's pool on CPU: an anonymous mapping reserved without committing memory.
 
+`VirtualPool` is the layout's `KVPool` on a rank: it reserves every slot of the geometry the
+engine's manager uses (`kv_layouts.virtual.virtual_geometry`, from the same sizes) and, when a
+plan releases a sequence, hands its whole slot back to the OS before the forward pass: the slot
+is the run its cached block table starts in, so the plan needs to name no memory.
+
 The pool tensor `[layers, 2, blocks, block_size, kv_heads, head_dim]` lies over an anonymous
 `mmap`: the kernel commits a page on first touch (a minor page fault, counted by `getrusage`) and
 `madvise(MADV_DONTNEED)` hands a range back (the next touch reads zeros again). Huge pages are
 turned off for the mapping so a fault commits one base page, not 2 MiB.
-
-Geometry (`virtual_geometry`): slot i owns block ids `[i * slot_blocks, (i + 1) * slot_blocks)`;
-`commit_blocks` is the fewest blocks whose bytes in one (layer, K/V) plane are a whole number of
-pages, and `slot_blocks` is a multiple of it, so every slot and every commit unit starts on a page
-boundary in every plane and a decommit never touches a neighbour's page.
 
 CUDA's equivalent (reserve a virtual range, create and map 2 MiB physical handles on demand) is
 not implemented: this machine has no GPU to test it on, so `allocate_virtual_pool` refuses CUDA.
@@ -17,42 +17,16 @@ not implemented: this machine has no GPU to test it on, so `allocate_virtual_poo
 from __future__ import annotations
 
 import ctypes
-import math
 import mmap
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-PAGE_BYTES = mmap.PAGESIZE
-
-
-@dataclass(frozen=True)
-class VirtualGeometry:
-    """Slot and commit sizes of a virtual pool, in blocks."""
-
-    num_slots: int
-    slot_blocks: int
-    commit_blocks: int
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_slots * self.slot_blocks
-
-
-def virtual_geometry(
-    num_slots: int, max_model_len: int, block_size: int, plane_block_bytes: int
-) -> VirtualGeometry:
-    """`plane_block_bytes`: bytes of one block in one (layer, K/V) plane of the pool."""
-    if min(num_slots, max_model_len, block_size, plane_block_bytes) <= 0:
-        raise ValueError(
-            f"virtual pool sizes must be positive: num_slots={num_slots}, "
-            f"max_model_len={max_model_len}, block_size={block_size}, "
-            f"plane_block_bytes={plane_block_bytes}"
-        )
-    commit = PAGE_BYTES // math.gcd(PAGE_BYTES, plane_block_bytes)
-    blocks = -(-max_model_len // block_size)
-    return VirtualGeometry(num_slots, -(-blocks // commit) * commit, commit)
+from kv_layouts.layout import PoolAllocator
+from kv_layouts.virtual import PAGE_BYTES, VirtualGeometry, virtual_geometry
+from workers.config import WorkerConfig
+from workers.kv_memory import KVShape
 
 
 class _Mincore:
@@ -127,3 +101,62 @@ class VirtualKVPool:
         the engine reads only slots it has written, so for it this is the committed memory.
         """
         return self._mincore.resident_pages(self._address, self.nbytes) * PAGE_BYTES
+
+
+class VirtualPool:
+    """One virtual reservation of `max_num_seqs` slots of `max_model_len` tokens each, backed on
+    first touch; a released sequence's slot goes back to the OS (CPU only: an anonymous mmap)."""
+
+    def __init__(self, config: WorkerConfig, kv_shape: KVShape, max_model_len: int) -> None:
+        self.config = config
+        self.kv_shape = kv_shape
+        self.max_model_len = max_model_len
+        self.pool: VirtualKVPool | None = None
+        self.geometry: VirtualGeometry | None = None
+        self._returned = 0
+
+    def allocate(
+        self, num_device_blocks: int, device: torch.device, allocate_pool: PoolAllocator
+    ) -> torch.Tensor:
+        if device.type != "cpu":
+            raise ValueError(
+                "kv_layout 'virtual' is implemented on CPU only (an anonymous mmap); the CUDA "
+                "virtual memory management path is not implemented"
+            )
+        if self.config.max_num_seqs is None:
+            raise ValueError("kv_layout 'virtual' sizes its slots by max_num_seqs: give it")
+        shape = self.kv_shape
+        element = torch.empty((), dtype=shape.dtype).element_size()
+        self.geometry = virtual_geometry(
+            self.config.max_num_seqs,
+            self.max_model_len,
+            shape.block_size,
+            shape.block_size * shape.num_kv_heads * shape.head_dim * element,
+        )
+        self.pool = VirtualKVPool(
+            shape.num_layers,
+            self.geometry.num_blocks,
+            shape.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.dtype,
+        )
+        return self.pool.tensor
+
+    def released(self, block_tables: Sequence[Sequence[int]]) -> None:
+        """Hands back the slot of every released sequence that was given blocks."""
+        assert self.pool is not None and self.geometry is not None, "pool not allocated"
+        slot_blocks = self.geometry.slot_blocks
+        slots = [(table[0] // slot_blocks) * slot_blocks for table in block_tables if table]
+        self.pool.decommit([(first, first + slot_blocks) for first in slots])
+        self._returned += len(slots)
+
+    @property
+    def returned_ranges(self) -> int:
+        return self._returned
+
+    def resident_bytes(self) -> int | None:
+        return None if self.pool is None else self.pool.resident_bytes()
+
+    def release(self) -> None:
+        self.pool = None

@@ -6,9 +6,9 @@ Triton kernels for CUDA tensors, the plain-torch path (``pagedserve_kernels.torc
 tensors. ``pagedserve_kernels.reference`` holds the simplest correct version of each function, the
 tests' oracle.
 
-A model attends through an ``AttentionStep``, one step's prepared metadata whatever the KV layout:
-``PagedAttentionStep`` (block tables) or ``pagedserve_kernels.range_attention.RangeAttention`` (one
-contiguous run per sequence). Both write KV through ``step.prepared`` and attend with
+A model attends through an ``AttentionStep``, one step's prepared metadata: ``PagedAttentionStep``
+over the block tables, whatever the KV layout (a layout that keeps a sequence in one run of
+blocks sends that run as its table). It writes KV through ``step.prepared`` and attends with
 ``step.attend(...)``.
 
 Layout: one pool ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; layer l's K

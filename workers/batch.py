@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve_kernels.range_attention import contiguous_runs
 from workers.model import AttentionMetadata
 from workers.plan import PlanRejected, SamplingSettings, SequenceWork, StepPlan
 from workers.sampling import PromptRows, SampleRequest
@@ -191,13 +190,8 @@ def pack_batch(
     registry: SequenceRegistry,
     block_size: int,
     device: torch.device,
-    contiguous: bool = False,
 ) -> PackedBatch:
-    """Token ids, positions, slot mapping, block tables and sample rows of `plan.sequences`.
-
-    `contiguous` (the contiguous and virtual KV layouts): every table must be one run of block
-    ids, and the metadata carries each run's first block for the non-paged attention path.
-    """
+    """Token ids, positions, slot mapping, block tables and sample rows of `plan.sequences`."""
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -261,7 +255,6 @@ def pack_batch(
         context_lens=tensor(context_lens, torch.int32),
         block_tables=tensor(padded, torch.int32).reshape(len(tables), width),
         logits_indices=tensor(logits_rows, torch.int64),
-        range_first_blocks=contiguous_runs(tables) if contiguous else None,
     )
     any_lora = any(slot >= 0 for slot in lora_slots)
     return PackedBatch(

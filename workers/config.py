@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from kv_layouts import LAYOUT_NAMES
 from pagedserve_kernels import kv_quant
 
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
@@ -22,8 +23,6 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-KV_LAYOUTS = ("paged", "contiguous", "virtual")
 
 
 class WorkerConfigError(ValueError):
@@ -60,11 +59,12 @@ class WorkerConfig:
     weights_cache_dir: str | None = None
     seed: int = 0
     kv_layout: str = "paged"
-    """paged | contiguous | virtual: how the engine addresses the pool (see `virtual_pool`)."""
-    kv_virtual_slots: int = 0
+    """Which `kv_layouts` layout builds the rank's pool (`kv_layouts.LAYOUT_NAMES`)."""
+    max_num_seqs: int | None = None
+    """The engine's running sequences at most (a layout may size its pool by them: `virtual`
+    reserves one slot each); None: not known."""
     device: str = "auto"
     """Where ranks compute: "auto" (CUDA when their bundle holds a GPU), "cpu" or "cuda"."""
-    """`virtual` layout: sequence slots of the virtual pool (the engine's max running seqs)."""
     kv_cache_dtype: str = "auto"
     """auto | int8 | fp8 | fp8_e4m3: how the KV pool stores values (`pagedserve_kernels.kv_quant`;
     int8 on CPU ranks, fp8 on CUDA ranks, the paged layout only)."""
@@ -107,10 +107,8 @@ class WorkerConfig:
             yield "max_loras", f"max_loras must be >= 0, got {self.max_loras}"
         if self.max_lora_rank <= 0:
             yield "max_lora_rank", f"max_lora_rank must be positive, got {self.max_lora_rank}"
-        if self.kv_layout not in KV_LAYOUTS:
-            yield "kv_layout", f"kv_layout {self.kv_layout!r} is not one of {list(KV_LAYOUTS)}"
-        if self.kv_layout == "virtual" and self.kv_virtual_slots <= 0:
-            yield "kv_virtual_slots", "kv_layout 'virtual' needs kv_virtual_slots > 0"
+        if self.kv_layout not in LAYOUT_NAMES:
+            yield "kv_layout", f"kv_layout {self.kv_layout!r} is not one of {list(LAYOUT_NAMES)}"
         if self.dtype != "auto" and self.dtype not in SUPPORTED_DTYPES:
             yield (
                 "dtype",
@@ -121,11 +119,6 @@ class WorkerConfig:
                 "kv_cache_dtype",
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of "
                 f"{list(kv_quant.KV_CACHE_DTYPES)}",
-            )
-        elif self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
-            yield (
-                "kv_cache_dtype",
-                f"kv_cache_dtype {self.kv_cache_dtype!r} needs kv_layout 'paged'",
             )
         if self.quantized_activations not in (True, False, "auto"):
             yield (

@@ -5,8 +5,8 @@ The model builds its own stack layers once, after loading (`CausalLM.native_stac
 of Llama's layer on one rank, with the native layer ops, every linear layer's int8 panels or
 exact 4-bit copy, and no biases); `NativeDecode.build` makes the native stack of them where the
 kernels take its dtype (float32 or bfloat16) and geometry. `NativeDecode.forward` then takes each
-step that is all decodes (one token per sequence) of at most `max_rows` sequences, in the
-paged layout and without LoRA; it returns None for every other step, which keeps the
+step that is all decodes (one token per sequence) of at most `max_rows` sequences, without
+LoRA; it returns None for every other step, which keeps the
 per-operator path. Each product runs on the copy the per-operator path multiplies on: int8
 panels where the model keeps them (`quantized_activations`), which it multiplies on at every
 batch size, so the stack takes steps of up to `PANEL_MAX_ROWS`; otherwise the exact 4-bit copy,
@@ -75,7 +75,6 @@ class NativeDecode:
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         step: AttentionStep,
         kv_pool: torch.Tensor,
-        paged: bool,
     ) -> torch.Tensor | None:
         """The final-normed hidden states of an all-decode step (see the module doc), or None
         where this step is not one the stack takes. `hidden` is the float32 residual stream
@@ -84,8 +83,7 @@ class NativeDecode:
         decodes = prepared.decode_rows
         rows = hidden.shape[0]
         if (
-            not paged
-            or decodes is None
+            decodes is None
             or decodes.rows.shape[0] != rows
             or rows > self.max_rows
             or prepared.slot_mapping is None

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from pagedserve_kernels import AttentionStep, PagedAttentionStep, prepare_attention
 from pagedserve_kernels.decoder_stack_cpu import StackLayer, StackShape
-from pagedserve_kernels.range_attention import RangeAttention
 from workers.checkpoint import CheckpointReader
 from workers.config import ModelSpec
 from workers.decoder_stack import NativeDecode, NativeStack
@@ -49,13 +48,9 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
-    range_first_blocks: list[int] | None = None
-    """Contiguous and virtual KV layouts: each sequence's first block. Its KV is the run
-    `first, first + 1, ...` and attention takes the non-paged path (`range_attention`)."""
 
     def prepare_kernels(self, kv_pool: torch.Tensor) -> AttentionStep:
-        """Validate this step's metadata once for every layer of `kv_pool` (ValueError if bad):
-        the paged step, or the range one when each sequence's KV is one contiguous run."""
+        """Validate this step's metadata once for every layer of `kv_pool` (ValueError if bad)."""
         prepared = prepare_attention(
             self.cu_query_lens,
             self.context_lens,
@@ -65,9 +60,7 @@ class AttentionMetadata:
             slot_mapping=self.slot_mapping,
             device=kv_pool.device,
         )
-        if self.range_first_blocks is None:
-            return PagedAttentionStep(prepared)
-        return RangeAttention(prepared, self.range_first_blocks)
+        return PagedAttentionStep(prepared)
 
 
 class Attention(torch.nn.Module):
@@ -395,8 +388,7 @@ class CausalLM(torch.nn.Module):
             hidden = hidden.to(torch.float32)  # the residual stream
         step = metadata.prepare_kernels(kv_pool)  # validated once, shared by every layer
         if self.native_decode is not None and lora is None:
-            paged = metadata.range_first_blocks is None
-            stacked = self.native_decode.forward(hidden, cos_sin, step, kv_pool, paged)
+            stacked = self.native_decode.forward(hidden, cos_sin, step, kv_pool)
             if stacked is not None:
                 return stacked
         delta = None

@@ -12,7 +12,7 @@ which is the one executed just before it; a placeholder is filled only from that
 When that output is missing (the previous plan failed, or the executor ran something else in
 between) the placeholder's work is dropped from the plan: it samples nothing, and the engine,
 which has sent those sequences back or ended them when it judged the failed plan, ignores it.
-Everything else in the plan (releases, copies, decommits, other sequences) runs as planned.
+Everything else in the plan (releases, copies, other sequences) runs as planned.
 """
 
 from __future__ import annotations

@@ -172,9 +172,6 @@ class StepPlan:
     table and sampling settings; applied before `sequences` are read."""
     released: list[int] = field(default_factory=list)
     """Sequence ids whose cached state the worker drops (finished, aborted, or preempted)."""
-    decommit: list[BlockPair] = field(default_factory=list)
-    """`[first, end)` device block ranges whose physical memory the worker returns to the OS
-    before the forward pass (the `virtual` KV layout: ranges of ended sequences); else empty."""
     lora_drops: list[str] = field(default_factory=list)
     """Digests of adapters the ranks drop from CPU memory (the engine's LRU evicted them)."""
     lora_loads: list[LoRASlotLoad] = field(default_factory=list)

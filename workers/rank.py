@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from kv_layouts.pools import KVPoolLayout, pool_layout_for
+from kv_layouts import KVPool, layout_named
 from pagedserve_kernels import allocate_kv_pool, copy_blocks, swap_blocks
 from workers import block_io
 from workers.batch import SequenceRegistry, pack_batch
@@ -86,8 +86,10 @@ class WorkerRank:
         self.model: CausalLM | None = None
         self.device_pool: torch.Tensor | None = None
         self.cpu_pool: torch.Tensor | None = None
-        self.pool_layout: KVPoolLayout = pool_layout_for(config, self.kv_shape, max_model_len)
-        """How `config.kv_layout` allocates, addresses and decommits the device pool."""
+        self.kv_pool: KVPool = layout_named(config.kv_layout).build_pool(
+            config, self.kv_shape, max_model_len
+        )
+        """How `config.kv_layout` allocates the device pool and what a release gives back."""
         self.cpu_checksums: dict[int, bytes] = {}
         """`verify_swaps`: digest of each CPU block's bytes as its last copy left them."""
         self.lora: RankLoRA | None = None
@@ -186,17 +188,17 @@ class WorkerRank:
         return cpu_swap_blocks(self.config, self.kv_shape)
 
     def allocate(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate the device pool (as `pool_layout` lays it out: under the `virtual` layout a
+        """Allocate the device pool (as `kv_pool` lays it out: under the `virtual` layout a
         virtual reservation whose physical budget of `num_device_blocks` the engine's manager
         enforces) and, when `num_cpu_blocks > 0`, the CPU swap pool."""
-        self.device_pool = self.pool_layout.allocate(num_device_blocks, self.device, self._allocate)
+        self.device_pool = self.kv_pool.allocate(num_device_blocks, self.device, self._allocate)
         if num_cpu_blocks > 0:
             pin = self.device.type == "cuda"
             self.cpu_pool = self._allocate(num_cpu_blocks, torch.device("cpu"), pin)
 
     def resident_bytes(self) -> int | None:
         """Bytes of the device pool physically backed, when its layout can measure them."""
-        return self.pool_layout.resident_bytes()
+        return self.kv_pool.resident_bytes()
 
     def _check_ids(self, plan: StepPlan) -> None:
         """Sampling settings valid, token ids inside the vocabulary and block ids inside the
@@ -324,16 +326,11 @@ class WorkerRank:
                 )
         snapshot = self.registry.apply(plan)
         try:
-            batch = pack_batch(
-                plan,
-                self.registry,
-                self.config.block_size,
-                self.device,
-                contiguous=self.pool_layout.contiguous,
-            )
+            batch = pack_batch(plan, self.registry, self.config.block_size, self.device)
             self._check_ids(plan)
             self._apply_lora(plan)
-            self.pool_layout.decommit(plan)
+            released = (snapshot.get(seq_id) for seq_id in plan.released)
+            self.kv_pool.released([state.block_table for state in released if state is not None])
         except ValueError:
             self.registry.restore(snapshot)
             raise
@@ -371,4 +368,4 @@ class WorkerRank:
         self.lora = None
         self.device_pool = None
         self.cpu_pool = None
-        self.pool_layout.release()
+        self.kv_pool.release()

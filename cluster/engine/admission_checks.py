@@ -18,6 +18,7 @@ from cluster.engine.config import SchedulerSettings
 from cluster.engine.errors import EngineOverloaded, RequestRejected
 from cluster.engine.queue_wait import QueueWait
 from cluster.engine.sampling_params import SamplingParams
+from kv_layouts import KVLayout
 
 
 def check_queue(
@@ -55,6 +56,7 @@ def check_fits(
     settings: SchedulerSettings,
     block_size: int,
     block_manager: KVManager,
+    layout: KVLayout,
     vocab_size: int,
 ) -> None:
     """RequestRejected when the prompt and its `n` branches can never be served here, or a
@@ -77,9 +79,9 @@ def check_fits(
         raise RequestRejected(
             f"n={params.n} branches exceed scheduler.max_num_seqs ({settings.max_num_seqs})"
         )
-    if params.n > 1 and not block_manager.can_fork:
+    if params.n > 1 and not layout.can_fork:
         raise RequestRejected(
-            f"n={params.n}: cache.kv_layout {block_manager.layout!r} gives every sequence "
+            f"n={params.n}: cache.kv_layout {layout.name!r} gives every sequence "
             "its own range and cannot fork one; parallel sampling needs the 'paged' layout"
         )
     needed = -(-len(ids) // block_size) + params.n

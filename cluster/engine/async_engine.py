@@ -234,8 +234,9 @@ class AsyncEngine:
 
     def take_block_events(self) -> list[BlockEvent]:
         """The block manager's seals and evictions since the last call (see `BlockEvent`);
-        [] unless built with `record_block_events`."""
-        return self.core.block_manager.take_events()
+        [] unless built with `record_block_events` under a layout that seals blocks."""
+        events = self.core.block_events
+        return [] if events is None else events.take_events()
 
     def pressure(self) -> PressureSnapshot:
         """Both tiers' block counts now (what `metrics()` reports, without its copies)."""
@@ -243,7 +244,8 @@ class AsyncEngine:
 
     def cached_hashes_by_tier(self) -> dict[str, list[bytes]]:
         """Every hash a prefix lookup can hit now, per tier (a full scan: for resyncs)."""
-        return dict(self.core.block_manager.cached_hashes_by_tier())
+        events = self.core.block_events
+        return {"device": [], "cpu": []} if events is None else dict(events.cached_hashes_by_tier())
 
     def model_info(self) -> ModelInfo:
         return self.core.model_info

@@ -23,6 +23,7 @@ from cluster.engine.vllm_args import (
     merge_overrides,
     vllm_overrides,
 )
+from kv_layouts import LAYOUT_NAMES, layout_named
 
 if TYPE_CHECKING:
     from workers import WorkerConfig
@@ -81,11 +82,11 @@ class CacheSettings(_Section):
     verify_swaps: bool = Field(
         False, description="checksum blocks copied to the CPU and check them on the way back"
     )
-    kv_layout: Literal["paged", "contiguous", "virtual"] = Field(
+    kv_layout: str = Field(
         "paged",
-        description="KV memory layout: paged blocks, contiguous max-length reservations, or "
-        "per-sequence virtual ranges committed on demand (CPU); prefix caching, swap and n > 1 "
-        "need 'paged'",
+        description=f"KV memory layout, one of {', '.join(LAYOUT_NAMES)}: paged blocks, or the "
+        "research baselines, contiguous max-length reservations and per-sequence virtual "
+        "ranges committed on demand (CPU); prefix caching, swap and n > 1 need 'paged'",
     )
     kv_cache_dtype: Literal["auto", "int8", "fp8", "fp8_e4m3"] = Field(
         "auto",
@@ -295,21 +296,6 @@ class EngineConfig(_Section):
         swap_possible = self.cache.num_cpu_blocks != 0 and (
             self.cache.num_cpu_blocks is not None or self.cache.swap_space_bytes > 0
         )
-        if self.cache.kv_layout == "virtual" and self.parallel.tensor_parallel_size != 1:
-            raise ValueError(
-                "cache.kv_layout 'virtual' runs on one rank (CPU): "
-                "parallel.tensor_parallel_size must be 1"
-            )
-        if self.cache.kv_layout != "paged" and self.cache.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"cache.kv_cache_dtype {self.cache.kv_cache_dtype!r} needs cache.kv_layout "
-                f"'paged' (the {self.cache.kv_layout!r} layout keeps the model's dtype)"
-            )
-        if self.cache.kv_layout != "paged" and self.scheduler.preemption_mode == "swap":
-            raise ValueError(
-                f"cache.kv_layout {self.cache.kv_layout!r} has no CPU swap tier: set "
-                "scheduler.preemption_mode to 'recompute' or 'auto'"
-            )
         if self.scheduler.preemption_mode == "swap" and not swap_possible:
             raise ValueError(
                 "scheduler.preemption_mode 'swap' needs a CPU tier: set cache.num_cpu_blocks > 0 "
@@ -317,7 +303,8 @@ class EngineConfig(_Section):
             )
         if self.model.max_model_len is not None:
             self.scheduler.check_context(self.model.max_model_len)
-        self._check_worker_settings()
+        self._check_worker_settings()  # an unknown cache.kv_layout is refused here
+        layout_named(self.cache.kv_layout).validate(self)
         return self
 
     def _check_worker_settings(self) -> None:
@@ -429,13 +416,13 @@ class EngineConfig(_Section):
         }
         config = WorkerConfig(
             **copied,
-            kv_virtual_slots=self.scheduler.seats(self.engine_device()),
+            max_num_seqs=self.scheduler.seats(self.engine_device()),
             max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
             max_lora_rank=self.lora.max_lora_rank,
         )
-        if self.cache.kv_layout == "paged":
+        if layout_named(self.cache.kv_layout).has_swap_tier:
             return config
-        # the non-paged layouts have no swap tier: no CPU pool is allocated for them
+        # a layout without a swap tier gets no CPU pool
         return replace(config, num_cpu_blocks=None, swap_space_bytes=0)
 
     # --- command line -------------------------------------------------------------------------

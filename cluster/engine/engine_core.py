@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from block_manager import CacheIdentity, CacheKey
+from block_manager.protocol import block_events_of
 from cluster.engine.admission_checks import check_fits, check_queue
 from cluster.engine.cache_keys import CacheKeyFactory, RequestKeys
 from cluster.engine.config import EngineConfig
@@ -40,11 +41,12 @@ from cluster.engine.request_endings import RequestEndings
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.scheduler_step import SchedulerStep
+from cluster.engine.sequence_bounds import RequestBounds
 from cluster.engine.speculation import NgramSpeculator
 from cluster.engine.step_progress import AppliedToken, StepProgress, apply_texts
 from cluster.engine.structured_outputs import ConstraintError
 from cluster.engine.tokenization import PromptRenderer
-from kv_layouts.registry import build_kv_manager
+from kv_layouts import build_kv_manager, layout_named
 from workers import ModelInfo, WorkerGroup, load_tokenizer
 from workers.lora import AdapterSummary
 from workers.plan import StepOutput
@@ -76,13 +78,21 @@ class EngineCore:
             sched.check_context(self.max_model_len)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        self.requests: dict[str, Request] = {}
+        self.kv_layout = layout_named(config.cache.kv_layout)
         self.block_manager = build_kv_manager(
+            self.kv_layout,
             config,
             info,
             self.workers.num_device_blocks,
             self.workers.num_cpu_blocks,
+            bounds=RequestBounds(self.requests),
             record_events=record_block_events,
         )
+        self.block_events = block_events_of(self.block_manager)
+        """Seals and evictions for a cluster-wide index (None: the layout seals nothing)."""
+        self.shares_prefixes = self.kv_layout.shares_prefixes and config.cache.enable_prefix_caching
+        """Blocks are found by prefix hash: the cluster-wide index and KV transfers apply."""
         if tokenizer is None:
             tokenizer = load_tokenizer(config.model.model)
         self.renderer = PromptRenderer(tokenizer, info.vocab_size)
@@ -119,7 +129,6 @@ class EngineCore:
         self.limits = StopLimits(frozenset(info.eos_token_ids), self.max_model_len)
         self.recorder = MetricsRecorder()
         self.queue_wait = queue_wait if queue_wait is not None else QueueWait()
-        self.requests: dict[str, Request] = {}
         self.endings = RequestEndings(
             self.requests,
             self.scheduler,
@@ -172,6 +181,7 @@ class EngineCore:
             settings=self.config.scheduler,
             block_size=self.config.cache.block_size,
             block_manager=self.block_manager,
+            layout=self.kv_layout,
             vocab_size=self.renderer.vocab_size,
         )
         cache_key = self.cache_key_for(generate)
@@ -216,8 +226,6 @@ class EngineCore:
             priority=generate.priority,
         )
         resume_request(request, generate.resume, self.limits)
-        for branch in request.branches:  # what a range layout reserves at admission
-            self.block_manager.reserve(branch.seq_id, len(ids) + max_tokens)
         self.adapters.admit(request)  # released by `RequestEndings.forget_limits`
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -279,14 +287,10 @@ class EngineCore:
         return len(self.scheduler.running)
 
     def has_work(self) -> bool:
-        """A step has something to give the workers: an unfinished request, or releases and
-        decommits of ended ones that no plan has carried yet (without them the workers would
-        keep the state of the last requests that ended)."""
-        return (
-            self.has_unfinished()
-            or self.scheduler.has_releases()
-            or self.block_manager.has_pending_decommits()
-        )
+        """A step has something to give the workers: an unfinished request, or releases of
+        ended ones that no plan has carried yet (without them the workers would keep the state,
+        and a layout's pool the memory, of the last requests that ended)."""
+        return self.has_unfinished() or self.scheduler.has_releases()
 
     # --- steps -------------------------------------------------------------------------------
     # One path for every driver: `begin_step()`, the workers execute `step.plan` (unless
@@ -294,7 +298,7 @@ class EngineCore:
     # and `settle_step(progress)` (`finish_step` is both). `StepPipeline` drives it.
 
     def begin_step(self) -> SchedulerStep:
-        """Schedules the next step; its plan carries every pending release and decommit."""
+        """Schedules the next step; its plan carries every pending release."""
         return self._prepared(self.scheduler.schedule())
 
     def begin_step_ahead(self, base: SchedulerStep) -> SchedulerStep | None:
@@ -307,7 +311,6 @@ class EngineCore:
     def _prepared(self, step: SchedulerStep) -> SchedulerStep:
         bm = self.block_manager
         self.adapters.place(step)
-        step.plan.decommit = bm.take_decommits()
         if self.config.scheduler.check_integrity:
             bm.check_integrity()
         self.recorder.observe_pressure(bm.pressure())

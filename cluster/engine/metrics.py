@@ -147,7 +147,7 @@ def collect_metrics(
 ) -> EngineMetrics:
     """One consistent snapshot of the engine's counters (read between steps)."""
     pressure = block_manager.pressure()
-    tier = block_manager.tier_counters()
+    tier = TierCounters() if scheduler.tier is None else scheduler.tier.tier_counters()
     return EngineMetrics(
         pressure=pressure,
         num_running=len(scheduler.running),

@@ -172,8 +172,6 @@ class RequestEndings:
         )
 
     def forget_limits(self, request: Request) -> None:
-        """What an ending request gives back besides its blocks: its reservations and its hold
-        on its adapter's weights (once: the digest is cleared)."""
-        for branch in request.branches:
-            self.block_manager.forget(branch.seq_id)
+        """What an ending request gives back besides its blocks: its hold on its adapter's
+        weights (once: the digest is cleared)."""
         self.adapters.release(request)

@@ -28,6 +28,7 @@ import bisect
 from collections.abc import Iterable, Sequence
 
 from block_manager import KVManager, NeverFits, NoFreeBlocks
+from block_manager.protocol import cache_tier_of
 from cluster.engine.config import SchedulerSettings
 from cluster.engine.lookahead import Placeholders, lookahead_decodes
 from cluster.engine.preemption import PreemptionCostModel, choose_swap
@@ -61,6 +62,8 @@ class Scheduler:
         take a sequence past `max_model_len`."""
         self.settings = settings
         self.bm = block_manager
+        self.tier = cache_tier_of(block_manager)
+        """The manager's CPU cache tier (None: its layout has none), driven every step."""
         self.cost_model = cost_model
         self.max_loras = max_loras
         self.speculator = speculator
@@ -139,8 +142,8 @@ class Scheduler:
         step = SchedulerStep(plan=StepPlan(step_id=self._step_id), works=[])
         cap = prefill_cap(self.settings.max_prefill_tokens, self.running, self.bm)
         budget = StepBudget(self.settings.max_num_batched_tokens, cap)
-        if self.bm.cpu_cache:
-            self.bm.set_promotion(self.cost_model.prefer_promote(self.bm.block_size))
+        if self.tier is not None and self.tier.cpu_cache:
+            self.tier.set_promotion(self.cost_model.prefer_promote(self.bm.block_size))
         step.preempted = self._schedule_running(step, budget)
         if not step.preempted:
             swapped_left = self._schedule_swapped(step, budget)
@@ -183,8 +186,9 @@ class Scheduler:
         """The plan carries every pending release and the CPU cache tier's copies."""
         step.plan.released = self._releases
         self._releases = []
-        transfers = self.bm.take_transfers(step.plan.step_id)
-        step.plan.demote, step.plan.promote = transfers.demote, transfers.promote
+        if self.tier is not None:
+            transfers = self.tier.take_transfers(step.plan.step_id)
+            step.plan.demote, step.plan.promote = transfers.demote, transfers.promote
 
     def on_step_done(
         self, step: SchedulerStep, output: StepOutput
@@ -196,7 +200,8 @@ class Scheduler:
         the device meanwhile (a refused step before it), has its blocks freed already and gives
         nothing. A sampled token a step planned ahead holds a placeholder for is written in
         (`cluster.engine.step_samples`)."""
-        self.bm.complete_transfers(step.plan.step_id)  # its copies ran: their blocks unpinned
+        if self.tier is not None:
+            self.tier.complete_transfers(step.plan.step_id)  # its copies ran: blocks unpinned
         self.cost_model.observe_step(output.forward_seconds, step.num_tokens)
         return take_samples(step, output, self.bm, self._ahead, self.speculator)
 

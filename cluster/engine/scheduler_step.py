@@ -57,10 +57,10 @@ class SchedulerStep:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing for the workers to do: no work, no swaps or copies, no releases and no
-        decommits (a plan that only releases sequences must still reach the workers, or their
-        registries keep the state of requests that ended)."""
-        return not (self.runs_anything or self.plan.released or self.plan.decommit)
+        """Nothing for the workers to do: no work, no swaps or copies and no releases (a plan
+        that only releases sequences must still reach the workers, or their registries, and
+        their pools' memory, keep the state of requests that ended)."""
+        return not (self.runs_anything or self.plan.released)
 
     @property
     def runs_anything(self) -> bool:

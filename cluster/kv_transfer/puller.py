@@ -101,7 +101,7 @@ class KVPuller:
         """Pull what is worth pulling for `request` (see the module doc); None: nothing pulled."""
         core = self.core
         bm = core.block_manager
-        if bm.layout != "paged" or not bm.enable_prefix_caching:
+        if not core.shares_prefixes:
             return None
         try:
             key = core.cache_key_for(request)

@@ -1,6 +1,7 @@
 """`replace_token`: async scheduling appends a placeholder for a token still being sampled and
 writes the real id in once it is known. Oracle: a sequence that appended the real id directly
-(same tokens, same hashes, same table), on the paged and the range layouts."""
+(same tokens, same hashes, same table), on the paged layout (`tests/layouts` runs the same
+checks on the baselines)."""
 
 from __future__ import annotations
 
@@ -11,28 +12,14 @@ from block_manager import (
     InvalidOperation,
     KVManager,
 )
-from kv_layouts.contiguous import ContiguousKVManager
-from kv_layouts.virtual import VirtualKVManager
 from tests.block_manager.helpers import SEED, make_manager
 
 KEY = CacheKey(SEED)
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 
-def _managers() -> list[KVManager]:
-    return [
-        make_manager(device=16, block_size=4),
-        ContiguousKVManager(num_device_blocks=32, block_size=4, max_model_len=64),
-        VirtualKVManager(
-            num_device_blocks=32, block_size=4, max_model_len=64, num_slots=2, slot_blocks=16
-        ),
-    ]
-
-
-@pytest.mark.parametrize("manager", _managers(), ids=["paged", "contiguous", "virtual"])
-def test_a_replaced_placeholder_is_the_token_appended_directly(manager: KVManager) -> None:
+def check_a_replaced_placeholder_is_the_token_appended_directly(manager: KVManager) -> None:
     for seq_id in (1, 2):
-        manager.reserve(seq_id, 20)
         manager.allocate(seq_id, PROMPT, KEY)
         manager.mark_computed(seq_id, len(PROMPT))
     manager.append_token(1, 42)
@@ -46,9 +33,7 @@ def test_a_replaced_placeholder_is_the_token_appended_directly(manager: KVManage
     manager.check_integrity()
 
 
-@pytest.mark.parametrize("manager", _managers(), ids=["paged", "contiguous", "virtual"])
-def test_only_uncomputed_tokens_can_be_replaced(manager: KVManager) -> None:
-    manager.reserve(1, 20)
+def check_only_uncomputed_tokens_can_be_replaced(manager: KVManager) -> None:
     manager.allocate(1, PROMPT, KEY)
     manager.mark_computed(1, len(PROMPT))
     manager.append_token(1, 0)
@@ -59,6 +44,16 @@ def test_only_uncomputed_tokens_can_be_replaced(manager: KVManager) -> None:
         manager.replace_token(1, len(PROMPT), -5)
     assert manager.token_ids(1) == [*PROMPT, 0]  # type: ignore[attr-defined]
     manager.check_integrity()
+
+
+def test_a_replaced_placeholder_is_the_token_appended_directly() -> None:
+    check_a_replaced_placeholder_is_the_token_appended_directly(
+        make_manager(device=16, block_size=4)
+    )
+
+
+def test_only_uncomputed_tokens_can_be_replaced() -> None:
+    check_only_uncomputed_tokens_can_be_replaced(make_manager(device=16, block_size=4))
 
 
 def test_a_replaced_token_is_hashed_as_the_real_one() -> None:

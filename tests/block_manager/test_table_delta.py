@@ -1,4 +1,4 @@
-"""Manager-owned table deltas (`take_table_delta`) and the one `KVManager` contract.
+"""Manager-owned table deltas (`take_table_delta`) and the paged `KVManager` contract.
 
 The workers keep a copy of each sequence's block table and get only what changed; the manager
 knows every place a table changes (append, copy-on-write, sealing dedup, fork, free, swap), so
@@ -15,8 +15,7 @@ from block_manager import (
     KVCacheManager,
     KVManager,
 )
-from kv_layouts.contiguous import ContiguousKVManager
-from kv_layouts.virtual import VirtualKVManager
+from block_manager.protocol import block_events_of, cache_tier_of
 from tests.block_manager.helpers import SEED, make_manager, prefill
 
 KEY = CacheKey(SEED)
@@ -78,53 +77,11 @@ def test_free_and_swap_reset_the_workers_view() -> None:
     manager.check_integrity()
 
 
-def _range_managers() -> list[KVManager]:
-    return [
-        ContiguousKVManager(num_device_blocks=32, block_size=4, max_model_len=64),
-        VirtualKVManager(
-            num_device_blocks=32, block_size=4, max_model_len=64, num_slots=2, slot_blocks=16
-        ),
-    ]
-
-
-@pytest.mark.parametrize("manager", _range_managers(), ids=["contiguous", "virtual"])
-def test_range_layouts_report_appended_blocks_only(manager: KVManager) -> None:
-    manager.reserve(1, 20)
-    manager.allocate(1, [1, 2, 3, 4, 5], KEY)
-    table = manager.block_table(1)
-    assert manager.take_table_delta(1) == (0, table)
-    manager.mark_computed(1, 5)
-    for token in range(4):  # 9 tokens: a third block
-        manager.append_token(1, token)
-    assert manager.take_table_delta(1) == (2, [table[0] + 2])
-    assert manager.take_table_delta(1) == (3, [])
-    manager.free(1)
-    manager.forget(1)
-    manager.allocate(1, [1], KEY)
-    assert manager.take_table_delta(1) == (0, manager.block_table(1))
-
-
-def test_every_layout_satisfies_the_contract_with_its_own_hooks() -> None:
-    paged = make_manager(device=8, block_size=4)
-    contiguous, virtual = _range_managers()
-    managers: list[KVManager] = [paged, contiguous, virtual]
-    for manager in managers:
-        assert isinstance(manager, KVManager)
-    assert [m.layout for m in managers] == ["paged", "contiguous", "virtual"]
-    assert [m.can_fork for m in managers] == [True, False, False]
-    paged.reserve(1, 100)  # a no-op: the paged layout reserves nothing
-    prefill(paged, 1, [1, 2, 3, 4, 5, 6])
-    paged.forget(1)
-    paged.free(1)
-    assert paged.take_decommits() == [] and not paged.has_pending_decommits()
-    contiguous.allocate(1, [1, 2], KEY)
-    contiguous.free(1)
-    assert contiguous.take_decommits() == [] and not contiguous.has_pending_decommits()
-    virtual.allocate(1, [1, 2], KEY)
-    virtual.free(1)
-    assert virtual.has_pending_decommits()
-    assert virtual.take_decommits() == [(0, 1)]
-    assert not virtual.has_pending_decommits()
+def test_the_paged_manager_satisfies_the_contract_and_its_optional_pieces() -> None:
+    manager = make_manager(device=8, block_size=4)
+    assert isinstance(manager, KVManager)
+    assert cache_tier_of(manager) is manager
+    assert block_events_of(manager) is manager
 
 
 def test_paged_usage_is_its_pressure_in_slots() -> None:

@@ -283,7 +283,6 @@ def test_truncate_refuses_computed_tokens_and_changes_nothing() -> None:
 
 def test_truncate_on_a_range_layout_keeps_the_run() -> None:
     manager = ContiguousKVManager(num_device_blocks=16, block_size=4, max_model_len=32)
-    manager.reserve(1, 32)
     manager.allocate(1, [1, 2, 3], CacheKey(SEED))
     manager.mark_computed(1, 3)
     table = manager.block_table(1)

@@ -2,8 +2,8 @@
 
 The oracle is `pagedserve_kernels.reference.paged_attention`, itself checked here against a direct
 computation of one sequence; the CPU path (whose native decode kernel has no soft cap, so capped
-calls take the torch path), the Triton kernel (the CPU interpreter here) and the contiguous
-layout's `range_attention` must match it, with and without a sliding window.
+calls take the torch path) and the Triton kernel (the CPU interpreter here) must match it, with
+and without a sliding window.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import torch
 
 import pagedserve_kernels
 from pagedserve_kernels import reference, triton_attention, validation
-from pagedserve_kernels.range_attention import range_attention
 from tests.kernels.cases import (
     KINDS,
     AttentionCase,
@@ -92,35 +91,6 @@ def test_triton_caps_like_the_reference(kind: str, num_splits: int, window: int 
         out, num_splits=num_splits, softcap=SOFTCAP,
     )  # fmt: skip
     assert_close(got.cpu(), _reference(case.to("cpu"), window, SOFTCAP), dtype)
-
-
-@pytest.mark.parametrize("window", [None, 5])
-def test_range_attention_caps_like_the_reference(window: int | None) -> None:
-    block_size, lengths = 4, [(13, 5), (9, 1), (7, 7)]
-    case = make_case(lengths, block_size=block_size, head_dim=32, group=3, dtype=torch.float32)
-    # One contiguous run per sequence: copy each sequence's blocks to a fresh pool in order.
-    firsts, tables, pool_k, pool_v = [], [], [], []
-    for seq, (context, _) in enumerate(lengths):
-        blocks = case.block_tables[seq, : -(-context // block_size)].long()
-        firsts.append(sum(t.shape[0] for t in pool_k))
-        tables.append(list(range(firsts[-1], firsts[-1] + blocks.shape[0])))
-        pool_k.append(case.k_cache[blocks])
-        pool_v.append(case.v_cache[blocks])
-    k_cache, v_cache = torch.cat(pool_k), torch.cat(pool_v)
-    cu = case.cu_query_lens.tolist()
-    got = range_attention(
-        case.query,
-        k_cache,
-        v_cache,
-        query_starts=cu[:-1],
-        query_lens=[q for _, q in lengths],
-        context_lens=[c for c, _ in lengths],
-        first_blocks=firsts,
-        scale=case.scale,
-        sliding_window=window,
-        softcap=SOFTCAP,
-    )
-    assert_close(got, _reference(case, window, SOFTCAP), torch.float32)
 
 
 @pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), float("nan"), True])

@@ -55,8 +55,10 @@ def slot_layout_engine(smollm2_tokenizer: Any) -> SlotLayoutEngine:
         )
         workers.num_device_blocks = num_device_blocks  # the engine's budget
         engine = EngineCore(config, workers, tokenizer=smollm2_tokenizer)  # type: ignore[arg-type]
-        if isinstance(engine.block_manager, VirtualKVManager):
-            assert engine.block_manager.num_virtual_blocks <= pool_blocks
+        manager = engine.block_manager
+        if layout == "virtual":
+            assert isinstance(manager, VirtualKVManager)
+            assert manager.num_virtual_blocks <= pool_blocks
         return engine
 
     return build

@@ -9,6 +9,7 @@ from block_manager import CacheKey, KVCacheManager, NeverFits, NoFreeBlocks
 from cluster.engine.sampling_params import SamplingParams
 from kv_layouts.contiguous import ContiguousKVManager
 from tests.engine.slot_workers import reference_tokens
+from tests.layouts.bounds import DictBounds
 from tests.layouts.conftest import SlotLayoutEngine
 
 SEED = b"\x00" * 32
@@ -18,13 +19,16 @@ def test_contiguous_queues_what_paged_admits() -> None:
     """Two requests whose 64-token reservations fill the pool: a third 4-token prompt does not
     fit contiguous (its reservation would not), while paged, holding only their actual tokens,
     admits it."""
-    contiguous = ContiguousKVManager(num_device_blocks=32, block_size=4, max_model_len=128)
+    bounds = DictBounds()
+    contiguous = ContiguousKVManager(
+        num_device_blocks=32, block_size=4, max_model_len=128, bounds=bounds
+    )
     paged = KVCacheManager(num_device_blocks=32, num_cpu_blocks=0, block_size=4)
     for seq_id in (1, 2):
-        contiguous.reserve(seq_id, 64)
+        bounds[seq_id] = 64
         contiguous.allocate(seq_id, list(range(8)), CacheKey(SEED))
         paged.allocate(seq_id, [seq_id * 100 + t for t in range(8)], CacheKey(SEED))
-    contiguous.reserve(3, 64)
+    bounds[3] = 64
     assert contiguous.pressure().device.free == 0
     assert not contiguous.can_allocate([7, 7, 7, 7], CacheKey(SEED))
     with pytest.raises(NoFreeBlocks):
@@ -37,14 +41,17 @@ def test_contiguous_queues_what_paged_admits() -> None:
 
 def test_contiguous_external_fragmentation() -> None:
     """20 blocks free in two runs of 10: a 12-block reservation waits, paged takes 12 blocks."""
-    contiguous = ContiguousKVManager(num_device_blocks=30, block_size=4, max_model_len=128)
+    bounds = DictBounds()
+    contiguous = ContiguousKVManager(
+        num_device_blocks=30, block_size=4, max_model_len=128, bounds=bounds
+    )
     for seq_id in (1, 2, 3):
-        contiguous.reserve(seq_id, 40)
+        bounds[seq_id] = 40
         contiguous.allocate(seq_id, [1, 2], CacheKey(SEED))
     contiguous.free(1)
     contiguous.free(3)
     assert contiguous.free_runs() == [(0, 10), (20, 10)]
-    contiguous.reserve(4, 48)
+    bounds[4] = 48
     with pytest.raises(NoFreeBlocks, match="external fragmentation"):
         contiguous.allocate(4, [1, 2], CacheKey(SEED))
     contiguous.free(2)
@@ -58,8 +65,11 @@ def test_contiguous_external_fragmentation() -> None:
 
 
 def test_contiguous_rejects_a_reservation_larger_than_the_pool() -> None:
-    contiguous = ContiguousKVManager(num_device_blocks=16, block_size=4, max_model_len=512)
-    contiguous.reserve(1, 100)  # 25 blocks reserved for 8 tokens that fit in 2
+    bounds = DictBounds()
+    contiguous = ContiguousKVManager(
+        num_device_blocks=16, block_size=4, max_model_len=512, bounds=bounds
+    )
+    bounds[1] = 100  # 25 blocks reserved for 8 tokens that fit in 2
     with pytest.raises(NeverFits):
         contiguous.allocate(1, list(range(8)), CacheKey(SEED))
     paged = KVCacheManager(num_device_blocks=16, num_cpu_blocks=0, block_size=4)

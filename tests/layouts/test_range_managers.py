@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from block_manager import CacheKey, NeverFits, NoFreeBlocks
+from block_manager.protocol import block_events_of
 from kv_layouts.contiguous import ContiguousKVManager
 from kv_layouts.virtual import VirtualKVManager
+from tests.layouts.bounds import DictBounds
 
 SEED = b"\x01" * 32
 BLOCK = 4
@@ -32,8 +34,9 @@ def first_fit(occupied: list[bool], length: int) -> int | None:
 class ContiguousMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
+        self.bounds = DictBounds()
         self.manager = ContiguousKVManager(
-            num_device_blocks=POOL, block_size=BLOCK, max_model_len=MAX_LEN
+            num_device_blocks=POOL, block_size=BLOCK, max_model_len=MAX_LEN, bounds=self.bounds
         )
         self.occupied = [False] * POOL
         self.seqs: dict[int, tuple[int, int, int]] = {}  # seq -> (first, blocks, tokens)
@@ -44,7 +47,7 @@ class ContiguousMachine(RuleBasedStateMachine):
         seq_id = self.next_id
         self.next_id += 1
         limit = min(prompt + extra, MAX_LEN)
-        self.manager.reserve(seq_id, prompt + extra)
+        self.bounds[seq_id] = prompt + extra
         blocks = -(-max(limit, prompt + 1) // BLOCK)
         expected = first_fit(self.occupied, blocks)
         try:
@@ -149,11 +152,10 @@ class VirtualMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        first, _ = self.manager.range_of(seq_id)
         tokens = self.tokens.pop(seq_id)
-        self.manager.take_decommits()
+        free_before = self.manager.num_free_device_blocks()
         self.manager.free(seq_id)
-        assert self.manager.take_decommits() == [(first, first + self.committed(tokens))]
+        assert self.manager.num_free_device_blocks() == free_before + self.committed(tokens)
 
     @invariant()
     def matches_model(self) -> None:
@@ -175,7 +177,8 @@ TestVirtual.settings = settings(max_examples=60, stateful_step_count=40, deadlin
 
 def test_range_layouts_publish_no_cached_block_hashes() -> None:
     """Reserved-range layouts seal nothing for reuse: even a fully computed sequence of whole
-    blocks publishes no hash for prefix-aware routing (the paged manager would publish two)."""
+    blocks publishes no hash for prefix-aware routing (the paged manager would publish two),
+    and they have no block events for the cluster-wide index at all."""
     managers = (
         ContiguousKVManager(num_device_blocks=POOL, block_size=BLOCK, max_model_len=MAX_LEN),
         VirtualKVManager(
@@ -188,9 +191,9 @@ def test_range_layouts_publish_no_cached_block_hashes() -> None:
         ),
     )
     for manager in managers:
-        manager.reserve(0, 2 * BLOCK + 1)
         manager.allocate(0, list(range(2 * BLOCK + 1)), CacheKey(SEED))
         manager.mark_computed(0, 2 * BLOCK + 1)
         assert list(manager.cached_block_hashes()) == []
         manager.free(0)
         assert list(manager.cached_block_hashes()) == []
+        assert block_events_of(manager) is None

@@ -7,7 +7,8 @@ import resource
 import pytest
 import torch
 
-from kv_layouts.virtual_pool import PAGE_BYTES, VirtualKVPool, virtual_geometry
+from kv_layouts.virtual import PAGE_BYTES, virtual_geometry
+from kv_layouts.virtual_pool import VirtualKVPool
 from pagedserve_kernels import write_kv
 
 LAYERS, BLOCK, HEADS, DIM = 2, 16, 2, 32  # one block of one plane = 4 KiB in float32

@@ -180,7 +180,7 @@ def test_the_engine_config_resolves_auto_running_sequences_for_this_cpu(
     resolved = config.resolved()
     assert resolved.scheduler.max_num_seqs == seats
     assert resolved.resolved() is resolved
-    assert config.to_worker_config().kv_virtual_slots == seats
+    assert config.to_worker_config().max_num_seqs == seats
 
 
 def test_detection_agrees_with_torch() -> None:
