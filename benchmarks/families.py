@@ -58,6 +58,7 @@ def family_throughput(prompt_len: int, steps: int, repeats: int) -> dict[str, An
             blocks = max(BATCHES) * -(-(prompt_len + steps + 1) // 16) + 8
             group = WorkerGroup(
                 WorkerConfig(
+                    dtype="float32",
                     model=str(root / name),
                     backend="local",
                     block_size=16,

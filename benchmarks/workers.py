@@ -192,7 +192,9 @@ def ray_overhead(calls: int) -> dict[str, float]:
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    group = WorkerGroup(WorkerConfig(backend="ray", num_device_blocks=40, num_cpu_blocks=1))
+    group = WorkerGroup(
+        WorkerConfig(dtype="float32", backend="ray", num_device_blocks=40, num_cpu_blocks=1)
+    )
     try:
         runner = OurRunner(group, 8, 16, 4)
         for _ in range(5):

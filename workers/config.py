@@ -38,15 +38,16 @@ class WorkerConfigError(ValueError):
 class WorkerConfig:
     """What the engine asks of the workers (see the README's Workers section for each field).
 
-    The one definition of the rules on these knobs: the engine's config copies its fields of
-    the same name into one (`EngineConfig.to_worker_config`) and reports this class's refusals
-    as its own, so a value is checked once, here, whoever builds it."""
+    The one definition of these knobs' defaults and rules: the engine's config takes its
+    fields of the same name's defaults from here (`cluster.engine.config.worker_default`),
+    copies their values into one (`EngineConfig.to_worker_config`) and reports this class's
+    refusals as its own, so a value is checked once, here, whoever builds it."""
 
     model: str = "default"
-    dtype: str = "float32"
-    """float32 | bfloat16 | float16 | auto: `auto` (the engine's default) is resolved by
-    `WorkerGroup` for the ranks' device (`workers.cpu_features.auto_dtype`); ranks only ever
-    see a concrete dtype."""
+    dtype: str = "auto"
+    """float32 | bfloat16 | float16 | auto: `auto` is resolved by `WorkerGroup` for the ranks'
+    device (`workers.cpu_features.auto_dtype`); ranks only ever see a concrete dtype (give
+    float32 for the exact mode)."""
     block_size: int = 16
     tensor_parallel_size: int = 1
     num_device_blocks: int | None = None
@@ -91,7 +92,9 @@ class WorkerConfig:
     off with any dtype given); `WorkerGroup` resolves it, so ranks only ever see a bool."""
 
     max_loras: int = 0
-    """LoRA device slots per rank (0: LoRA off, no slot memory allocated)."""
+    """LoRA device slots per rank (0: LoRA off, no slot memory allocated). Not the engine's
+    `lora.max_loras`, which only counts once `lora.enable_lora` is on: the engine passes that,
+    or 0."""
     max_lora_rank: int = 64
     """The largest adapter rank accepted; slots pad every adapter's rank to it."""
     enable_expert_parallel: bool = False

@@ -2,6 +2,8 @@
 
 Pydantic lives only here, at the edge; the engine reads the validated values. Every section
 forbids unknown fields, and every refused combination names the field (`section.field`) at fault.
+A field the workers also receive takes its default from `WorkerConfig` (`worker_default`), the one
+source of those knobs' defaults and rules; `to_worker_config` copies the values by name.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import json
 import pathlib
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -24,11 +26,12 @@ from cluster.engine.vllm_args import (
     vllm_overrides,
 )
 from kv_layouts import LAYOUT_NAMES, layout_named
+from workers.config import WorkerConfig, WorkerConfigError
 
-if TYPE_CHECKING:
-    from workers import WorkerConfig
 
-MIB = 2**20
+def worker_default(name: str) -> Any:
+    """`WorkerConfig`'s default for the field `name` (the sections below never restate one)."""
+    return WorkerConfig.__dataclass_fields__[name].default
 
 
 class _Section(BaseModel):
@@ -36,25 +39,33 @@ class _Section(BaseModel):
 
 
 class ModelSettings(_Section):
-    model: str = Field("default", description="a .gguf file, an HF directory, or 'default'")
+    model: str = Field(
+        worker_default("model"), description="a .gguf file, an HF directory, or 'default'"
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto",
+        worker_default("dtype"),
         description="auto: bfloat16 on CUDA and on CPUs where it is native and faster (AMX, "
         "AMD's AVX512-BF16), float32 with int8 products (quantized_activations) on other "
         "CPUs; float32 is the exact mode",
     )
-    max_model_len: int | None = Field(None, description="default: the model's context")
-    seed: int = Field(0, ge=0, description="seed of requests that do not give one (with a counter)")
-    weights_cache_dir: str | None = None
+    max_model_len: int | None = Field(
+        worker_default("max_model_len"), description="default: the model's context"
+    )
+    seed: int = Field(
+        worker_default("seed"),
+        ge=0,
+        description="seed of requests that do not give one (with a counter)",
+    )
+    weights_cache_dir: str | None = worker_default("weights_cache_dir")
     quantized_decode: bool = Field(
-        True,
+        worker_default("quantized_decode"),
         description="CPU: decode-sized calls (<= 8 rows in bfloat16, <= 16 in float32) multiply "
         "GGUF Q4_1 weights as 4-bit codes with a native kernel (the exact checkpoint weights, "
         "0.75 bytes per weight read instead of 2 or 4); off: every product uses the dtype's "
         "dequantized weights",
     )
     quantized_activations: bool | Literal["auto"] = Field(
-        "auto",
+        worker_default("quantized_activations"),
         description="CPU: products on a GGUF file's codes quantize activations to int8 per "
         "block of 32 and multiply the codes with integer dot products (AVX2 or better; "
         "single-sequence decode steps stay exact): faster, not float32-exact; auto: on "
@@ -63,12 +74,14 @@ class ModelSettings(_Section):
 
 
 class CacheSettings(_Section):
-    block_size: int = Field(16, le=256)
-    num_device_blocks: int | None = None
-    kv_cache_bytes: int | None = Field(None, description="device KV budget (CPU backend)")
-    gpu_memory_utilization: float = 0.9
-    num_cpu_blocks: int | None = None
-    swap_space_bytes: int = 256 * MIB
+    block_size: int = Field(worker_default("block_size"), le=256)
+    num_device_blocks: int | None = worker_default("num_device_blocks")
+    kv_cache_bytes: int | None = Field(
+        worker_default("kv_cache_bytes"), description="device KV budget (CPU backend)"
+    )
+    gpu_memory_utilization: float = worker_default("gpu_memory_utilization")
+    num_cpu_blocks: int | None = worker_default("num_cpu_blocks")
+    swap_space_bytes: int = worker_default("swap_space_bytes")
     watermark: float = Field(
         0.01, ge=0.0, lt=1.0, description="device fraction kept free at admission"
     )
@@ -80,16 +93,17 @@ class CacheSettings(_Section):
         "blocks, else it stays off)",
     )
     verify_swaps: bool = Field(
-        False, description="checksum blocks copied to the CPU and check them on the way back"
+        worker_default("verify_swaps"),
+        description="checksum blocks copied to the CPU and check them on the way back",
     )
     kv_layout: str = Field(
-        "paged",
+        worker_default("kv_layout"),
         description=f"KV memory layout, one of {', '.join(LAYOUT_NAMES)}: paged blocks, or the "
         "research baselines, contiguous max-length reservations and per-sequence virtual "
         "ranges committed on demand (CPU); prefix caching, swap and n > 1 need 'paged'",
     )
     kv_cache_dtype: Literal["auto", "int8", "fp8", "fp8_e4m3"] = Field(
-        "auto",
+        worker_default("kv_cache_dtype"),
         description="how KV is stored (vLLM's flag): auto, the model's dtype; int8 (CPU), int8 "
         "codes with a bfloat16 scale per token and head, about half of bfloat16's bytes; "
         "fp8_e4m3 or its alias fp8 (CUDA), fp8 values with a scale of 1; quantized caches need "
@@ -108,21 +122,21 @@ class CacheSettings(_Section):
 
 
 class ParallelSettings(_Section):
-    tensor_parallel_size: int = 1
-    backend: Literal["ray", "local"] = "ray"
+    tensor_parallel_size: int = worker_default("tensor_parallel_size")
+    backend: Literal["ray", "local"] = worker_default("backend")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto",
+        worker_default("device"),
         description="where ranks compute: 'auto' is CUDA when a rank's bundle holds a GPU; "
         "'cpu' keeps them on the CPU whatever the bundles declare (tests, simulated clusters)",
     )
     num_threads: int | Literal["auto"] | None = Field(
-        None,
+        worker_default("num_threads"),
         description="CPU ranks: torch intra-op threads set in the process running the rank; "
         "'auto' = the cores the process may use, shared among the TP ranks; unset leaves "
         "torch's (Ray's OMP_NUM_THREADS)",
     )
     enable_expert_parallel: bool = Field(
-        False,
+        worker_default("enable_expert_parallel"),
         description="mixture-of-experts models: whole experts per rank instead of every "
         "expert's intermediate columns split across the tensor-parallel ranks",
     )
@@ -206,7 +220,9 @@ class LoRASettings(_Section):
 
     enable_lora: bool = False
     max_loras: int = Field(4, gt=0, description="distinct adapters in one step (device slots)")
-    max_lora_rank: int = Field(64, le=512, description="largest adapter rank accepted")
+    max_lora_rank: int = Field(
+        worker_default("max_lora_rank"), le=512, description="largest adapter rank accepted"
+    )
     max_cpu_loras: int | None = Field(
         None, gt=0, description="adapters kept loaded in CPU memory (default: max_loras)"
     )
@@ -310,8 +326,6 @@ class EngineConfig(_Section):
     def _check_worker_settings(self) -> None:
         """The workers' own rules on the knobs they receive (`WorkerConfig`, their one
         definition), reported as `section.field: message`."""
-        from workers.config import WorkerConfigError
-
         try:
             self.to_worker_config()
         except WorkerConfigError as error:
@@ -405,8 +419,6 @@ class EngineConfig(_Section):
     def to_worker_config(self) -> WorkerConfig:
         """The workers' config: every field of the model, cache and parallel sections that
         `WorkerConfig` has, by name, plus what the workers derive from the rest."""
-        from workers.config import WorkerConfig
-
         accepted = {f.name for f in fields(WorkerConfig)}
         copied = {
             name: value

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+from dataclasses import fields
 
 import pytest
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.errors import ConfigError
 from cluster.engine.sampling_params import SamplingParams
+from workers.config import WorkerConfig
 
 
 def parse(argv: list[str]) -> EngineConfig:
@@ -98,6 +100,27 @@ def test_what_the_engine_config_accepts_the_workers_accept() -> None:
     its workers' config, no CPU tier (0 blocks) included."""
     worker = EngineConfig.build({"cache": {"num_cpu_blocks": 0}}).to_worker_config()
     assert worker.num_cpu_blocks == 0
+
+
+def test_every_knob_the_workers_receive_has_one_default() -> None:
+    """A field an engine section shares with `WorkerConfig` takes the workers' default (once
+    the engine said auto and the workers float32 for `dtype`), so a config built from defaults
+    hands the workers exactly `WorkerConfig()`'s values."""
+    defaults = WorkerConfig()
+    derived = {"max_num_seqs", "max_loras"}  # the workers get them from other settings
+    shared = 0
+    for section_name in EngineConfig.section_names():
+        section = EngineConfig.model_fields[section_name].annotation
+        for name, info in section.model_fields.items():  # type: ignore[union-attr]
+            if name in {f.name for f in fields(WorkerConfig)} - derived:
+                shared += 1
+                assert info.default == getattr(defaults, name), f"{section_name}.{name}"
+    assert shared >= 20
+    assert defaults.dtype == EngineConfig().model.dtype == "auto"
+    handed = EngineConfig().to_worker_config()
+    for field in fields(WorkerConfig):
+        if field.name not in derived:
+            assert getattr(handed, field.name) == getattr(defaults, field.name), field.name
 
 
 def test_unknown_yaml_field_is_refused(tmp_path: pathlib.Path) -> None:

@@ -91,6 +91,9 @@ def test_engine_admission_and_outputs(layout: str, slot_layout_engine: SlotLayou
     engine.step()
     running = len(engine.scheduler.running)
     assert running == (1 if layout == "contiguous" else 2)
+    if layout == "contiguous":  # its request's prompt + max_tokens, not the model's context
+        first, end = engine.block_manager.range_of(requests[0].branches[0].seq_id)
+        assert end - first == -(-(8 + 60) // 4) == 17
     assert len(engine.scheduler.waiting) == 2 - running
     while engine.has_unfinished():
         engine.step()

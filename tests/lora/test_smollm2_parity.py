@@ -34,6 +34,7 @@ ADAPTERS = SMOLLM2_ADAPTERS
 def smollm2_lora_group() -> Iterator[WorkerGroup]:
     group = WorkerGroup(
         WorkerConfig(
+            dtype="float32",
             model="default",
             backend="local",
             block_size=16,

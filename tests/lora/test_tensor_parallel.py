@@ -40,6 +40,7 @@ def test_tp2_equals_tp1_with_adapters(
     adapters = [tiny_adapters["all8"], tiny_adapters["rs4"]]
     settings = dict(
         model=str(tiny_model_dir),
+        dtype="float32",
         block_size=4,
         num_device_blocks=32,
         weights_cache_dir=str(tmp_path),

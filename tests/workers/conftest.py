@@ -50,6 +50,7 @@ def tiny_group(tiny_model_dir: pathlib.Path, weights_cache: pathlib.Path) -> Ite
     """The tiny model on one in-process rank: 96 blocks of 4 tokens, 16 CPU swap blocks."""
     group = WorkerGroup(
         WorkerConfig(
+            dtype="float32",
             model=str(tiny_model_dir),
             backend="local",
             block_size=TINY_BLOCK_SIZE,

@@ -27,6 +27,7 @@ def family_group(
         WorkerConfig(
             model=str(model),
             backend=settings.pop("backend", "local"),
+            dtype=settings.pop("dtype", "float32"),
             block_size=BLOCK_SIZE,
             num_device_blocks=num_device_blocks,
             weights_cache_dir=str(cache),

@@ -33,7 +33,12 @@ def _copy_model(
 
 
 def _start(model: pathlib.Path | str, cache: pathlib.Path, **options: object) -> WorkerGroup:
-    settings: dict[str, object] = {"backend": "local", "num_device_blocks": 8, **options}
+    settings: dict[str, object] = {
+        "backend": "local",
+        "dtype": "float32",
+        "num_device_blocks": 8,
+        **options,
+    }
     return WorkerGroup(
         WorkerConfig(model=str(model), weights_cache_dir=str(cache), **settings)  # type: ignore[arg-type]
     )

@@ -19,6 +19,7 @@ from workers.loader import read_spec
 def _group(model: pathlib.Path, tmp_path: pathlib.Path, **settings: object) -> WorkerGroup:
     return WorkerGroup(
         WorkerConfig(
+            dtype="float32",
             model=str(model),
             num_device_blocks=8,
             weights_cache_dir=str(tmp_path / "cache"),

@@ -50,6 +50,7 @@ def test_quantized_gguf_matches_hf_gguf_loader(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32
     ).eval()
     config = WorkerConfig(
+        dtype="float32",
         model=str(path),
         backend="local",
         block_size=4,

@@ -38,7 +38,9 @@ CHATS = [
 @pytest.fixture(scope="module")
 def smollm2_group() -> Iterator[WorkerGroup]:
     group = WorkerGroup(
-        WorkerConfig(model="default", backend="local", block_size=16, num_device_blocks=64)
+        WorkerConfig(
+            dtype="float32", model="default", backend="local", block_size=16, num_device_blocks=64
+        )
     )
     yield group
     group.shutdown()

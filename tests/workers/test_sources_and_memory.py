@@ -60,6 +60,7 @@ def test_block_counts_from_byte_budgets(
     block_bytes = 2 * 2 * 4 * 2 * 32 * 4  # layers, K/V, block size, KV heads, head dim, float32
     group = WorkerGroup(
         WorkerConfig(
+            dtype="float32",
             model=str(tiny_model_dir),
             backend="local",
             block_size=4,
@@ -76,6 +77,7 @@ def test_block_counts_from_byte_budgets(
     with pytest.raises(ValueError, match="holds no KV block"):
         WorkerGroup(
             WorkerConfig(
+                dtype="float32",
                 model=str(tiny_model_dir),
                 backend="local",
                 kv_cache_bytes=100,

@@ -33,6 +33,7 @@ def tp2_group(
 ) -> Iterator[WorkerGroup]:
     group = WorkerGroup(
         WorkerConfig(
+            dtype="float32",
             model=str(tiny_model_dir),
             backend="ray",
             tensor_parallel_size=2,
@@ -58,6 +59,7 @@ def test_failed_start_names_the_problem_and_frees_the_cluster(
     config = json.loads((tiny_model_dir / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
     settings = WorkerConfig(
+        dtype="float32",
         model=str(model),
         tensor_parallel_size=2,
         num_device_blocks=8,

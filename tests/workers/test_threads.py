@@ -53,6 +53,7 @@ def test_a_cpu_rank_sets_torchs_threads_in_its_process(
     try:
         group = WorkerGroup(
             WorkerConfig(
+                dtype="float32",
                 model=str(tiny_model_dir),
                 backend="local",
                 device="cpu",
@@ -95,6 +96,7 @@ def test_every_torch_call_of_a_local_rank_runs_on_one_thread(
     for name in ("load", "allocate", "execute", "execute_with_logits", "add_lora", "shutdown"):
         monkeypatch.setattr(WorkerRank, name, recording(name))
     config = WorkerConfig(
+        dtype="float32",
         model=str(tiny_model_dir),
         backend="local",
         device="cpu",
