@@ -11,7 +11,7 @@ The pool tensor `[layers, 2, blocks, block_size, kv_heads, head_dim]` lies over 
 turned off for the mapping so a fault commits one base page, not 2 MiB.
 
 CUDA's equivalent (reserve a virtual range, create and map 2 MiB physical handles on demand) is
-not implemented: this machine has no GPU to test it on, so `allocate_virtual_pool` refuses CUDA.
+not implemented: this machine has no GPU to test it on, so `VirtualPool.allocate` refuses CUDA.
 """
 
 from __future__ import annotations
