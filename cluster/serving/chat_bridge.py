@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cluster.engine.tokenization import RenderedPrompt
+from cluster.serving.delta_streams import finish_reason, merge_streams
 from cluster.serving.error_map import ANSWERED, http_error
 from cluster.serving.frontend import StreamTally, Submission
 from cluster.serving.openai_protocol import (
@@ -39,13 +40,7 @@ from cluster.serving.openai_protocol import (
     invalid_request,
 )
 from cluster.serving.openai_requests import ChatCompletionRequest
-from cluster.serving.openai_serving import (
-    OpenAIServing,
-    ResponseMeta,
-    finish_reason,
-    merge_streams,
-    sampling_params,
-)
+from cluster.serving.openai_serving import OpenAIServing, ResponseMeta, sampling_params
 from cluster.serving.reasoning_parsers import ReasoningStream
 from cluster.serving.tool_calls import ToolPlan
 
