@@ -1,10 +1,11 @@
 """The checks a rendered request passes before the engine queues it.
 
 Two kinds of refusal, kept apart because clients answer them differently:
-- `check_queue`: EngineOverloaded (retry later) when the waiting queue is at its bound, or when
-  requests already wait and a new one would wait longer than `max_queue_wait_s` by the measured
-  drain rate (`QueueWait`); its Retry-After is how much longer, i.e. when the queue will have
-  drained enough to start it in time.
+- `check_queue`: EngineOverloaded (retry later) when the waiting queue is at its bound (its
+  Retry-After: when the measured drain rate, `QueueWait`, predicts a place in it frees, 1 s while
+  there is no rate), or when requests already wait and a new one would wait longer than
+  `max_queue_wait_s` by that rate; its Retry-After is then how much longer, i.e. when the queue
+  will have drained enough to start it in time.
 - `check_fits`: RequestRejected (never servable as asked) when the prompt leaves no room to
   generate, `n` exceeds the running-sequence bound or the layout cannot fork, or the prompt's
   blocks exceed what the device pool can ever give.
@@ -31,9 +32,11 @@ def check_queue(
     `num_ahead` would start before it (None: all; fewer under priority scheduling, so a request
     that passes the queue is not refused for a wait it will not have)."""
     if num_waiting >= settings.max_waiting_requests:
+        room = queue_wait.predict(num_waiting - settings.max_waiting_requests)
         raise EngineOverloaded(
             f"{num_waiting} requests are waiting "
-            f"(scheduler.max_waiting_requests = {settings.max_waiting_requests})"
+            f"(scheduler.max_waiting_requests = {settings.max_waiting_requests})",
+            retry_after_s=1.0 if room is None else room,
         )
     limit = settings.max_queue_wait_s
     ahead = num_waiting if num_ahead is None else num_ahead

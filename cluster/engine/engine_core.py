@@ -27,6 +27,7 @@ from cluster.engine.engine_lora import EngineAdapters
 from cluster.engine.errors import ConfigError, PriorityNotEnabled, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
 from cluster.engine.grammar_backend import CompiledConstraint, GrammarCompilerCache
+from cluster.engine.grammar_guard import GuardedConstraint
 from cluster.engine.handoff import check_handoff, hand_off, resume_request
 from cluster.engine.lora_manager import LoRAManager
 from cluster.engine.lora_request import LoRARequest
@@ -473,6 +474,8 @@ class EngineCore:
         )
         if thinking is not None and branch.grammar is not None:
             branch.grammar = ThinkingGrammar(branch.grammar, thinking)
+        if branch.grammar is not None:  # a matcher's error fails this request alone
+            branch.grammar = GuardedConstraint(branch.grammar)
         return branch
 
     def _thinking_tokens(self, generate: GenerateRequest) -> ThinkingTokens:

@@ -3,9 +3,10 @@ error bodies and the stream's events.
 
 `MessageEncoder` turns `chat_bridge` pieces into Anthropic's event sequence: `message_start`
 (with the prompt's usage) and `ping`, then per content block `content_block_start`,
-`content_block_delta` (`text_delta` for text, `input_json_delta` for a tool call's input) and
-`content_block_stop`; last `message_delta` (`stop_reason`, `stop_sequence`, the output usage)
-and `message_stop`.
+`content_block_delta` (`thinking_delta` for the thinking span with `--reasoning-parser`, then
+`signature_delta` with an empty signature: nothing signs it; `text_delta` for text,
+`input_json_delta` for a tool call's input) and `content_block_stop`; last `message_delta`
+(`stop_reason`, `stop_sequence`, the output usage) and `message_stop`.
 
 Usage follows Anthropic: `input_tokens` are the prompt tokens not read from the prefix cache,
 `cache_read_input_tokens` those that were (their sum is the prompt).
@@ -25,6 +26,7 @@ from cluster.serving.chat_bridge import (
     CallStart,
     Finished,
     Piece,
+    ReasoningPiece,
     Started,
     TextPiece,
 )
@@ -69,9 +71,17 @@ def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> 
     }
 
 
+def thinking_block(text: str) -> dict[str, Any]:
+    """The thinking span as a `thinking` block; its signature is empty (nothing signs it)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def content_of(message: AssistantMessage) -> list[dict[str, Any]]:
-    """A finished chat answer as content blocks: its text, then its calls."""
+    """A finished chat answer as content blocks: its thinking (when the parser found a
+    non-empty thinking span, as a stream would show it), its text, then its calls."""
     blocks: list[dict[str, Any]] = []
+    if message.reasoning_content:
+        blocks.append(thinking_block(message.reasoning_content))
     if message.content:
         blocks.append({"type": "text", "text": message.content})
     for call in message.tool_calls or []:
@@ -114,13 +124,18 @@ class MessageEncoder:
         self.model = model
         self.blocks = 0
         self._open: str | None = None
-        """The type of the block still growing (`text` or `tool_use`), if any."""
+        """The type of the block still growing (`thinking`, `text` or `tool_use`), if any."""
 
     def feed(self, piece: Piece) -> list[dict[str, Any]]:
         if isinstance(piece, Started):
             usage = usage_of(piece.prompt_tokens, 0, piece.cached_tokens)
             message = message_object(self.message_id, self.model, [], None, None, usage)
             return [{"type": "message_start", "message": message}, {"type": "ping"}]
+        if isinstance(piece, ReasoningPiece):
+            events = []
+            if self._open != "thinking":
+                events = self._start(thinking_block(""))
+            return [*events, self._delta({"type": "thinking_delta", "thinking": piece.text})]
         if isinstance(piece, TextPiece):
             events = []
             if self._open != "text":
@@ -158,6 +173,9 @@ class MessageEncoder:
     def _stop(self) -> list[dict[str, Any]]:
         if self._open is None:
             return []
+        events = []
+        if self._open == "thinking":  # as Anthropic ends a thinking block
+            events.append(self._delta({"type": "signature_delta", "signature": ""}))
         self._open = None
         self.blocks += 1
-        return [{"type": "content_block_stop", "index": self.blocks - 1}]
+        return [*events, {"type": "content_block_stop", "index": self.blocks - 1}]

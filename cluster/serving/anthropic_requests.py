@@ -3,8 +3,10 @@ validated at the edge and translated into chat-completions fields (`chat_bridge`
 
 - `system`: text or text blocks, the system message.
 - `messages`: `user` / `assistant` turns whose content is text or blocks: `text`, `tool_use`
-  (an assistant's call: `id`, `name`, `input`) and `tool_result` (`tool_use_id`, `content`
-  as text or text blocks); a user turn's results become tool messages before its text.
+  (an assistant's call: `id`, `name`, `input`), `thinking` / `redacted_thinking` (an
+  assistant's earlier thinking, accepted and left out of the prompt, as Anthropic drops earlier
+  turns' thinking) and `tool_result` (`tool_use_id`, `content` as text or text blocks); a user
+  turn's results become tool messages before its text.
 - `tools` (`name`, `description`, `input_schema`) and `tool_choice`: `auto`, `any` (a call is
   required), `tool` (that function), `none`; `disable_parallel_tool_use`.
 - `max_tokens` (required on `/v1/messages`), `stop_sequences`, `temperature` (0 to 1),
@@ -64,11 +66,22 @@ class ToolResultBlock(_Edge):
         return "".join(block.text for block in self.content)
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock
+class ThinkingBlock(_Edge):
+    """An assistant's earlier thinking (`thinking`, or `redacted_thinking` with its `data`)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
 BLOCK_MODELS: dict[str, type[Block]] = {
     "text": TextBlock,
     "tool_use": ToolUseBlock,
     "tool_result": ToolResultBlock,
+    "thinking": ThinkingBlock,
+    "redacted_thinking": ThinkingBlock,
 }
 
 
@@ -196,7 +209,11 @@ def _turn(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
     for index, raw in enumerate(message.content):
         kind = raw.get("type")
         model = BLOCK_MODELS.get(kind) if isinstance(kind, str) else None
-        allowed = ("text", "tool_use") if message.role == "assistant" else ("text", "tool_result")
+        allowed = (
+            ("text", "tool_use", "thinking", "redacted_thinking")
+            if message.role == "assistant"
+            else ("text", "tool_result")
+        )
         if model is None or kind not in allowed:
             raise invalid_request(
                 f"{where}.content[{index}].type: blocks of type {kind!r} are not supported in "
@@ -207,6 +224,8 @@ def _turn(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
         block = validated_part(model, raw, f"{where}.content[{index}]")
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            continue  # earlier turns' thinking is not shown to the model again
         elif isinstance(block, ToolUseBlock):
             function = {"name": block.name, "arguments": json.dumps(block.input)}
             calls.append({"id": block.id, "type": "function", "function": function})

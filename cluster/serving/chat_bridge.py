@@ -6,8 +6,9 @@ An API module translates its request into chat-completions fields (`messages`, `
 `ChatCompletionRequest`, plans the tools (`ToolPlan`), builds the engine's sampling parameters
 and admits the one rendered prompt through `OpenAIServing.submit` (`FrontEnd.submit`
 underneath: one validation, one error table). `chat_pieces` reads a started run as API-neutral
-pieces (text, a call's start, a call's argument text, the finish), which each API encodes as its
-own stream events.
+pieces (reasoning text, answer text, a call's start, a call's argument text, the finish), which
+each API encodes as its own stream events (a Responses `reasoning` item, an Anthropic `thinking`
+block).
 
 Invariants:
 - an error names the field as the caller's API spells it (`ParamNames`), never the chat
@@ -29,6 +30,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cluster.engine.tokenization import RenderedPrompt
+from cluster.serving.delta_streams import finish_reason, merge_streams
 from cluster.serving.error_map import ANSWERED, http_error
 from cluster.serving.frontend import StreamTally, Submission
 from cluster.serving.openai_protocol import (
@@ -38,13 +40,8 @@ from cluster.serving.openai_protocol import (
     invalid_request,
 )
 from cluster.serving.openai_requests import ChatCompletionRequest
-from cluster.serving.openai_serving import (
-    OpenAIServing,
-    ResponseMeta,
-    finish_reason,
-    merge_streams,
-    sampling_params,
-)
+from cluster.serving.openai_serving import OpenAIServing, ResponseMeta, sampling_params
+from cluster.serving.reasoning_parsers import ReasoningStream
 from cluster.serving.tool_calls import ToolPlan
 
 
@@ -108,11 +105,13 @@ def chat_request_of(fields: Mapping[str, Any]) -> ChatCompletionRequest:
 @dataclass
 class ChatRun:
     """A chat request admitted to the engines: its validated request, its tool plan (None: no
-    tools) and its one started engine stream."""
+    tools), its one started engine stream and the `--reasoning-parser`'s split of its answer
+    (None: no parser, all of it is answer)."""
 
     request: ChatCompletionRequest
     plan: ToolPlan | None
     submission: Submission
+    reasoning: ReasoningStream | None = None
 
 
 async def start_chat(
@@ -134,7 +133,10 @@ async def start_chat(
         submission = await serving.submit_chat(request, plan, params, request_id, salt, meta)
     except OpenAIError as error:
         raise names.translate(error) from None
-    return ChatRun(request, plan, submission)
+    reasoning = None
+    if serving.reasoning is not None:
+        reasoning = ReasoningStream(serving.reasoning, serving.decode)
+    return ChatRun(request, plan, submission, reasoning)
 
 
 def render_only(
@@ -180,6 +182,14 @@ class Started:
 
 
 @dataclass(frozen=True)
+class ReasoningPiece:
+    """New text of the thinking span, tags dropped (never empty; only with a reasoning parser,
+    always before the answer's first piece)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class TextPiece:
     """New text of the answer (never empty)."""
 
@@ -215,15 +225,18 @@ class Finished:
     cached_tokens: int
 
 
-Piece = Started | TextPiece | CallStart | CallArguments | Finished
+Piece = Started | ReasoningPiece | TextPiece | CallStart | CallArguments | Finished
 
 
 async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
     """The run's answer as pieces, as they come: `Started` first (after the engine's first
-    delta), `Finished` last, once. With tools, calls are
-    read back as the text grows (`ToolStream`), text that may start a call is held back. An
-    engine error mid-stream propagates (one of `ANSWERED`)."""
+    delta), `Finished` last, once. With a reasoning parser the thinking span comes first as
+    `ReasoningPiece`s and only the rest is read as the answer (text that may still be a tag is
+    held back). With tools, calls are read back from the answer as it grows (`ToolStream`), text
+    that may start a call is held back. An engine error mid-stream propagates (one of
+    `ANSWERED`)."""
     tools = None if run.plan is None else run.plan.stream()
+    reasoning = run.reasoning
     tally = StreamTally()
     reason: FinishReason = "stop"
     stop_sequence = None
@@ -231,14 +244,22 @@ async def chat_pieces(run: ChatRun) -> AsyncIterator[Piece]:
         async for _, delta in merged:
             tally.add(delta)
             if delta.prompt_token_ids is not None:
+                if reasoning is not None:
+                    reasoning.start(delta.prompt_token_ids)
                 yield Started(tally.prompt_tokens, tally.cached_tokens)
             for branch in delta.branches:
                 finish = finish_reason(branch)
+                answer = branch.text
+                if reasoning is not None:
+                    split = reasoning.piece(branch.index, branch.text, finish is not None)
+                    if split.reasoning:
+                        yield ReasoningPiece(split.reasoning)
+                    answer = split.content
                 if tools is None:
-                    if branch.text:
-                        yield TextPiece(branch.text)
+                    if answer:
+                        yield TextPiece(answer)
                 else:
-                    content, calls = tools.update(branch.index, branch.text, finish is not None)
+                    content, calls = tools.update(branch.index, answer, finish is not None)
                     if content:
                         yield TextPiece(content)
                     for call in calls or []:

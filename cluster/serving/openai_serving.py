@@ -1,5 +1,6 @@
-"""OpenAI-compatible serving over an `EngineClient`: runs completions and chat completions and
-shapes engine outputs into OpenAI responses and server-sent-event chunks.
+"""OpenAI-compatible serving over an `EngineClient`: admits completions and chat completions,
+shapes whole engine outputs into OpenAI responses and writes streamed ones as server-sent events
+(their chunks are `openai_chunks`'; merging and summing engine streams is `delta_streams`').
 
 Invariants:
 - every refusal the engine makes before generating (prompt too long, `max_tokens` beyond the
@@ -16,21 +17,19 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-from pydantic import BaseModel
+from typing import Any
 
 from cluster.engine.generate_request import PromptInput
-from cluster.engine.output_stream import BranchDelta, OutputAccumulator, RequestDelta
+from cluster.engine.output_stream import OutputAccumulator
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from cluster.engine.reasoning import ThinkingTags
 from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.delta_streams import finish_reason, merge_streams, total_usage, whole_usage
 from cluster.serving.error_map import ANSWERED, http_error
 from cluster.serving.frontend import DeltaStream, FrontEnd, StreamTally, Submission
 from cluster.serving.logprob_shapes import (
@@ -39,19 +38,16 @@ from cluster.serving.logprob_shapes import (
     echoed,
     vllm_prompt_logprobs,
 )
+from cluster.serving.openai_chunks import ChatChunks, ChunkEncoder, CompletionChunks
 from cluster.serving.openai_protocol import (
     SSE_DONE,
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatDelta,
     CompletionChoice,
     CompletionResponse,
     FinishReason,
     PromptLogprobs,
-    Usage,
     invalid_request,
     sse_event,
 )
@@ -65,7 +61,6 @@ from cluster.serving.reasoning_parsers import ReasoningStream, reasoning_of
 from cluster.serving.tool_calls import (
     ToolPlan,
     ToolSettings,
-    ToolStream,
     calls_of,
     render_options,
 )
@@ -94,73 +89,6 @@ class ResponseMeta:
     it (None in process), for the `x-pagedserve-replica` header."""
 
     served_by: str | None = None
-
-
-@dataclass
-class _End:
-    error: Exception | None = None
-
-
-async def merge_streams(
-    streams: Sequence[DeltaStream],
-) -> AsyncGenerator[tuple[int, RequestDelta]]:
-    """Interleaves streams as `(stream index, delta)` in arrival order (one stream is read as
-    it is, without a task). Closing the merged stream, or an error in any input, closes every
-    input (which aborts their requests)."""
-    if len(streams) == 1:
-        (stream,) = streams
-        try:
-            async for item in stream:
-                yield 0, item
-        finally:
-            await stream.aclose()
-        return
-    queue: asyncio.Queue[tuple[int, RequestDelta | _End]] = asyncio.Queue()
-
-    async def pump(index: int, stream: DeltaStream) -> None:
-        try:
-            async for item in stream:
-                await queue.put((index, item))
-            await queue.put((index, _End()))
-        except Exception as error:
-            await queue.put((index, _End(error)))
-        finally:
-            await stream.aclose()
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if not isinstance(item, _End):
-                yield index, item
-            elif item.error is not None:
-                raise item.error
-            else:
-                remaining -= 1
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def total_usage(tallies: Sequence[StreamTally]) -> Usage:
-    return Usage.of(
-        prompt_tokens=sum(t.prompt_tokens for t in tallies),
-        completion_tokens=sum(t.completion_tokens for t in tallies),
-        cached_tokens=sum(t.cached_tokens for t in tallies),
-    )
-
-
-def finish_reason(output: CompletionOutput | BranchDelta) -> FinishReason | None:
-    if output.finish_reason is None:
-        return None
-    return "length" if output.finish_reason == "length" else "stop"
-
-
-class ChunkEncoder(Protocol):
-    def chunks(self, index: int, delta: RequestDelta) -> list[BaseModel]: ...
-    def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
 
 class OpenAIServing:
@@ -417,123 +345,3 @@ class OpenAIServing:
         reasoning = ReasoningStream(self.reasoning, self.decode)
         encoder = ChatChunks(self, rid, submission.adapter or self.model, tool_stream, reasoning)
         return self.events(submission.streams, encoder, request.include_usage)
-
-
-def whole_usage(finals: Sequence[RequestOutput]) -> Usage:
-    usages = [final.usage for final in finals]
-    return Usage.of(
-        prompt_tokens=sum(u.prompt_tokens for u in usages),
-        completion_tokens=sum(u.completion_tokens for u in usages),
-        cached_tokens=sum(u.cached_tokens for u in usages),
-    )
-
-
-class _StreamChunks:
-    """What both chunk encoders share: the stream's id, model name (the adapter's for an adapter
-    request) and creation time, and the chunk model (`response_model`) every chunk and the
-    final usage chunk are built as. Every branch of a delta is a chunk: the engine puts a
-    branch in a delta only with something new or a finish not reported yet."""
-
-    response_model: type[CompletionResponse] | type[ChatCompletionChunk]
-
-    def __init__(self, serving: OpenAIServing, rid: str, model: str) -> None:
-        self.serving, self.rid, self.model = serving, rid, model
-        self.created = int(time.time())
-
-    def _chunk(self, choices: list[Any], usage: Usage | None = None) -> BaseModel:
-        return self.response_model(
-            id=self.rid,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-        )
-
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._chunk([], usage)
-
-
-class CompletionChunks(_StreamChunks):
-    """`text_completion` chunks, one choice each, as OpenAI streams them."""
-
-    response_model = CompletionResponse
-
-    def __init__(self, serving: OpenAIServing, rid: str, model: str, n: int) -> None:
-        super().__init__(serving, rid, model)
-        self.n = n
-
-        self.tallies: dict[int, StreamTally] = {}
-
-    def chunks(self, index: int, delta: RequestDelta) -> list[BaseModel]:
-        tally = self.tallies.setdefault(index, StreamTally())
-        serving = self.serving
-        return [
-            self._chunk(
-                [
-                    serving.completion_choice(
-                        index * self.n + branch.index,
-                        branch.text,
-                        branch.logprobs,
-                        tally.text_offset(branch),
-                        finish_reason(branch),
-                    )
-                ]
-            )
-            for branch in delta.branches
-        ]
-
-
-class ChatChunks(_StreamChunks):
-    """`chat.completion.chunk`s: a choice's first chunk carries the assistant role."""
-
-    response_model = ChatCompletionChunk
-
-    def __init__(
-        self,
-        serving: OpenAIServing,
-        rid: str,
-        model: str,
-        tools: ToolStream | None = None,
-        reasoning: ReasoningStream | None = None,
-    ) -> None:
-        super().__init__(serving, rid, model)
-        self.started: set[int] = set()
-        self.tools = tools
-        self.reasoning = reasoning or ReasoningStream(None, serving.decode)
-
-    def chunks(self, index: int, delta: RequestDelta) -> list[BaseModel]:
-        chunks = []
-        if delta.prompt_token_ids is not None:
-            self.reasoning.start(delta.prompt_token_ids)
-        for branch in delta.branches:
-            role = None if branch.index in self.started else "assistant"
-            self.started.add(branch.index)
-            logprobs = None
-            if branch.logprobs is not None:
-                logprobs = chat_logprobs(branch.logprobs, self.serving.token_text)
-            reason = finish_reason(branch)
-            piece = self.reasoning.piece(branch.index, branch.text, reason is not None)
-            thought = piece.reasoning or None
-            delta_out = ChatDelta(
-                role=role,
-                content=None if thought and not piece.content else piece.content,
-                reasoning_content=thought,
-            )
-            if self.tools is not None:  # tool calls are read back as the content grows
-                content, calls = self.tools.update(branch.index, piece.content, reason is not None)
-                delta_out = ChatDelta(
-                    role=role, content=content, reasoning_content=thought, tool_calls=calls
-                )
-                if reason == "stop" and self.tools.called(branch.index):
-                    reason = "tool_calls"
-                if not (content or calls or role or reason or thought):
-                    continue  # held back: the text may be the start of a call
-            elif self.reasoning.active and not (
-                piece.content or thought or role or reason or logprobs
-            ):
-                continue  # held back: the text may be the start of a reasoning tag
-            choice = ChatChunkChoice(
-                index=branch.index, delta=delta_out, logprobs=logprobs, finish_reason=reason
-            )
-            chunks.append(self._chunk([choice]))
-        return chunks

@@ -2,9 +2,12 @@
 OpenAI defines them.
 
 `ResponseEncoder` turns `chat_bridge` pieces into the event sequence: `response.created`,
-`response.in_progress`, then per output item `response.output_item.added`, for a message
-`response.content_part.added`, `response.output_text.delta`... `response.output_text.done`,
-`response.content_part.done`, for a function call `response.function_call_arguments.delta`...
+`response.in_progress`, then per output item `response.output_item.added`, for a reasoning item
+(the thinking span, with `--reasoning-parser`; no summary: the model writes none)
+`response.content_part.added`, `response.reasoning_text.delta`... `response.reasoning_text.done`,
+`response.content_part.done`, for a message `response.content_part.added`,
+`response.output_text.delta`... `response.output_text.done`, `response.content_part.done`, for a
+function call `response.function_call_arguments.delta`...
 `response.function_call_arguments.done`, then `response.output_item.done`; last
 `response.completed` (or `response.incomplete` when the output limit cut it short).
 
@@ -25,6 +28,7 @@ from cluster.serving.chat_bridge import (
     CallStart,
     Finished,
     Piece,
+    ReasoningPiece,
     Started,
     TextPiece,
 )
@@ -50,6 +54,21 @@ def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(text: str | None, status: str = "completed") -> dict[str, Any]:
+    """The thinking span as a `reasoning` item: its text as `content`, no `summary`."""
+    return {
+        "type": "reasoning",
+        "id": new_id("rs"),
+        "status": status,
+        "summary": [],
+        "content": [] if text is None else [reasoning_part(text)],
+    }
+
+
 def message_item(text: str | None, status: str = "completed") -> dict[str, Any]:
     return {
         "type": "message",
@@ -72,8 +91,11 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
 
 
 def output_of(message: AssistantMessage) -> list[dict[str, Any]]:
-    """A finished chat answer as Responses output items: its text, then its calls."""
+    """A finished chat answer as Responses output items: its reasoning (when the parser found
+    a non-empty thinking span, as a stream would show it), its text, then its calls."""
     items = []
+    if message.reasoning_content:
+        items.append(reasoning_item(message.reasoning_content))
     if message.content:
         items.append(message_item(message.content))
     for call in message.tool_calls or []:
@@ -175,8 +197,10 @@ class ResponseEncoder:
     def feed(self, piece: Piece) -> list[dict[str, Any]]:
         if isinstance(piece, Started):
             return []
+        if isinstance(piece, ReasoningPiece):
+            return self._grow("reasoning", piece.text)
         if isinstance(piece, TextPiece):
-            return self._text(piece.text)
+            return self._grow("message", piece.text)
         if isinstance(piece, CallStart):
             events = self._close()
             self._calls[piece.index] = len(self.output)
@@ -205,28 +229,33 @@ class ResponseEncoder:
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=final)]
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
+    def _grow(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """`text` added to the growing `reasoning` or `message` item (opened first when the
+        growing item is another)."""
         events = []
-        if self._open is None or self.output[self._open]["type"] != "message":
+        if self._open is None or self.output[self._open]["type"] != kind:
             events = self._close()
             self._open = len(self.output)
-            self.output.append(message_item(None, status="in_progress"))
+            if kind == "reasoning":
+                item, part = reasoning_item(None, "in_progress"), reasoning_part("")
+            else:
+                item, part = message_item(None, "in_progress"), text_part("")
+            self.output.append(item)
             events.append(self._added())
-            part = text_part("")
-            self.output[self._open]["content"].append(part)
+            item["content"].append(part)
             events.append(self._part_event("response.content_part.added", part))
         item = self.output[self._open]
         item["content"][0]["text"] += text
-        events.append(
-            self._event(
-                "response.output_text.delta",
-                item_id=item["id"],
-                output_index=self._open,
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )
-        )
+        fields: dict[str, Any] = {
+            "item_id": item["id"],
+            "output_index": self._open,
+            "content_index": 0,
+            "delta": text,
+        }
+        if kind == "reasoning":
+            events.append(self._event("response.reasoning_text.delta", **fields))
+        else:
+            events.append(self._event("response.output_text.delta", **fields, logprobs=[]))
         return events
 
     def _close(self) -> list[dict[str, Any]]:
@@ -236,9 +265,9 @@ class ResponseEncoder:
         index, self._open = self._open, None
         item = self.output[index]
         item["status"] = "completed"
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
-            events = [
+            text_done = (
                 self._event(
                     "response.output_text.done",
                     item_id=item["id"],
@@ -246,9 +275,17 @@ class ResponseEncoder:
                     content_index=0,
                     text=part["text"],
                     logprobs=[],
-                ),
-                self._part_event("response.content_part.done", part, index),
-            ]
+                )
+                if item["type"] == "message"
+                else self._event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=part["text"],
+                )
+            )
+            events = [text_done, self._part_event("response.content_part.done", part, index)]
         else:
             events = [
                 self._event(

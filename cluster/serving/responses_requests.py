@@ -2,8 +2,9 @@
 into chat-completions fields (`chat_bridge` runs those).
 
 - `input`: text (one user message) or items: messages (`role`, content as text or
-  `input_text` / `output_text` parts), `function_call` items (an assistant's call) and
-  `function_call_output` items (the call's result, a tool message); `instructions` is a
+  `input_text` / `output_text` parts), `function_call` items (an assistant's call),
+  `function_call_output` items (the call's result, a tool message) and `reasoning` items (a
+  previous answer's thinking, left out of the prompt); `instructions` is a
   system message before them (not carried over by `previous_response_id`, as in OpenAI's API).
 - `tools`: function tools in the Responses' flat shape `{type, name, description, parameters,
   strict}`; `tool_choice`: `auto`, `none`, `required` or `{type: function, name}`.
@@ -73,11 +74,21 @@ class FunctionCallOutputItem(_Edge):
     output: str
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class ReasoningItem(_Edge):
+    """A previous answer's thinking span, as a client sends its output back: accepted and left
+    out of the prompt (a reasoning model's template drops earlier turns' thinking)."""
+
+    type: Literal["reasoning"]
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 ITEM_MODELS: dict[str, type[InputItem]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
 }
 
 
@@ -225,6 +236,8 @@ def conversation_of(items: list[InputItem]) -> list[dict[str, Any]]:
     for item in items:
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, ReasoningItem):
+            continue  # earlier turns' thinking is not shown to the model again
         elif isinstance(item, FunctionCallItem):
             call = {
                 "id": item.call_id,

@@ -16,6 +16,9 @@ Invariants:
   request there and frees its blocks;
 - a request with no output `queue_timeout_s` after it was sent (queued at the handle or in an
   engine's admission queue) is cancelled and ends with EngineOverloaded (503 + Retry-After);
+- a request Serve sheds because the deployment's queue is full gets the wait this client
+  predicts until the queue has room as its Retry-After: one more of its calls ending, by the
+  rate at which its calls have been ending (`QueueWait`; 1 s while it knows no rate);
 - a request without hashes (an adapter without an agreed digest, see `FrontEnd.routing_hashes`)
   is routed by load only.
 """
@@ -33,6 +36,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.engine.errors import EngineDead, EngineOverloaded, RequestRejected
 from cluster.engine.generate_request import GenerateRequest
 from cluster.engine.output_stream import RequestDelta
+from cluster.engine.queue_wait import QueueWait
 from cluster.serving.routing import PREFIX_BLOCKS_KWARG
 
 REPLICA_ERRORS = (RequestRejected, EngineOverloaded, EngineDead)
@@ -45,10 +49,15 @@ async def no_holdings(chain: list[bytes]) -> dict[str, int]:
     return {}
 
 
-def client_error(error: BaseException) -> Exception | None:
-    """The client-facing error for what a handle call raised, or None when it is not one."""
+def client_error(error: BaseException, queue_wait_s: float | None = None) -> Exception | None:
+    """The client-facing error for what a handle call raised, or None when it is not one;
+    `queue_wait_s`: the predicted wait until a full deployment queue has room (None: unknown,
+    1 s)."""
     if isinstance(error, BackPressureError):
-        return EngineOverloaded(f"every engine replica's queue is full: {error}")
+        return EngineOverloaded(
+            f"every engine replica's queue is full: {error}",
+            retry_after_s=1.0 if queue_wait_s is None else queue_wait_s,
+        )
     if isinstance(error, ray_errors.RayTaskError):
         cause = error.cause
         if isinstance(cause, REPLICA_ERRORS):
@@ -65,16 +74,23 @@ class RoutedEngineClient:
     """Streams `GenerateRequest`s through the engine deployment's handle (see the module doc)."""
 
     def __init__(
-        self, handle: Any, holdings: Holdings = no_holdings, queue_timeout_s: float | None = None
+        self,
+        handle: Any,
+        holdings: Holdings = no_holdings,
+        queue_timeout_s: float | None = None,
+        departures: QueueWait | None = None,
     ) -> None:
-        """`queue_timeout_s`: a request not started by then is refused as overloaded."""
+        """`queue_timeout_s`: a request not started by then is refused as overloaded.
+        `departures`: when this client's started calls ended (a fresh one by default), which
+        predicts a full queue's Retry-After."""
         self.handle = handle
         self.holdings = holdings
         self.queue_timeout_s = queue_timeout_s
+        self.departures = departures if departures is not None else QueueWait()
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestDelta, None]:
         held = await self.holdings(list(request.block_hashes))
-        finished = False
+        finished = started = False
         stream = None
         try:
             # Inside the try: the router may refuse here already (BackPressureError).
@@ -92,17 +108,20 @@ class RoutedEngineClient:
                 ) from None
             except StopAsyncIteration:
                 return
+            started = True
             finished = first.finished
             yield first
             async for delta in stream:
                 finished = delta.finished
                 yield delta
         except Exception as error:
-            mapped = client_error(error)
+            mapped = client_error(error, self.departures.predict(0))
             if mapped is None or mapped is error:
                 raise
             raise mapped from None
         finally:
+            if started:  # a call that held a replica's slot ended: the queue moves on
+                self.departures.observe_departure()
             if not finished and stream is not None:
                 # `cancel` re-raises a call's routing failure (e.g. BackPressureError), which
                 # would replace the client error raised above: the call is over either way.

@@ -10,12 +10,14 @@ and read back.
   one that fits the model's template (`parser_for_template`): `hermes` for the fallback and for
   templates that write `<tool_call>`, `llama3_json` for Llama 3's.
 - **`tool_choice`.** `none`: tools are shown, output is text. `auto` (OpenAI's default when
-  tools are given): free text, read back by the parser. `required` and a named function: the
-  output is constrained (an xgrammar structural tag) to the parser's own call form, e.g.
-  `<tool_call>\n{"name": "f", "arguments": ` + arguments valid against `f`'s `parameters` +
-  `}\n</tool_call>`: one or more calls of listed functions, the end of the turn allowed after
-  each (exactly one with `parallel_tool_calls: false` or a named function), so the model can
-  stop after the call it meant, as it learned to.
+  tools are given): free text, read back by the parser. `required` with parallel calls: the
+  output is a compact JSON array of one or more calls, `[{"name": "f", "arguments": {...}}]`,
+  each of a listed function with arguments valid against its `parameters` (read back by
+  `CallArrayParser`, whatever the parser): a small model ends the array after the call it meant
+  more often than it stops between `<tool_call>` blocks. `required` with `parallel_tool_calls:
+  false` and a named function: exactly one call in the parser's own call form (an xgrammar
+  structural tag), e.g. `<tool_call>\n{"name": "f", "arguments": ` + arguments valid against
+  `f`'s `parameters` + `}\n</tool_call>`.
 - **Results.** Calls become `message.tool_calls` with finish_reason "tool_calls". A constrained
   choice always answers in `tool_calls`, also when `max_tokens` cuts it (the arguments as
   generated, finish_reason "length", as vLLM does). While streaming, each call's name goes
@@ -42,7 +44,12 @@ from cluster.engine.structured_outputs import (
     check_constraint,
 )
 from cluster.serving.structured_fields import FieldError
-from cluster.serving.tool_parsers import TOOL_PARSERS, ParsedCall, ToolCallParser
+from cluster.serving.tool_parsers import (
+    TOOL_PARSERS,
+    CallArrayParser,
+    ParsedCall,
+    ToolCallParser,
+)
 
 FALLBACK_TOOL_TEMPLATE = """\
 {%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' -%}
@@ -181,11 +188,31 @@ class ToolPlan:
         """The output is made to be calls (`required` or a named function)."""
         return self.mode in ("required", "named")
 
+    @property
+    def array_form(self) -> bool:
+        """The output is a JSON array of calls (`required` with parallel calls)."""
+        return self.mode == "required" and self.parallel
+
     def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar that enforces `required` and named choices (None: unconstrained): the
-        parser's call form around each function's arguments, the end allowed after each call."""
+        """The grammar that enforces `required` and named choices (None: unconstrained): a JSON
+        array of calls (`array_form`), else one call in the parser's call form."""
         if not self.constrained:
             return None
+        if self.array_form:
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": tool.function.name},
+                        "arguments": _parameters(tool),
+                    },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for tool in self.tools
+            ]
+            array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+            return StructuredOutputsParams(json=array, disable_any_whitespace=True)
         form = TOOL_PARSERS[self.parser_name].FORMAT
         tools = [self._tool(self.name)] if self.mode == "named" else list(self.tools)
         tags = [
@@ -214,10 +241,11 @@ class ToolPlan:
         return StructuredOutputsParams(structural_tag=json.dumps(structure, ensure_ascii=False))
 
     def parser(self) -> ToolCallParser | None:
-        """A new reader of calls in one answer (None: the output is text)."""
+        """A new reader of calls in one answer (None: the output is text): the array's reader
+        for `array_form`, else the parser's."""
         if self.mode == "none":
             return None
-        return TOOL_PARSERS[self.parser_name]()
+        return CallArrayParser() if self.array_form else TOOL_PARSERS[self.parser_name]()
 
     def stream(self) -> ToolStream | None:
         """What reads calls out of a streamed output (None: the output is text)."""
@@ -398,7 +426,9 @@ class ToolStream:
     ) -> tuple[str | None, list[ToolCallOut] | None]:
         parser = self._parsers.get(branch)
         if parser is None:
-            parser = self._parsers[branch] = TOOL_PARSERS[self._plan.parser_name]()
+            new = self._plan.parser()
+            assert new is not None  # a plan that reads no calls has no stream
+            parser = self._parsers[branch] = new
         delta = parser.feed(text)
         if finished:
             last = parser.finish()

@@ -7,6 +7,9 @@ splits an assistant's text into plain content and tool calls:
 - `llama3_json`: the text is one or more `{"name": ..., "parameters": {...}}` objects (separated
   by `;`, optionally after `<|python_tag|>`); text that does not start with one is content.
 
+`CallArrayParser` reads the JSON array of calls (`[{"name": ..., "arguments": {...}}, ...]`)
+that `required` with parallel calls is held to, whatever the parser.
+
 A parser is fed the text piece by piece (`feed`, then `finish` once) and reads each character
 once, so a streamed answer costs time linear in its length. What it returns is what to send:
 new content, then for each call its name once (as soon as the name and the arguments' key are
@@ -284,7 +287,28 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-class HermesParser:
+class _ReadsCalls:
+    """What every parser shares: the calls it has read (`_found`)."""
+
+    _found: _Calls
+
+    @property
+    def calls(self) -> list[ParsedCall]:
+        self._found.settle()
+        return self._found.calls
+
+
+class _WholeTextCalls(_ReadsCalls):
+    """A parser whose text is calls from its start (else all content): `_seen` holds the text
+    while it may still turn out to be content."""
+
+    def __init__(self) -> None:
+        self._found = _Calls()
+        self._state = "start"
+        self._seen = ""
+
+
+class HermesParser(_ReadsCalls):
     """`<tool_call>{json}</tool_call>` blocks; the rest is content. A block that does not hold
     a call object is dropped."""
 
@@ -295,11 +319,6 @@ class HermesParser:
         self._content = _Content()
         self._state = "content"  # content | call | skip (to the close tag)
         self._pending = ""  # a possible tag's start
-
-    @property
-    def calls(self) -> list[ParsedCall]:
-        self._found.settle()
-        return self._found.calls
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -342,21 +361,12 @@ class HermesParser:
         return out
 
 
-class Llama3JsonParser:
+class Llama3JsonParser(_WholeTextCalls):
     """`{"name": ..., "parameters": {...}}` objects (`;`-separated) as the whole text; a text
     that does not start with one is all content. Text after the calls is dropped."""
 
     FORMAT = CallFormat("", "parameters", "}", "; ")
-
-    def __init__(self) -> None:
-        self._found = _Calls()
-        self._state = "start"  # start | content | call | between | tail
-        self._seen = ""  # the text while it may still be content
-
-    @property
-    def calls(self) -> list[ParsedCall]:
-        self._found.settle()
-        return self._found.calls
+    # states: start | content | call | between | tail
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -412,6 +422,62 @@ class Llama3JsonParser:
     def _as_content(self, out: ParsedDelta) -> ParsedDelta:
         out.content, self._seen, self._state = self._seen, "", "content"
         self._found.readers.clear()
+        return out
+
+
+class CallArrayParser(_WholeTextCalls):
+    """A JSON array of `{"name": ..., "arguments": {...}}` objects as the whole text (what
+    `required` with parallel calls makes the model write). A text that does not start with `[`
+    is all content; text after the array's calls (its `]` or anything that is not one more call)
+    is dropped."""
+
+    # states: start | open (a call may follow) | call | between | tail | content; `_seen` holds
+    # only the leading whitespace
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        if self._state == "content":
+            out.content = text
+            return out
+        position = 0
+        if self._state == "start":
+            while position < len(text) and text[position] in _WHITESPACE:
+                position += 1
+            self._seen += text[:position]
+            if position == len(text):
+                return out
+            if text[position] != "[":
+                out.content, self._seen, self._state = self._seen + text[position:], "", "content"
+                return out
+            position, self._seen, self._state = position + 1, "", "open"
+        readers = self._found.readers
+        while position < len(text) and self._state != "tail":
+            if self._state == "call":
+                reader = readers[-1]
+                position = reader.read(text, position, out, len(readers) - 1)
+                if reader.state == "failed":
+                    readers.pop()
+                    self._state = "tail"
+                elif reader.state == "done":
+                    self._state = "between" if reader.closed else "tail"
+                continue
+            char = text[position]
+            if char in _WHITESPACE:
+                position += 1
+            elif char == "," and self._state == "between":
+                position, self._state = position + 1, "open"
+            elif char == "{" and self._state == "open":
+                self._state = "call"  # the reader reads the `{` itself
+                readers.append(CallReader("arguments"))
+            else:
+                self._state = "tail"
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self._state == "start":
+            out.content, self._state = self._seen, "content"
+        self._seen = ""
         return out
 
 

@@ -126,3 +126,27 @@ def test_a_high_priority_request_is_judged_by_the_queue_ahead_of_it(
         add(99, 5)
     add(100, 0)
     assert engine.scheduler.waiting[0].prompt_token_ids == [7, 100]
+
+
+def test_a_full_queue_retries_after_its_predicted_room() -> None:
+    """At `max_waiting_requests` the refusal's Retry-After is when the drain rate frees a place
+    in the queue (one departure per request above the bound, plus one), 1 s with no rate."""
+    from cluster.engine.admission_checks import check_queue
+    from cluster.engine.config import SchedulerSettings
+
+    settings = SchedulerSettings(max_waiting_requests=2, max_queue_wait_s=None)
+    clock = FakeClock()
+    wait = QueueWait(window=4, clock=clock)
+    with pytest.raises(EngineOverloaded, match="max_waiting_requests") as cold:
+        check_queue(2, settings, wait)
+    assert cold.value.retry_after_s == 1.0
+    for _ in range(3):  # a departure every 2 s: 0.5 per second
+        wait.observe_departure()
+        clock.now += 2.0
+    clock.now -= 2.0
+    with pytest.raises(EngineOverloaded) as full:
+        check_queue(2, settings, wait)
+    assert full.value.retry_after_s == pytest.approx(2.0)  # the next departure
+    with pytest.raises(EngineOverloaded) as over:
+        check_queue(3, settings, wait)  # one above the bound: two departures
+    assert over.value.retry_after_s == pytest.approx(4.0)

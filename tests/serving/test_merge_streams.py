@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cluster.serving.openai_serving import merge_streams
+from cluster.serving.delta_streams import merge_streams
 
 
 class Source:

@@ -1,4 +1,5 @@
-"""Tool calls read back from text (hermes, llama3_json) in one incremental pass, against an
+"""Tool calls read back from text (hermes, llama3_json, the JSON array of calls) in one
+incremental pass, against an
 independent whole-text oracle (regular expressions and `json`): for any calls written with
 `json.dumps`, any content around them and any split of the text into pieces (Hypothesis), the
 streamed content and calls equal the oracle's; a prefix of the text gives a prefix of them
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from cluster.serving.tool_parsers import (
     PYTHON_TAG,
+    CallArrayParser,
     HermesParser,
     Llama3JsonParser,
     ToolCallParser,
@@ -184,3 +186,70 @@ def test_one_character_at_a_time_costs_linear_time() -> None:
     parser.finish()
     assert time.perf_counter() - began < 5.0
     assert [(c.name, c.arguments) for c in parser.calls] == [("f", arguments)]
+
+
+SEPARATORS = st.sampled_from([(", ", ": "), (",", ":")])
+"""`json.dumps`' default (what the grammar without free whitespace makes the model write) and
+compact JSON."""
+
+
+def array_oracle(text: str, separators: tuple[str, str]) -> Calls:
+    """Each call of the whole array, by `json`, its arguments written back as they were."""
+    return [
+        (call["name"], json.dumps(call["arguments"], separators=separators))
+        for call in json.loads(text)
+    ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    calls=calls_strategy,
+    separators=SEPARATORS,
+    lead=st.sampled_from(["", " ", "\n"]),
+    cuts=st.lists(st.integers(1, 400), max_size=16),
+)
+def test_array_pieces_read_as_the_oracle_reads_the_whole(
+    calls: list[tuple[str, Any]], separators: tuple[str, str], lead: str, cuts: list[int]
+) -> None:
+    text = json.dumps([{"name": n, "arguments": a} for n, a in calls], separators=separators)
+    expected = ("", array_oracle(text, separators))
+    assert read(CallArrayParser(), split(lead + text, cuts)) == expected
+    assert read(CallArrayParser(), [lead + text]) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    calls=calls_strategy,
+    separators=SEPARATORS,
+    cut=st.integers(0, 10_000),
+    pieces=st.lists(st.integers(1, 400), max_size=8),
+)
+def test_an_array_prefix_reads_as_a_prefix_of_the_whole(
+    calls: list[tuple[str, Any]], separators: tuple[str, str], cut: int, pieces: list[int]
+) -> None:
+    """A stream cut anywhere (`max_tokens`, or not yet ended): the calls so far, the last one's
+    arguments a prefix of what it will be; never content."""
+    text = json.dumps([{"name": n, "arguments": a} for n, a in calls], separators=separators)
+    whole = array_oracle(text, separators)
+    prefix = text[: cut % (len(text) + 1)]
+    for finish in (False, True):
+        content, partial = read(CallArrayParser(), split(prefix, pieces), finish=finish)
+        assert content == "" and len(partial) <= len(whole)
+        for (name, arguments), (whole_name, whole_arguments) in zip(partial, whole, strict=False):
+            assert name == whole_name and whole_arguments.startswith(arguments)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet='ab {}"n:[', max_size=30), cuts=st.lists(st.integers(1, 30)))
+def test_text_that_is_not_an_array_is_all_content(text: str, cuts: list[int]) -> None:
+    if text.lstrip(" \t\r\n").startswith("["):
+        return  # an array (the properties above cover those)
+    assert read(CallArrayParser(), split(text, cuts)) == (text, [])
+
+
+def test_the_array_ends_its_calls() -> None:
+    """What follows the array (or a malformed element) is dropped, the calls before kept."""
+    call = '{"name":"f","arguments":{}}'
+    assert read(CallArrayParser(), [f"[{call},{call}] and more"]) == ("", [("f", "{}")] * 2)
+    assert read(CallArrayParser(), [f"[{call}, 3]"]) == ("", [("f", "{}")])
+    assert read(CallArrayParser(), ["[]"]) == ("", [])

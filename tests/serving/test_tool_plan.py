@@ -11,6 +11,7 @@ import pytest
 from xgrammar import Grammar
 from xgrammar.testing import _is_grammar_accept_string
 
+from cluster.engine.structured_outputs import parse_grammar
 from cluster.serving.structured_fields import FieldError
 from cluster.serving.tool_calls import (
     FALLBACK_TOOL_TEMPLATE,
@@ -83,36 +84,43 @@ def _hermes_call(name: str, arguments: Any) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
+def _array(*calls: tuple[str, Any]) -> str:
+    """Calls as the array form writes them (no free whitespace: xgrammar's `, ` and `: `)."""
+    return json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls])
+
+
 def _grammar(plan: ToolPlan | None) -> Grammar:
+    """The grammar the engine compiles for the plan's constraint."""
     assert plan is not None
     constraint = plan.constraint()
-    assert constraint is not None and constraint.structural_tag is not None
-    return Grammar.from_structural_tag(constraint.structural_tag)
+    assert constraint is not None
+    return parse_grammar(constraint.spec)
 
 
-def test_required_is_one_or_more_hermes_calls_ending_after_any() -> None:
-    plan = plan_tools(TOOLS, "required", None, SERVER)
-    grammar = _grammar(plan)
-    weather = _hermes_call("get_weather", {"city": "Oslo"})
-    ping = _hermes_call("ping", {})
-    for text in (weather, f"{weather}\n{ping}", f"{ping}\n{ping}\n{weather}"):
-        assert _is_grammar_accept_string(grammar, text), text
-    for text in (
-        "",
-        "Sure. " + weather,
-        _hermes_call("other", {}),
-        _hermes_call("get_weather", {}),
-        _hermes_call("get_weather", {"city": 3}),
-        weather + " and more",
-    ):
-        assert not _is_grammar_accept_string(grammar, text), text
-    assert plan is not None
-    content, calls = calls_of(f"{weather}\n{ping}", plan)
-    assert content is None
-    assert [(c.function.name, json.loads(c.function.arguments or "")) for c in calls] == [
-        ("get_weather", {"city": "Oslo"}),
-        ("ping", {}),
-    ]
+def test_required_with_parallel_calls_is_a_json_array_of_calls() -> None:
+    for settings in (SERVER, ToolSettings().for_template(LLAMA3_TEMPLATE)):  # whatever parser
+        plan = plan_tools(TOOLS, "required", None, settings)
+        assert plan is not None and plan.array_form
+        grammar = _grammar(plan)
+        weather, ping = ("get_weather", {"city": "Oslo"}), ("ping", {})
+        for text in (_array(weather), _array(weather, ping), _array(ping, ping, weather)):
+            assert _is_grammar_accept_string(grammar, text), text
+        for text in (
+            "[]",
+            "Sure. " + _array(weather),
+            _array(("other", {})),
+            _array(("get_weather", {})),
+            _array(("get_weather", {"city": 3})),
+            _array(weather) + " and more",
+            _hermes_call(*weather),
+        ):
+            assert not _is_grammar_accept_string(grammar, text), text
+        content, calls = calls_of(_array(weather, ping), plan)
+        assert content is None
+        assert [(c.function.name, json.loads(c.function.arguments or "")) for c in calls] == [
+            weather,
+            ping,
+        ]
 
 
 def test_single_and_named_choices_allow_exactly_one_call() -> None:
@@ -133,11 +141,11 @@ def test_single_and_named_choices_allow_exactly_one_call() -> None:
 
 
 def test_llama3_templates_are_held_to_their_own_form() -> None:
-    plan = plan_tools(TOOLS, "required", None, ToolSettings().for_template(LLAMA3_TEMPLATE))
+    plan = plan_tools(TOOLS, "required", False, ToolSettings().for_template(LLAMA3_TEMPLATE))
     grammar = _grammar(plan)
     one = json.dumps({"name": "get_weather", "parameters": {"city": "Oslo"}})
     assert _is_grammar_accept_string(grammar, one)
-    assert _is_grammar_accept_string(grammar, one + "; " + one)
+    assert not _is_grammar_accept_string(grammar, one + "; " + one)
     assert not _is_grammar_accept_string(grammar, _hermes_call("get_weather", {"city": "Oslo"}))
 
 
@@ -148,10 +156,11 @@ def test_a_cut_constrained_answer_is_still_a_call() -> None:
     named = NamedToolChoice.model_validate(
         {"type": "function", "function": {"name": "get_weather"}}
     )
-    for choice in ("required", named):
+    cut_array = '[{"name": "get_weather", "arguments": {"city": "1.1.1.1'
+    for choice, text in ((named, cut), ("required", cut_array)):
         plan = plan_tools(TOOLS, choice, None, SERVER)
         assert plan is not None
-        content, calls = calls_of(cut, plan)
+        content, calls = calls_of(text, plan)
         assert content is None and calls[0].function.name == "get_weather"
         assert calls[0].function.arguments == '{"city": "1.1.1.1'
     auto = plan_tools(TOOLS, "auto", None, SERVER)
@@ -170,10 +179,13 @@ def test_a_cut_constrained_answer_is_still_a_call() -> None:
     assert stream.called(0)
 
 
-def test_a_stream_sends_what_the_whole_answer_holds() -> None:
-    weather = _hermes_call("get_weather", {"city": "Oslo"})
-    text = f"{weather}\n{_hermes_call('ping', {})}"
-    plan = plan_tools(TOOLS, "required", None, SERVER)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_stream_sends_what_the_whole_answer_holds(parallel: bool) -> None:
+    """The stream and the whole answer read the text with one reader: the array's with
+    parallel calls, the parser's call form without."""
+    weather = ("get_weather", {"city": "Oslo"})
+    text = _array(weather, ("ping", {})) if parallel else _hermes_call(*weather)
+    plan = plan_tools(TOOLS, "required", parallel, SERVER)
     assert plan is not None
     stream = plan.stream()
     assert stream is not None
@@ -193,6 +205,7 @@ def test_a_stream_sends_what_the_whole_answer_holds() -> None:
     assert [(names[i], arguments[i]) for i in sorted(names)] == [
         (c.function.name, c.function.arguments) for c in whole
     ]
+    assert len(whole) == (2 if parallel else 1)
 
 
 def test_fallback_template_renders_tools_calls_and_results() -> None:
