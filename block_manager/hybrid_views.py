@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from block_manager.errors import IntegrityError, InvalidOperation, NoFreeBlocks, Tier
 from block_manager.events import BlockEvent
@@ -27,12 +28,22 @@ from block_manager.validation import unknown_sequence
 @dataclass(frozen=True)
 class GroupUsage:
     """One KV group's share of the shared device pool: `used` blocks referenced by its
-    tables, `cached` unreferenced blocks still findable under its tag. The pool's free
-    blocks are shared by every group (`PressureSnapshot.device`)."""
+    tables, `cached` unreferenced blocks still findable under its tag, and `free` blocks any
+    group may take (the pool's, shared by every group: free plus every group's cached is
+    what an allocation can take)."""
 
+    group: int
     window: int | None
     used: int
     cached: int
+    free: int
+
+
+@runtime_checkable
+class GroupedKV(Protocol):
+    """A manager that keeps several KV groups (the metrics report each one's blocks)."""
+
+    def group_usage(self) -> list[GroupUsage]: ...
 
 
 class HybridViews:
@@ -172,7 +183,11 @@ class HybridViews:
                 used[self._owner[block]] += 1
             elif key is not None:
                 cached[self._owner[block]] += 1
-        return [GroupUsage(w, u, c) for w, u, c in zip(self._windows, used, cached, strict=True)]
+        free = pool.num_free - pool.num_free_cached
+        return [
+            GroupUsage(group, window, used[group], cached[group], free)
+            for group, window in enumerate(self._windows)
+        ]
 
     def take_events(self) -> list[BlockEvent]:
         """Always empty: block events are not recorded under hybrid groups."""

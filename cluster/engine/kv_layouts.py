@@ -9,6 +9,7 @@ sampling and workload are the same under every layout. The worker side of the se
 
 from __future__ import annotations
 
+import logging
 import math
 
 from block_manager import (
@@ -17,9 +18,12 @@ from block_manager import (
     KVManager,
     VirtualKVManager,
 )
+from block_manager.hybrid import HybridKVManager
 from cluster.engine.config import EngineConfig
 from workers import ModelInfo
 from workers.virtual_pool import virtual_geometry
+
+logger = logging.getLogger(__name__)
 
 
 def build_kv_manager(
@@ -30,11 +34,14 @@ def build_kv_manager(
     *,
     record_events: bool = False,
 ) -> KVManager:
-    """The manager of `config.cache.kv_layout` over a budget of `num_device_blocks` blocks;
+    """The manager of `config.cache.kv_layout` over a budget of `num_device_blocks` blocks
+    (the hybrid one when the workers grouped the layers, `ModelInfo.kv_group_windows`);
     `record_events` keeps its `BlockEvent`s for a cluster-wide index (paged layout only: the
     range layouts cache nothing)."""
     cache = config.cache
     watermark = min(num_device_blocks - 1, math.floor(cache.watermark * num_device_blocks))
+    if info.kv_group_windows:
+        return _hybrid_manager(config, info, num_device_blocks, num_cpu_blocks, record_events)
     if cache.kv_layout == "paged":
         return KVCacheManager(
             num_device_blocks=num_device_blocks,
@@ -65,4 +72,35 @@ def build_kv_manager(
         slot_blocks=geometry.slot_blocks,
         commit_blocks=geometry.commit_blocks,
         watermark_blocks=watermark,
+    )
+
+
+def _hybrid_manager(
+    config: EngineConfig,
+    info: ModelInfo,
+    num_device_blocks: int,
+    num_cpu_blocks: int,
+    record_events: bool,
+) -> HybridKVManager:
+    """Per-group tables over one pool (`block_manager.hybrid`). It records no block events
+    (a cluster-wide index does not follow per-group blocks): a replica that asked for them is
+    told once, in the log, that the index sees none of its blocks. The CPU cache tier stays
+    off under it."""
+    if record_events:
+        logger.warning(
+            "hybrid KV groups (windows %s): this replica publishes no blocks to the KV "
+            "directory and takes part in no KV transfers; --disable-hybrid-kv-cache-manager "
+            "keeps every layer's blocks and restores both",
+            list(info.kv_group_windows),
+        )
+    cache = config.cache
+    return HybridKVManager(
+        windows=info.kv_group_windows,
+        num_device_blocks=num_device_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        block_size=cache.block_size,
+        enable_prefix_caching=cache.enable_prefix_caching,
+        watermark_blocks=min(
+            num_device_blocks - 2, math.floor(cache.watermark * num_device_blocks)
+        ),
     )

@@ -137,7 +137,11 @@ class GenerationServer:
         """Serve this replica's blocks to peers, and (unless off) pull missing prefixes from
         the replica the directory names (of this replica's own `deployment`) or a request's
         hint names (`cluster.kv_transfer`)."""
-        if self.config.cache.kv_layout != "paged" or not self.config.cache.enable_prefix_caching:
+        if (
+            self.config.cache.kv_layout != "paged"
+            or not self.config.cache.enable_prefix_caching
+            or self.engine.core.model_info.kv_group_windows  # hybrid KV groups: no transfers
+        ):
             return
         settings = self.args.kv_transfer
         self.kv_transfer = KVTransferService(
