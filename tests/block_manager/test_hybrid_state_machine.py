@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -152,8 +153,15 @@ class HybridMachine(RuleBasedStateMachine):
             return
         seq_id = data.draw(st.sampled_from(done))
         if not self.manager.can_append([seq_id]):
+            with pytest.raises(NoFreeBlocks):  # the count agrees with what appending takes
+                self.manager.append_token(seq_id, token)
             return
+        free = self.manager.num_free_device_blocks()
         copy = self.manager.append_token(seq_id, token)
+        taken = free - self.manager.num_free_device_blocks()
+        assert taken == (len(WINDOWS) if len(self.seqs[seq_id].tokens) % BLOCK == 0 else 0) + (
+            0 if copy is None else len(copy.pairs())
+        )
         if copy is not None:
             self._copy(copy.pairs(), "device", "device")
         self.seqs[seq_id].tokens.append(token)
