@@ -94,6 +94,12 @@ def _hybrid_manager(
             list(info.kv_group_windows),
         )
     cache = config.cache
+    if cache.cpu_cache and cache.enable_prefix_caching and num_cpu_blocks > 0:
+        logger.info(
+            "hybrid KV groups (windows %s): the CPU cache tier is off; the CPU pool holds "
+            "swapped-out sequences only",
+            list(info.kv_group_windows),
+        )
     return HybridKVManager(
         windows=info.kv_group_windows,
         num_device_blocks=num_device_blocks,
