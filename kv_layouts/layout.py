@@ -40,6 +40,7 @@ class KVBudget:
 
     `plane_block_bytes`: bytes of one block in one (layer, K/V) plane of one rank's pool.
     `bounds`: each sequence's most tokens (a layout that reserves by length reads it).
+    `plane_block_bytes` is one group's plane under hybrid KV groups.
     """
 
     num_device_blocks: int
@@ -53,6 +54,9 @@ class KVBudget:
     cpu_cache: bool
     record_events: bool
     bounds: SequenceBounds
+    kv_group_windows: tuple[int | None, ...] = ()
+    """Hybrid KV groups: each group's sliding window (None: full attention) in the workers'
+    group order (`ModelInfo.kv_group_windows`); empty when every layer keeps every block."""
 
 
 class KVPool(Protocol):
@@ -101,6 +105,12 @@ class KVLayout(Protocol):
     def shares_prefixes(self) -> bool:
         """Blocks are sealed under prefix hashes: prefix caching, the cluster-wide index and
         KV transfers between replicas work (with `cache.enable_prefix_caching`)."""
+        ...
+
+    @property
+    def groups_layers(self) -> bool:
+        """The layout runs hybrid KV groups (`block_manager.groups`): a sliding-window
+        model's layers grouped by window, each group with its own tables over one pool."""
         ...
 
     @property

@@ -61,6 +61,7 @@ class RangeLayout:
     name = "range"
     can_fork = False
     shares_prefixes = False
+    groups_layers = False
     has_swap_tier = False
 
     def validate(self, config: EngineConfig) -> None:

@@ -66,5 +66,6 @@ def build_kv_manager(
             cpu_cache=cache.cpu_cache,
             record_events=record_events,
             bounds=bounds,
+            kv_group_windows=info.kv_group_windows,
         )
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from block_manager.groups import KVGroupLayout
 from workers.model import AttentionMetadata
 from workers.plan import PlanRejected, SamplingSettings, SequenceWork, StepPlan
 from workers.sampling import PromptRows, SampleRequest
@@ -115,7 +116,9 @@ class SequenceRegistry:
                 state.history.extend(work.token_ids)
 
 
-def _check_work(plan: StepPlan, work: SequenceWork, state: SequenceState, block_size: int) -> None:
+def _check_work(
+    plan: StepPlan, work: SequenceWork, state: SequenceState, block_size: int, groups: int = 1
+) -> None:
     if not work.token_ids:
         raise PlanRejected(
             f"step {plan.step_id}: sequence {work.seq_id} has no tokens", (work.seq_id,)
@@ -136,11 +139,12 @@ def _check_work(plan: StepPlan, work: SequenceWork, state: SequenceState, block_
         raise PlanRejected(
             f"step {plan.step_id}: sequence {work.seq_id} has start_pos < 0", (work.seq_id,)
         )
-    needed = -(-(work.start_pos + len(work.token_ids)) // block_size)
+    needed = -(-(work.start_pos + len(work.token_ids)) // block_size) * groups
     if len(state.block_table) < needed:
         raise PlanRejected(
             f"step {plan.step_id}: sequence {work.seq_id} needs {needed} blocks for "
-            f"{work.start_pos + len(work.token_ids)} tokens but its block table has "
+            f"{work.start_pos + len(work.token_ids)} tokens in {groups} KV group(s) but its "
+            "block table has "
             f"{len(state.block_table)}",
             (work.seq_id,),
         )
@@ -190,14 +194,20 @@ def pack_batch(
     registry: SequenceRegistry,
     block_size: int,
     device: torch.device,
+    kv_groups: KVGroupLayout | None = None,
 ) -> PackedBatch:
-    """Token ids, positions, slot mapping, block tables and sample rows of `plan.sequences`."""
+    """Token ids, positions, slot mapping, block tables and sample rows of `plan.sequences`.
+
+    `kv_groups` with several groups: each cached table interleaves the groups' tables
+    (`block_manager.hybrid_state`), and the metadata carries each group's slots and tables.
+    """
+    groups = 1 if kv_groups is None else kv_groups.num_groups
     token_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
+    group_slots: list[list[int]] = [[] for _ in range(groups)]
+    group_batch_tables: list[list[list[int]]] = [[] for _ in range(groups)]
     cu_query_lens = [0]
     context_lens: list[int] = []
-    tables: list[list[int]] = []
     logits_rows: list[int] = []
     sample_seq_ids: list[int] = []
     requests: list[SampleRequest] = []
@@ -205,8 +215,9 @@ def pack_batch(
     lora_slots: list[int] = []
     for work in plan.sequences:
         state = registry.states[work.seq_id]
-        _check_work(plan, work, state, block_size)
+        _check_work(plan, work, state, block_size, groups)
         table = state.block_table
+        seq_tables = [table[g::groups] for g in range(groups)] if groups > 1 else [table]
         if work.prompt_targets:
             prompt_rows = prompt_rows or PromptRows()
             targets = work.prompt_targets
@@ -222,10 +233,13 @@ def pack_batch(
             lora_slots.extend([work.lora_slot] * count)
             span = range(start, end)
             positions.extend(span)
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+            for group, group_table in enumerate(seq_tables):
+                group_slots[group].extend(
+                    group_table[p // block_size] * block_size + p % block_size for p in span
+                )
+                group_batch_tables[group].append(group_table[: -(-end // block_size)])
             cu_query_lens.append(len(token_ids))
             context_lens.append(end)
-            tables.append(table[: -(-end // block_size)])
             if work.num_samples > 0:
                 assert state.sampling is not None
                 logits_rows.append(len(token_ids) - 1)
@@ -242,19 +256,27 @@ def pack_batch(
                         history,
                     )
                 )
-    width = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (width - len(t)) for t in tables]
 
     def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
+    def padded(tables: list[list[int]]) -> torch.Tensor:
+        width = max((len(t) for t in tables), default=0)
+        rows = [t + [0] * (width - len(t)) for t in tables]
+        return tensor(rows, torch.int32).reshape(len(tables), width)
+
+    tables = group_batch_tables[0]
     metadata = AttentionMetadata(
         positions=tensor(positions, torch.int64),
-        slot_mapping=tensor(slots, torch.int64),
+        slot_mapping=tensor(group_slots[0], torch.int64),
         cu_query_lens=tensor(cu_query_lens, torch.int32),
         context_lens=tensor(context_lens, torch.int32),
-        block_tables=tensor(padded, torch.int32).reshape(len(tables), width),
+        block_tables=padded(tables),
         logits_indices=tensor(logits_rows, torch.int64),
+        group_tables=[
+            (tensor(group_slots[g], torch.int64), padded(group_batch_tables[g]))
+            for g in range(1, groups)
+        ],
     )
     any_lora = any(slot >= 0 for slot in lora_slots)
     return PackedBatch(

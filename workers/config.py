@@ -15,7 +15,8 @@ from typing import Literal
 
 import torch
 
-from kv_layouts import LAYOUT_NAMES
+from block_manager.groups import KVGroupLayout, group_layers
+from kv_layouts import LAYOUT_NAMES, layout_named
 from pagedserve_kernels import kv_quant
 
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
@@ -99,6 +100,10 @@ class WorkerConfig:
     """The largest adapter rank accepted; slots pad every adapter's rank to it."""
     enable_expert_parallel: bool = False
     """Mixture of experts: whole experts per rank instead of every expert's columns split."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """vLLM's flag: keep every layer's blocks for every sequence even when the model has
+    sliding-window layers (else their layers form KV groups that drop the blocks their
+    window has passed, `block_manager.groups`)."""
 
     def __post_init__(self) -> None:
         """The one check of every worker knob; each refusal names its field (`field`)."""
@@ -182,6 +187,24 @@ class WorkerConfig:
                 f"this rank computes on {device.type}",
             )
         return kv_quant.storage_dtype(name, self.torch_dtype)
+
+    def kv_group_layout(self, layer_sliding_windows: tuple[int | None, ...]) -> KVGroupLayout:
+        """How the pool's layers are grouped for a model of these per-layer windows: hybrid
+        groups when a layer has a window (unless disabled), else one group of every layer.
+        Hybrid groups need a layout that groups layers (`KVLayout.groups_layers`: 'paged'):
+        WorkerConfigError otherwise, naming the flag that turns them off."""
+        layout = group_layers(
+            layer_sliding_windows, enabled=not self.disable_hybrid_kv_cache_manager
+        )
+        if layout.hybrid and not layout_named(self.kv_layout).groups_layers:
+            raise WorkerConfigError(
+                "disable_hybrid_kv_cache_manager",
+                f"kv_layout {self.kv_layout!r} keeps every layer's blocks, but this model has "
+                "sliding-window layers whose hybrid KV groups need kv_layout 'paged': set "
+                "disable_hybrid_kv_cache_manager (--disable-hybrid-kv-cache-manager) or use "
+                "kv_layout 'paged'",
+            )
+        return layout
 
     def cpu_threads(self) -> int | None:
         """The intra-op thread count a CPU rank sets (None: leave torch's). "auto": the cores
@@ -365,3 +388,7 @@ class ModelInfo:
     quantized_activations: bool = False
     """Whether the products take int8-quantized activations (it changes KV values, so it is in
     the cache identity)."""
+    kv_group_windows: tuple[int | None, ...] = ()
+    """Hybrid KV groups (`block_manager.groups`): each group's sliding window (None: full
+    attention), in the workers' group order; empty when every layer keeps every block.
+    `kv_bytes_per_block` is then one group's block (`KVGroupLayout.slots` layers)."""

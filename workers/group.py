@@ -80,8 +80,9 @@ def _model_info(
 ) -> ModelInfo:
     spec = description.spec
     kv_dtype = config.kv_storage_dtype(torch.device(device))
+    groups = config.kv_group_layout(spec.layer_sliding_windows)
     full_shape = KVShape(
-        spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype
+        groups.slots, config.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype
     )
     return ModelInfo(
         architecture=spec.architecture,
@@ -102,6 +103,7 @@ def _model_info(
         kv_bytes_per_block=full_shape.bytes_per_block,
         kv_cache_dtype=kv_quant.canonical(config.kv_cache_dtype),
         quantized_activations=bool(config.quantized_activations),
+        kv_group_windows=groups.windows if groups.hybrid else (),
     )
 
 

@@ -9,11 +9,12 @@ embedding and LM head all-reduce / all-gather.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from block_manager.groups import full_layout
 from pagedserve_kernels import AttentionStep, PagedAttentionStep, prepare_attention
 from pagedserve_kernels.decoder_stack_cpu import StackLayer, StackShape
 from workers.checkpoint import CheckpointReader
@@ -48,6 +49,9 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """Hybrid KV groups (`block_manager.groups`): (slot_mapping, block_tables) of groups 1, 2,
+    ... (`slot_mapping` and `block_tables` above are group 0's); empty with one group."""
 
     def prepare_kernels(self, kv_pool: torch.Tensor) -> AttentionStep:
         """Validate this step's metadata once for every layer of `kv_pool` (ValueError if bad)."""
@@ -61,6 +65,26 @@ class AttentionMetadata:
             device=kv_pool.device,
         )
         return PagedAttentionStep(prepared)
+
+    def group_steps(self, kv_pool: torch.Tensor, num_groups: int) -> list[AttentionStep]:
+        """One prepared step per KV group, each over its group's slots and tables (a plan
+        without per-group tables, such as the profiling pass, uses group 0's for all)."""
+        first = self.prepare_kernels(kv_pool)
+        if not self.group_tables:
+            return [first] * num_groups
+        steps = [first]
+        for slot_mapping, block_tables in self.group_tables:
+            prepared = prepare_attention(
+                self.cu_query_lens,
+                self.context_lens,
+                block_tables,
+                num_blocks=kv_pool.shape[2],
+                block_size=kv_pool.shape[3],
+                slot_mapping=slot_mapping,
+                device=kv_pool.device,
+            )
+            steps.append(PagedAttentionStep(prepared))
+        return steps
 
 
 class Attention(torch.nn.Module):
@@ -357,6 +381,8 @@ class CausalLM(torch.nn.Module):
         """Each distinct rope of the layers; the first is `spec.rope` (the native stack's)."""
         self.layer_rotary = [distinct.index(rope) for rope in ropes]
         """Layer i's index into `rotaries`."""
+        self.kv_groups = full_layout(spec.num_layers)
+        """Which pool row and group step each layer uses (the rank sets its layout)."""
         self.native_decode: NativeDecode | None = None
         """Set by `load` where the whole stack runs natively (None: per-operator only)."""
         self.quantized_decode = quantized_decode
@@ -386,15 +412,17 @@ class CausalLM(torch.nn.Module):
         cos_sin = cos_sins[0]
         if self.reduced:
             hidden = hidden.to(torch.float32)  # the residual stream
-        step = metadata.prepare_kernels(kv_pool)  # validated once, shared by every layer
-        if self.native_decode is not None and lora is None:
-            stacked = self.native_decode.forward(hidden, cos_sin, step, kv_pool)
+        groups = self.kv_groups
+        steps = metadata.group_steps(kv_pool, groups.num_groups)  # validated once per group
+        if self.native_decode is not None and lora is None and groups.num_groups == 1:
+            stacked = self.native_decode.forward(hidden, cos_sin, steps[0], kv_pool)
             if stacked is not None:
                 return stacked
         delta = None
         for index, layer in enumerate(self.layers):
             rotary = cos_sins[self.layer_rotary[index]]
-            hidden, delta = layer(hidden, delta, rotary, step, kv_pool[index], lora)
+            step, row = steps[groups.layer_group[index]], kv_pool[groups.layer_slot[index]]
+            hidden, delta = layer(hidden, delta, rotary, step, row, lora)
         return self.ops.add_norm(hidden, delta, self.norm)[1]
 
     @torch.inference_mode()

@@ -75,8 +75,10 @@ class WorkerRank:
             # backend, each rank's actor for Ray): Ray's OMP_NUM_THREADS=num_cpus is not a choice
             torch.set_num_threads(threads)
         layout = head_layout(description.spec, self.tp)
+        self.kv_groups = config.kv_group_layout(description.spec.layer_sliding_windows)
+        """Which pool row and block table each layer uses (`block_manager.groups`)."""
         self.kv_shape = KVShape(
-            description.spec.num_layers,
+            self.kv_groups.slots,
             config.block_size,
             layout.num_kv,
             description.spec.head_dim,
@@ -126,6 +128,7 @@ class WorkerRank:
             self.config.quantized_decode,
             self.config.quantized_activations,
         )
+        self.model.kv_groups = self.kv_groups
         if self.config.max_loras > 0:
             self.lora = RankLoRA(
                 self.description.spec,
@@ -326,7 +329,13 @@ class WorkerRank:
                 )
         snapshot = self.registry.apply(plan)
         try:
-            batch = pack_batch(plan, self.registry, self.config.block_size, self.device)
+            batch = pack_batch(
+                plan,
+                self.registry,
+                self.config.block_size,
+                self.device,
+                kv_groups=self.kv_groups,
+            )
             self._check_ids(plan)
             self._apply_lora(plan)
             released = (snapshot.get(seq_id) for seq_id in plan.released)

@@ -89,8 +89,8 @@ class CacheSettings(_Section):
     cpu_cache: bool = Field(
         True,
         description="the CPU pool is a second cache tier: evicted prefix blocks are demoted to it "
-        "and promoted back on a hit (on|off; needs the paged layout, prefix caching and CPU "
-        "blocks, else it stays off)",
+        "and promoted back on a hit (on|off; needs the paged layout, prefix caching, CPU blocks "
+        "and no hybrid KV groups, else it stays off)",
     )
     verify_swaps: bool = Field(
         worker_default("verify_swaps"),
@@ -101,6 +101,13 @@ class CacheSettings(_Section):
         description=f"KV memory layout, one of {', '.join(LAYOUT_NAMES)}: paged blocks, or the "
         "research baselines, contiguous max-length reservations and per-sequence virtual "
         "ranges committed on demand (CPU); prefix caching, swap and n > 1 need 'paged'",
+    )
+    disable_hybrid_kv_cache_manager: bool = Field(
+        worker_default("disable_hybrid_kv_cache_manager"),
+        description="keep every layer's KV blocks for every sequence (vLLM's flag); by default "
+        "a model with sliding-window layers groups its layers by window and each sliding group "
+        "frees the blocks its window has passed (needs kv_layout 'paged'; no CPU cache tier, "
+        "KV index or KV transfers with it)",
     )
     kv_cache_dtype: Literal["auto", "int8", "fp8", "fp8_e4m3"] = Field(
         worker_default("kv_cache_dtype"),

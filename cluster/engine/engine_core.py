@@ -92,7 +92,11 @@ class EngineCore:
         )
         self.block_events = block_events_of(self.block_manager)
         """Seals and evictions for a cluster-wide index (None: the layout seals nothing)."""
-        self.shares_prefixes = self.kv_layout.shares_prefixes and config.cache.enable_prefix_caching
+        self.shares_prefixes = (
+            self.kv_layout.shares_prefixes
+            and config.cache.enable_prefix_caching
+            and not self.model_info.kv_group_windows  # hybrid KV groups: no transfers
+        )
         """Blocks are found by prefix hash: the cluster-wide index and KV transfers apply."""
         if tokenizer is None:
             tokenizer = load_tokenizer(config.model.model)

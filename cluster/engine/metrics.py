@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from block_manager import PressureSnapshot, TierCounters
+from block_manager.hybrid_views import GroupedKV, GroupUsage
 from cluster.engine.outputs import RequestMetrics
 from cluster.engine.speculation import SpeculationCounters
 
@@ -91,6 +92,9 @@ class EngineMetrics:
     """Speculative decoding's drafts and accepted drafts (None: speculative decoding off)."""
     kv_transfer: TransferCounters | None = None
     """KV pulls to and from peer replicas (None: no transfer service attached)."""
+    kv_groups: tuple[GroupUsage, ...] = ()
+    """Hybrid KV groups (`block_manager.hybrid`): each group's used and cached-evictable
+    blocks and the pool's free ones (empty when every layer keeps every block)."""
 
     @property
     def preemptions(self) -> int:
@@ -175,4 +179,7 @@ def collect_metrics(
         adapter_loads_total=adapters.loads,
         adapter_evictions_total=adapters.evictions,
         speculation=scheduler.speculation_counters(),
+        kv_groups=(
+            tuple(block_manager.group_usage()) if isinstance(block_manager, GroupedKV) else ()
+        ),
     )

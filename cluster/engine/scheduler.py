@@ -172,7 +172,7 @@ class Scheduler:
             position = len(branch.token_ids)
             copy = append_slot(seq_id, position)
             if copy is not None:
-                copy_pairs.append((copy.src, copy.dst))
+                copy_pairs.extend(copy.pairs())
             works.append(ScheduledWork(request, branch, position, 1, 1))
             sequences.append(
                 sequence_work(
@@ -247,7 +247,7 @@ class Scheduler:
         for branch in pending:
             copy = append_token(branch.seq_id, branch.token_ids[-1])
             if copy is not None:
-                copy_pairs.append((copy.src, copy.dst))
+                copy_pairs.extend(copy.pairs())
         return True
 
     def _append_pending(self, request: Request, step: SchedulerStep, *, may_preempt: bool) -> bool:
@@ -273,7 +273,7 @@ class Scheduler:
                 raise RuntimeError(f"sequence {branch.seq_id}: more than one token pending")
             copy = self.bm.append_token(branch.seq_id, branch.token_ids[-1])
             if copy is not None:
-                step.plan.copy_pairs.append((copy.src, copy.dst))
+                step.plan.copy_pairs.extend(copy.pairs())
         return True
 
     def _schedule_chunks(

@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from cluster.engine.metrics import EngineMetrics, Histogram
+from cluster.serving.kv_group_metrics import kv_group_families
 from cluster.serving.kv_transfer_metrics import kv_transfer_families
 
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -65,6 +66,7 @@ class EngineMetricsCollector(Collector):
         yield from self._speculation(snapshots)
         yield from self._latency(snapshots)
         yield from kv_transfer_families(snapshots, cumulative_buckets)
+        yield from kv_group_families(snapshots)
 
     def _blocks(self, snapshots: Mapping[str, EngineMetrics]) -> Iterator[Metric]:
         capacity = GaugeMetricFamily(

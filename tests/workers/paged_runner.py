@@ -18,11 +18,18 @@ from workers import SampledToken, SamplingSettings, SequenceWork, StepPlan, Work
 GREEDY = SamplingSettings(temperature=0.0)
 
 
+def kv_groups(group: WorkerGroup) -> int:
+    """The block tables per sequence the group's workers expect (hybrid KV groups send them
+    interleaved, one entry per group per block: `block_manager.hybrid_state`)."""
+    return len(group.model_info.kv_group_windows) or 1
+
+
 def scattered_tables(
-    lengths: list[int], block_size: int, num_blocks: int, seed: int
+    lengths: list[int], block_size: int, num_blocks: int, seed: int, groups: int = 1
 ) -> list[list[int]]:
-    """Disjoint block tables for sequences of `lengths` tokens, ids shuffled over the pool."""
-    needed = [-(-length // block_size) for length in lengths]
+    """Disjoint block tables for sequences of `lengths` tokens, ids shuffled over the pool
+    (`groups` entries per block: every group's table is full)."""
+    needed = [-(-length // block_size) * groups for length in lengths]
     if sum(needed) > num_blocks:
         raise ValueError(f"{sum(needed)} blocks needed, the pool has {num_blocks}")
     ids = list(range(num_blocks))
@@ -70,7 +77,7 @@ def greedy_generate(
     slots = list(lora_slots) if lora_slots is not None else [-1] * len(prompts)
     block_size = group.config.block_size
     lengths = [len(p) + new_tokens for p in prompts]
-    tables = scattered_tables(lengths, block_size, group.num_device_blocks, seed)
+    tables = scattered_tables(lengths, block_size, group.num_device_blocks, seed, kv_groups(group))
     seq_ids = [first_seq_id + i for i in range(len(prompts))]
     tokens: list[list[int]] = [[] for _ in prompts]
     rows: dict[int, list[torch.Tensor]] = {seq_id: [] for seq_id in seq_ids}
@@ -181,7 +188,11 @@ def teacher_forced(
     steps = len(forced[0])
     slots = lora_slots or [-1] * len(prompts)
     tables = scattered_tables(
-        [len(p) + steps for p in prompts], group.config.block_size, group.num_device_blocks, 3
+        [len(p) + steps for p in prompts],
+        group.config.block_size,
+        group.num_device_blocks,
+        3,
+        kv_groups(group),
     )
     ids = list(range(len(prompts)))
     rows: dict[int, list[torch.Tensor]] = {i: [] for i in ids}
