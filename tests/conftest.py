@@ -22,7 +22,10 @@ fails the run rather than letting it flake).
 The in-process Ray cluster (`ray_cluster`) is one per session: started by the first test that
 needs it, kept until the session ends. Tests marked `own_ray` start a Ray cluster of their own
 (a `ray.cluster_utils.Cluster`, a `pagedserve serve` process): they are ordered before every
-other test, so they run before the shared cluster starts.
+other test, so they run before the shared cluster starts. The tests of the session's one
+two-replica Serve app (`two_replica_app`, tests/serving/two_replicas.py) are ordered after
+every other test, so no other test runs while a second application is deployed (gRPC without
+`application` metadata reaches the only app); those marked `kills_a_replica` come last.
 
 Hypothesis runs its default budget (`tests/hypothesis_profiles.py`; `--hypothesis-profile=
 thorough` for a longer search).
@@ -47,6 +50,8 @@ RAY_GROUP = "ray"
 PLAIN_RAY_GROUP = "plain_ray"
 SMOLLM2_GROUP = "smollm2"
 OWN_RAY_MARK = "own_ray"
+TWO_REPLICA_FIXTURE = "two_replica_app"
+KILLS_A_REPLICA_MARK = "kills_a_replica"
 
 
 def _cuda_available() -> bool:
@@ -79,7 +84,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif item.get_closest_marker("smollm2") is not None:
             item.add_marker(pytest.mark.xdist_group(SMOLLM2_GROUP))
     # stable: within each part the collection order holds (a module's tests stay together)
-    items.sort(key=lambda item: item.get_closest_marker(OWN_RAY_MARK) is None)
+    items.sort(key=_run_order)
     if config.getoption("fast"):
         slow = [item for item in items if {"ray", "smollm2"} & set(item.keywords)]
         config.hook.pytest_deselected(items=slow)
@@ -90,6 +95,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _run_order(item: pytest.Item) -> tuple[bool, bool, bool]:
+    """`own_ray` tests first; the tests of the session's two-replica Serve app last, those that
+    kill one of its replicas after the others (each waits for the replacement)."""
+    two_replicas = TWO_REPLICA_FIXTURE in getattr(item, "fixturenames", ())
+    kills = item.get_closest_marker(KILLS_A_REPLICA_MARK) is not None
+    return item.get_closest_marker(OWN_RAY_MARK) is None, two_replicas, kills
 
 
 @pytest.hookimpl(trylast=True)

@@ -11,6 +11,7 @@ speculation and with async scheduling.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 from typing import Any
 
@@ -28,6 +29,7 @@ from tests.engine.test_speculative_decoding import REPEATING
 from tests.engine.tiny_engine import (
     GREEDY,
     PROMPTS,
+    MemoizedOracle,
     assert_all_free,
     hf_greedy_tokens,
     tiny_config,
@@ -87,6 +89,13 @@ def hf_model(tiny_hf: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
+def oracle(hf_model: Any) -> MemoizedOracle:
+    """`hf_greedy` on the tiny model, each (prompt, params, banned ids) answered once for all
+    the regimes."""
+    return MemoizedOracle(functools.partial(hf_greedy, hf_model))
+
+
+@pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir: pathlib.Path) -> Any:
     return transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
 
@@ -121,7 +130,7 @@ def contains(tokens: list[int], word: list[int]) -> bool:
 @pytest.mark.parametrize("regime", sorted(REGIMES))
 def test_bad_words_and_allowed_ids_equal_hf_under_every_regime(
     tiny_model_dir: pathlib.Path,
-    hf_model: Any,
+    oracle: MemoizedOracle,
     tokenizer: Any,
     plain_outputs: list[RequestOutput],
     regime: str,
@@ -144,7 +153,7 @@ def test_bad_words_and_allowed_ids_equal_hf_under_every_regime(
         banned = bad_ids if params.bad_words else []
         for output in outputs:
             tokens = output.outputs[0].token_ids
-            assert tokens == hf_greedy(hf_model, output.prompt_token_ids, params, banned), (
+            assert tokens == oracle(output.prompt_token_ids, params, banned), (
                 name,
                 output.prompt,
             )

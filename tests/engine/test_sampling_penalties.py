@@ -10,6 +10,7 @@ speculation and with async scheduling: every path that changes which tokens a ra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 from typing import Any
 
@@ -31,6 +32,7 @@ from tests.engine.tiny_engine import (
     GREEDY,
     PREEMPTING,
     PROMPTS,
+    MemoizedOracle,
     assert_all_free,
     hf_greedy_tokens,
     tiny_config,
@@ -101,6 +103,12 @@ def hf_model(tiny_hf: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
+def oracle(hf_model: Any) -> MemoizedOracle:
+    """`hf_greedy` on the tiny model, each (prompt, params) answered once for all the regimes."""
+    return MemoizedOracle(functools.partial(hf_greedy, hf_model))
+
+
+@pytest.fixture(scope="module")
 def plain_outputs(tiny_model_dir: pathlib.Path) -> list[RequestOutput]:
     with LLM(config=tiny_config(tiny_model_dir)) as llm:
         return llm.generate(PROMPTS + REPEATING, GREEDY)
@@ -110,7 +118,7 @@ def plain_outputs(tiny_model_dir: pathlib.Path) -> list[RequestOutput]:
 @pytest.mark.parametrize("regime", sorted(REGIMES))
 def test_penalized_greedy_equals_hf_under_every_regime(
     tiny_model_dir: pathlib.Path,
-    hf_model: Any,
+    oracle: MemoizedOracle,
     plain_outputs: list[RequestOutput],
     regime: str,
     kind: str,
@@ -120,7 +128,7 @@ def test_penalized_greedy_equals_hf_under_every_regime(
     with LLM(config=tiny_config(tiny_model_dir, **REGIMES[regime])) as llm:
         outputs = llm.generate(prompts, params)
         for output in outputs:
-            expected = hf_greedy(hf_model, output.prompt_token_ids, params)
+            expected = oracle(output.prompt_token_ids, params)
             assert output.outputs[0].token_ids == expected, output.prompt
         metrics = llm.metrics()
         if regime == "recompute":

@@ -4,7 +4,7 @@ HF's greedy tokens as the oracle."""
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -81,3 +81,19 @@ def hf_greedy_tokens(
             logits_processor=LogitsProcessorList(processors),
         )
     return out[0, ids.shape[1] :].tolist()
+
+
+class MemoizedOracle:
+    """An oracle that answers each question once: the regime tests ask HF the same question
+    (a prompt and its sampling parameters) under every engine regime, and HF's answer depends on
+    neither the regime nor what was asked before. Questions are keyed by their `repr`."""
+
+    def __init__(self, answer: Callable[..., Any]) -> None:
+        self._answer = answer
+        self._answers: dict[str, Any] = {}
+
+    def __call__(self, *question: Any) -> Any:
+        key = repr(question)
+        if key not in self._answers:
+            self._answers[key] = self._answer(*question)
+        return self._answers[key]

@@ -1,5 +1,6 @@
 """A real local Ray cluster running the Serve app with the tiny model, shared by the serving tests,
-and an independent oracle: HF transformers with the same weights, decoding greedily."""
+the session's one two-replica app beside it (`tests/serving/two_replicas.py`), and an
+independent oracle: HF transformers with the same weights, decoding greedily."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import transformers
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.ports import free_port
+from tests.serving import two_replicas
+from tests.serving.two_replicas import TwoReplicaApp
 
 API_KEYS = {"key-alice": "alice", "key-alice-2": "alice", "key-bob": "bob"}
 MODEL = "tiny"
@@ -143,6 +146,38 @@ class GreedyOracle:
 def oracle(tiny_model_dir: pathlib.Path, tiny_hf: transformers.PreTrainedModel) -> GreedyOracle:
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     return GreedyOracle(tiny_hf, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def serving_adapters(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: pathlib.Path
+) -> dict[str, pathlib.Path]:
+    """PEFT adapters of the tiny model (`tests/serving/lora_adapters.py`), built once."""
+    from tests.serving.lora_adapters import build_serving_adapters
+
+    return build_serving_adapters(tmp_path_factory.mktemp("serving_adapters"), tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def _two_replica_app_deployed(
+    served: Served, tiny_model_dir: pathlib.Path, serving_adapters: dict[str, pathlib.Path]
+) -> Iterator[TwoReplicaApp]:
+    from ray import serve
+
+    args = two_replicas.app_args(
+        MODEL, engine_section(tiny_model_dir), API_KEYS, serving_adapters["a"]
+    )
+    run_two_engine_app(two_replicas.APP, two_replicas.ROUTE, args)
+    yield TwoReplicaApp(served.http_base + two_replicas.ROUTE, serving_adapters)
+    serve.delete(two_replicas.APP)
+
+
+@pytest.fixture
+def two_replica_app(_two_replica_app_deployed: TwoReplicaApp) -> TwoReplicaApp:
+    """The session's two-replica application (`tests/serving/two_replicas.py`), whole again:
+    two engine replicas running and indexed by the KV directory."""
+    two_replicas.wait_until_whole()
+    return _two_replica_app_deployed
 
 
 def run_two_engine_app(name: str, route_prefix: str, args: dict[str, Any]) -> Any:

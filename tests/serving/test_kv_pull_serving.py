@@ -1,4 +1,5 @@
-"""Peer pull between two engine replicas of a real Serve application (tiny Llama, float32): a
+"""Peer pull between the two engine replicas of the session's two-replica Serve application
+(tests/serving/two_replicas.py; tiny Llama, float32, pulls without the cost model): a
 prefix computed on one replica is pulled by the other through the directory and the Ray
 transport, with the oracle's greedy tokens; a dead holder fails no request."""
 
@@ -6,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import pathlib
 import random
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,24 +19,13 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenization import RenderedPrompt
 from cluster.kv_transfer.hint import KVSourceHint
-from tests.serving.conftest import MODEL, GreedyOracle, Served, engine_section, run_two_engine_app
+from tests.serving import two_replicas
+from tests.serving.conftest import GreedyOracle
+from tests.serving.two_replicas import TwoReplicaApp
 
-APP = "kvpull"
+APP = two_replicas.APP
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PREFIX_TOKENS = 40  # 10 blocks of 4
-
-
-@pytest.fixture(scope="module")
-def pull_app(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[Any]:
-    from ray import serve
-
-    args = {
-        "served_model_name": MODEL,
-        "engine": engine_section(tiny_model_dir),
-        "kv_transfer": {"use_cost_model": False, "timeout_s": 5.0},
-    }
-    yield run_two_engine_app(APP, "/kvpull", args)
-    serve.delete(APP)
 
 
 def _engine() -> Any:
@@ -66,7 +54,7 @@ async def _generate(request: GenerateRequest, **kwargs: Any) -> tuple[str, Reque
 def _replicas() -> list[str]:
     import ray
 
-    directory = _directory()
+    directory = two_replicas.directory()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         replicas = list(ray.get(directory.report.remote()).stats.entries_by_replica)
@@ -76,30 +64,21 @@ def _replicas() -> list[str]:
     raise AssertionError("both replicas never reached the directory")
 
 
-def _directory() -> Any:
-    import ray
-
-    from cluster.serving.kv_directory import DIRECTORY_NAMESPACE, directory_name
-
-    return ray.get_actor(directory_name(APP), namespace=DIRECTORY_NAMESPACE)
-
-
 async def _wait_held(holder: str, chain: list[bytes]) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        held = await _directory().query.remote(chain)
+        held = await two_replicas.directory().query.remote(chain)
         if holder in held and held[holder].blocks == len(chain):
             return
         await asyncio.sleep(0.1)
     raise AssertionError("the directory never heard of the holder's blocks")
 
 
+@pytest.mark.kills_a_replica
 def test_a_peer_pulls_the_prefix_and_a_dead_holder_fails_nothing(
-    pull_app: Any, oracle: GreedyOracle
+    two_replica_app: TwoReplicaApp, oracle: GreedyOracle
 ) -> None:
     import ray
-
-    from cluster.serving.serve_app import DEPLOYMENT_NAME
 
     rng = random.Random(5)
     prefix = [rng.randrange(3, 250) for _ in range(PREFIX_TOKENS)]
@@ -115,9 +94,7 @@ def test_a_peer_pulls_the_prefix_and_a_dead_holder_fails_nothing(
         served, pulled = await _generate(_request(second_ids, keys), target_replica=other)
         assert served == other
         # the holder dies; a request hinted to pull from it is computed, and succeeds
-        replica = ray.get_actor(
-            f"SERVE_REPLICA::{APP}#{DEPLOYMENT_NAME}#{holder}", namespace="serve"
-        )
+        replica = ray.get_actor(two_replicas.replica_actor_name(holder), namespace="serve")
         ray.kill(replica, no_restart=True)
         hint = KVSourceHint(holder, first_request.block_hashes)
         fresh = [rng.randrange(3, 250) for _ in range(PREFIX_TOKENS)]

@@ -22,25 +22,19 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-import torch
-import transformers
-from safetensors.torch import load_file, save_file
 
 from protos import generation_pb2 as pb
 from protos import generation_pb2_grpc as pb_grpc
-from tests.lora.adapters import ALL_PROJECTIONS, build_adapter, copy_adapter
-from tests.serving.conftest import (
-    MODEL,
-    Served,
-    engine_section,
-    quick_stop_options,
-    run_two_engine_app,
-)
+from tests.serving import two_replicas
+from tests.serving.conftest import MODEL, Served, engine_section, quick_stop_options
+from tests.serving.two_replicas import TwoReplicaApp
 
 APP = "lora"
 ROUTE = "/lora"
 USER = {"Authorization": "Bearer lora-user"}
 ADMIN = {"Authorization": "Bearer lora-admin"}
+ROUTED_USER = {"Authorization": "Bearer key-alice"}
+"""A key of the two-replica app (`tests/serving/conftest.py`'s API_KEYS)."""
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun."
 BLOCK_SIZE = 4
 
@@ -77,39 +71,9 @@ class LoRAApp:
         return [card["id"] for card in response.json()["data"]]
 
 
-def _narrow_q(directory: pathlib.Path) -> None:
-    weights = directory / "adapter_model.safetensors"
-    tensors = load_file(str(weights))
-    name = sorted(n for n in tensors if "q_proj.lora_A" in n)[0]
-    tensors[name] = tensors[name][:, :64].contiguous()
-    save_file(tensors, str(weights))
-
-
-@pytest.fixture(scope="module")
-def adapters(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: pathlib.Path
-) -> dict[str, pathlib.Path]:
-    """`a` and `b` (rank 8, all projections, other seeds), `a_copy` (a's files elsewhere),
-    `rank32` (over the app's max_lora_rank 16), `malformed` (a config that is not JSON) and
-    `wrong_shape` (a's q_proj lora_A cut to 64 input features)."""
-    root = tmp_path_factory.mktemp("serving_adapters")
-    paths: dict[str, pathlib.Path] = {}
-    torch.set_num_threads(1)
-    for name, rank, seed in (("a", 8, 1), ("b", 8, 2), ("rank32", 32, 3)):
-        base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-        build_adapter(base, root / name, rank=rank, targets=ALL_PROJECTIONS, seed=seed)
-        paths[name] = root / name
-    paths["a_copy"] = copy_adapter(paths["a"], root / "a_copy")
-    paths["malformed"] = copy_adapter(paths["a"], root / "malformed")
-    (paths["malformed"] / "adapter_config.json").write_text("{not json")
-    paths["wrong_shape"] = copy_adapter(paths["a"], root / "wrong_shape")
-    _narrow_q(paths["wrong_shape"])
-    return paths
-
-
 @pytest.fixture(scope="module")
 def lora_app(
-    served: Served, tiny_model_dir: pathlib.Path, adapters: dict[str, pathlib.Path]
+    served: Served, tiny_model_dir: pathlib.Path, serving_adapters: dict[str, pathlib.Path]
 ) -> Iterator[LoRAApp]:
     from ray import serve
 
@@ -121,7 +85,7 @@ def lora_app(
         "served_model_name": MODEL,
         "engine": engine,
         "api_keys": {"lora-user": "alice", "lora-admin": {"tenant": "ops", "admin": True}},
-        "lora_modules": {"a": str(adapters["a"])},
+        "lora_modules": {"a": str(serving_adapters["a"])},
         "allow_runtime_lora_updating": True,
     }
     app = bind_app(
@@ -130,23 +94,8 @@ def lora_app(
         ingress_options=quick_stop_options(),
     )
     serve.run(app, name=APP, route_prefix=ROUTE)
-    yield LoRAApp(served.http_base + ROUTE, served.grpc_target, adapters)
+    yield LoRAApp(served.http_base + ROUTE, served.grpc_target, serving_adapters)
     serve.delete(APP)
-
-
-@pytest.fixture(scope="module")
-def routed_lora_base(
-    served: Served, tiny_model_dir: pathlib.Path, adapters: dict[str, pathlib.Path]
-) -> Iterator[str]:
-    """The same adapter on two engine replicas behind the prefix-aware router."""
-    from ray import serve
-
-    engine = engine_section(tiny_model_dir)
-    engine["lora"] = {"max_lora_rank": 16}
-    args = {"served_model_name": MODEL, "engine": engine, "lora_modules": {"a": str(adapters["a"])}}
-    run_two_engine_app("lora-routed", "/lora-routed", args)
-    yield served.http_base + "/lora-routed"
-    serve.delete("lora-routed")
 
 
 def cached(response: httpx.Response) -> int:
@@ -364,33 +313,39 @@ def test_a_replacement_replica_serves_the_adapters_loaded_at_run_time(lora_app: 
         pytest.fail("no replacement replica served the runtime-loaded adapter in 120 s")
 
 
-def directory_entries(app: str) -> dict[str, int]:
-    """Block hashes the application's KV directory indexes per engine replica (all tiers)."""
+def directory_entries() -> dict[str, int]:
+    """Block hashes the two-replica app's KV directory indexes per engine replica (all tiers)."""
     import ray
 
-    from cluster.serving.kv_directory import DIRECTORY_NAMESPACE, directory_name
-
-    directory = ray.get_actor(directory_name(app), namespace=DIRECTORY_NAMESPACE)
-    stats = ray.get(directory.report.remote()).stats
+    stats = ray.get(two_replicas.directory().report.remote()).stats
     return {replica: sum(tiers.values()) for replica, tiers in stats.entries_by_replica.items()}
 
 
-def wait_for_entries(app: str, replica: str, at_least: int, timeout_s: float = 20.0) -> None:
+def wait_for_entries(replica: str, at_least: int, timeout_s: float = 20.0) -> None:
     """Until the directory indexes `at_least` blocks of `replica` (its block events arrived)."""
     deadline = time.monotonic() + timeout_s
-    while directory_entries(app).get(replica, 0) < at_least and time.monotonic() < deadline:
+    while directory_entries().get(replica, 0) < at_least and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
-def test_adapter_requests_go_to_the_replica_holding_their_prefix(routed_lora_base: str) -> None:
+def test_adapter_requests_go_to_the_replica_holding_their_prefix(
+    two_replica_app: TwoReplicaApp,
+) -> None:
+    """The same adapter on the two engine replicas of the session's two-replica app, behind the
+    prefix-aware router (which already indexes blocks of other tests: counted from here)."""
     tail = "the quick brown fox jumps over the lazy dog again and again"
     prompts = [f"{first} story: {tail}" for first in ("Alpine", "Coastal")]
     served_by: dict[str, set[str]] = {prompt: set() for prompt in prompts}
-    indexed: dict[str, int] = {}  # replica -> prompt blocks it computed (the chains differ)
+    indexed = directory_entries()  # replica -> blocks indexed, with this test's prompt blocks
     for round_ in range(3):
         for prompt in prompts:
             body = {"model": "a", "prompt": prompt, "max_tokens": 2, "temperature": 0}
-            response = httpx.post(f"{routed_lora_base}/v1/completions", json=body, timeout=60)
+            response = httpx.post(
+                f"{two_replica_app.base}/v1/completions",
+                json=body,
+                headers=ROUTED_USER,
+                timeout=60,
+            )
             replica = response.headers["x-pagedserve-replica"]
             served_by[prompt].add(replica)
             usage = response.json()["usage"]
@@ -399,5 +354,5 @@ def test_adapter_requests_go_to_the_replica_holding_their_prefix(routed_lora_bas
             assert usage["prompt_tokens_details"]["cached_tokens"] == expected, (round_, usage)
             if round_ == 0:
                 indexed[replica] = indexed.get(replica, 0) + full_blocks // BLOCK_SIZE
-            wait_for_entries("lora-routed", replica, indexed.get(replica, 0))
+            wait_for_entries(replica, indexed.get(replica, 0))
     assert all(len(replicas) == 1 for replicas in served_by.values()), served_by

@@ -1,41 +1,31 @@
 """An engine replica killed mid-load: a fault ends every affected request with an error the
-client can read, and the rest keep going. On a real local Ray cluster, two engine replicas
-behind the ingress: the replica serving a stream is killed while the stream is open; the stream
-ends with an error event in OpenAI's shape, a non-stream call on the same replica gets a JSON
-503, and new requests are served by the other replica at once."""
+client can read, and the rest keep going. On a real local Ray cluster, the two engine replicas
+of the session's two-replica application (tests/serving/two_replicas.py): the replica serving a
+stream is killed while the stream is open; the stream ends with an error event in OpenAI's
+shape, a non-stream call on the same replica gets a JSON 503, and new requests are served by
+the other replica at once."""
 
 from __future__ import annotations
 
 import json
-import pathlib
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.serving.conftest import MODEL, Served, engine_section, run_two_engine_app
+from tests.serving.conftest import MODEL
+from tests.serving.two_replicas import TwoReplicaApp, replica_actor_name
 
-APP = "killed"
-ROUTE = "/killed"
-
-
-@pytest.fixture(scope="module")
-def killed_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
-    from ray import serve
-
-    args = {"served_model_name": MODEL, "engine": engine_section(tiny_model_dir)}
-    run_two_engine_app(APP, ROUTE, args)
-    yield served.http_base + ROUTE
-    serve.delete(APP)
+ALICE = {"Authorization": "Bearer key-alice"}
 
 
-def replica_actor_name(replica_id: str) -> str:
-    from cluster.serving.serve_app import DEPLOYMENT_NAME
-
-    return f"SERVE_REPLICA::{APP}#{DEPLOYMENT_NAME}#{replica_id}"
+@pytest.fixture
+def killed_base(two_replica_app: TwoReplicaApp) -> str:
+    """The session's two-replica application: Serve replaces the killed replica, and the next
+    test asking for the application waits for that (`two_replicas.wait_until_whole`)."""
+    return two_replica_app.base
 
 
 def kill_replica(replica_id: str) -> None:
@@ -70,11 +60,12 @@ def completion(prompt: str, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": prompt, "temperature": 0, "ignore_eos": True, **extra}
 
 
+@pytest.mark.kills_a_replica
 def test_a_killed_replica_ends_its_requests_with_readable_errors(killed_base: str) -> None:
     url = f"{killed_base}/v1/completions"
     body = completion("Tell me a long story", max_tokens=400, stream=True)
     events: list[str] = []
-    with httpx.stream("POST", url, json=body, timeout=60) as response:
+    with httpx.stream("POST", url, json=body, headers=ALICE, timeout=60) as response:
         assert response.status_code == 200
         victim = response.headers["x-pagedserve-replica"]
         lines = response.iter_lines()
@@ -87,7 +78,10 @@ def test_a_killed_replica_ends_its_requests_with_readable_errors(killed_base: st
 
         def unary() -> None:
             outcome["response"] = httpx.post(
-                url, json=completion("Tell me a long story", max_tokens=300), timeout=60
+                url,
+                json=completion("Tell me a long story", max_tokens=300),
+                headers=ALICE,
+                timeout=60,
             )
 
         caller = threading.Thread(target=unary)
@@ -106,7 +100,7 @@ def test_a_killed_replica_ends_its_requests_with_readable_errors(killed_base: st
         assert unary_response.json()["error"]["type"] == "server_error"
     # The other replica takes new requests with no gap.
     started = time.monotonic()
-    after = httpx.post(url, json=completion("Hello", max_tokens=4), timeout=60)
+    after = httpx.post(url, json=completion("Hello", max_tokens=4), headers=ALICE, timeout=60)
     assert after.status_code == 200, after.text
     assert after.headers["x-pagedserve-replica"] != victim
     assert time.monotonic() - started < 10

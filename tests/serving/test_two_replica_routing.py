@@ -9,15 +9,14 @@ ingress (with API keys) calls two replicas of the Serve deployment behind `Prefi
   that computed it, that replica's engine reports the prefix as cached (`num_cached_tokens`, the
   engine's own count), and the KV directory holds the prefix for it.
 
-One application serves both (deploying two engine replicas is the slow part)."""
+The session's two-replica application serves both (`tests/serving/two_replicas.py`: deploying
+two engine replicas is the slow part)."""
 
 from __future__ import annotations
 
 import asyncio
-import pathlib
 import random
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -26,10 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.http_api import REPLICA_HEADER
-from tests.serving.conftest import API_KEYS, MODEL, Served, engine_section, run_two_engine_app
+from tests.serving import two_replicas
+from tests.serving.conftest import MODEL
 from tests.serving.routed_calls import RoutedClient, RoutedOutput
+from tests.serving.two_replicas import TwoReplicaApp
 
-APP, PREFIX = "routed", "/routed"
+APP = two_replicas.APP
 PREFIX_TOKENS = 24  # 6 blocks of 4
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 ALICE = {"Authorization": "Bearer key-alice"}
@@ -47,20 +48,11 @@ WORDS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ingress_base(served: Served, tiny_model_dir: pathlib.Path) -> Iterator[str]:
-    """The application on the session's Serve instance (the ingress and two engine replicas);
-    its HTTP base URL (handles reach it by name, APP)."""
-    from ray import serve
-
-    args = {
-        "served_model_name": MODEL,
-        "engine": engine_section(tiny_model_dir),
-        "api_keys": API_KEYS,
-    }
-    run_two_engine_app(APP, PREFIX, args)
-    yield served.http_base + PREFIX
-    serve.delete(APP)
+@pytest.fixture
+def ingress_base(two_replica_app: TwoReplicaApp) -> str:
+    """The HTTP base URL of the session's two-replica application (handles reach it by name,
+    APP)."""
+    return two_replica_app.base
 
 
 def complete(base: str, prompt: str, **extra: object) -> httpx.Response:
