@@ -24,6 +24,12 @@ same step in process; the goal is <= 1.15) and ``served_tok_s_over_in_process``,
 ``served_tpot_over_async_engine`` (the processes around it: Ray, Serve, the ingress, HTTP), and
 again as ``front_end_tpot_over_in_process`` (HTTP, SSE and the client, in one process) and
 ``served_tpot_over_front_end`` (what Ray Serve's processes and hops add to those).
+
+``--forward-threads N [M ...]`` runs the whole comparison once per value with the forward pass
+on N torch threads on every side (``--num-threads N``, the engine's ``parallel.num_threads``;
+``auto`` is every core) and one engine replica, reported under ``by_forward_threads``: on 2
+cores ``1 auto`` gives the serving processes a core of their own, then has them contend with
+the forward pass for both. Each comparison reports the load average around its sides.
 """
 
 from __future__ import annotations

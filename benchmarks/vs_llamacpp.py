@@ -22,6 +22,14 @@ ratios (None when a side did not run), and ``burst_failed`` each side's refused 
 requests. When llama-server is
 neither found nor buildable the run says why on stderr and reports ``skipped``.
 
+Per workload and side it also reports the steps the server ran and the tokens it generated
+meanwhile (its Prometheus counters: ``pagedserve_steps`` / ``llamacpp:n_decode_total``), and under
+``weights`` the tokens per step and, for llama-server, the file's weight bytes per step and per
+decoded token against ``memory_read_gbs``, this machine's read bandwidth measured at the start
+(``benchmarks.weight_traffic``; ours is reported in process by ``benchmarks.vs_openvino``), with
+the load average around each side. ``--model PATH`` runs both on another GGUF file, e.g. the
+benchmark model of ``benchmarks.make_bench_model``.
+
 Load generation and statistics are ``benchmarks.serving``'s. ``--quick`` is a smaller load.
 ``--llama-args`` and ``--serve-args`` change either side's flags (for instance llama-server's
 ``--spec-type ngram-simple``, or our ``--speculative-config none``).

@@ -16,6 +16,12 @@ whole batch. It prints output tok/s per side, ``ours_over_openvino`` and the fra
 whose greedy tokens agree exactly, with the mean number of leading tokens the two sides share
 (the two compute in different precisions, so near ties may differ). A missing OpenVINO venv
 makes that side ``skipped`` with the reason.
+
+``--model PATH`` runs both sides on another GGUF file (its own tokenizer and chat template), e.g.
+the benchmark model of ``benchmarks.make_bench_model``. Ours also reports under ``weights`` the
+steps' weight bytes (from the forms its layers hold at the run's mean rows per step), the tokens
+per step, bytes per decoded token and the weight stream sustained against ``memory_read_gbs``
+(`benchmarks.weight_traffic`), with the load average around each side.
 """
 
 from __future__ import annotations
