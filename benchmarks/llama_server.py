@@ -38,16 +38,35 @@ def cache_dir() -> Path:
     return Path(base) / "pagedserve" / "llama.cpp"
 
 
+def _executable(candidate: str | Path | None) -> Path | None:
+    if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+        return Path(candidate)
+    return None
+
+
 def find_llama_server(explicit: str | None = None) -> Path | None:
     """An existing executable `llama-server`, or None (an explicit path must exist)."""
     if explicit:
-        path = Path(explicit).expanduser()
-        return path if path.is_file() and os.access(path, os.X_OK) else None
+        return _executable(Path(explicit).expanduser())
     candidates = [os.environ.get(ENV_VAR), str(cache_dir() / "bin" / "llama-server")]
     candidates.append(shutil.which("llama-server"))
     for candidate in candidates:
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return Path(candidate)
+        if (found := _executable(candidate)) is not None:
+            return found
+    return None
+
+
+def find_llama_tool(name: str, explicit: str | None, env_var: str) -> Path | None:
+    """Another llama.cpp binary (`llama-quantize`, `llama-batched-bench`): `explicit`, else
+    `$env_var`, else beside the `llama-server` that `find_llama_server` finds, else on PATH."""
+    if explicit:
+        return _executable(Path(explicit).expanduser())
+    server = find_llama_server()
+    candidates = [os.environ.get(env_var), server.parent / name if server else None]
+    candidates.append(shutil.which(name))
+    for candidate in candidates:
+        if (found := _executable(candidate)) is not None:
+            return found
     return None
 
 

@@ -24,6 +24,12 @@ same step in process; the goal is <= 1.15) and ``served_tok_s_over_in_process``,
 ``served_tpot_over_async_engine`` (the processes around it: Ray, Serve, the ingress, HTTP), and
 again as ``front_end_tpot_over_in_process`` (HTTP, SSE and the client, in one process) and
 ``served_tpot_over_front_end`` (what Ray Serve's processes and hops add to those).
+
+``--forward-threads N [M ...]`` runs the whole comparison once per value with the forward pass
+on N torch threads on every side (``--num-threads N``, the engine's ``parallel.num_threads``;
+``auto`` is every core) and one engine replica, reported under ``by_forward_threads``: on 2
+cores ``1 auto`` gives the serving processes a core of their own, then has them contend with
+the forward pass for both. Each comparison reports the load average around its sides.
 """
 
 from __future__ import annotations
@@ -194,22 +200,70 @@ def run_http_burst(
 
 
 def run_front_end(
-    prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
+    prompts: list[list[int]], max_tokens: int, serve_args: list[str], ready_s: float
 ) -> dict[str, Any]:
     """The burst through the ingress's HTTP routes over the engine in one process, no Ray."""
     port = free_port()
     command = [sys.executable, "-m", "benchmarks.front_end_server", "--port", str(port)]
-    command += ["--serve-args", *args.serve_args]
-    return run_http_burst(command, port, prompts, max_tokens, args.ready_timeout)
+    command += ["--serve-args", *serve_args]
+    return run_http_burst(command, port, prompts, max_tokens, ready_s)
 
 
 def run_served(
-    prompts: list[list[int]], max_tokens: int, args: argparse.Namespace
+    prompts: list[list[int]], max_tokens: int, serve_args: list[str], ready_s: float
 ) -> dict[str, Any]:
     """The burst through `pagedserve serve` as shipped."""
     port = free_port()
-    command = serve_command(port, args.serve_args)
-    return run_http_burst(command, port, prompts, max_tokens, args.ready_timeout)
+    command = serve_command(port, serve_args)
+    return run_http_burst(command, port, prompts, max_tokens, ready_s)
+
+
+def with_forward_threads(serve_args: list[str], threads: str | None) -> list[str]:
+    """`serve_args` with the engine's CPU threads (`parallel.num_threads`, the `--num-threads`
+    flag) set to `threads` on every side, and one engine replica (with fewer threads than
+    cores `pagedserve serve` would let the autoscaler start a second engine on the cores left
+    to the serving processes); None leaves the config's."""
+    if threads is None:
+        return serve_args
+    return [*serve_args, "--num-threads", threads, "--replicas", "1"]
+
+
+def compare_sides(
+    serve_args: list[str], chats: list[list[dict[str, str]]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Every side on the same burst with the engine settings of `serve_args`, and the ratios."""
+    app = served_app_args(serve_args)
+    config = app.engine_config()
+    prompts = render_chats(config, chats)
+    in_process = async_engine = front_end = served = NOT_RUN
+    load = {"start": os.getloadavg()}
+    if not args.served_only:
+        in_process = run_in_process(config, prompts, args.max_tokens)
+        async_engine = run_async_engine(config, prompts, args.max_tokens, app)
+        load["after_in_process"] = os.getloadavg()
+    if not (args.served_only or args.in_process_only):
+        front_end = run_front_end(prompts, args.max_tokens, serve_args, args.ready_timeout)
+    if not args.in_process_only:
+        served = run_served(prompts, args.max_tokens, serve_args, args.ready_timeout)
+        load["after_served"] = os.getloadavg()
+    resolved = config.resolved()
+    return {
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "max_num_seqs": resolved.scheduler.max_num_seqs,
+        "forward_threads": resolved.parallel.num_threads,
+        "load_average": load,
+        "in_process": in_process,
+        "async_engine": async_engine,
+        "front_end": front_end,
+        "served": served,
+        "served_tpot_over_in_process": side_ratio(served, in_process, "tpot_p50_ms"),
+        "served_tok_s_over_in_process": side_ratio(served, in_process, "output_tok_s"),
+        "async_engine_tpot_over_in_process": side_ratio(async_engine, in_process, "tpot_p50_ms"),
+        "served_tpot_over_async_engine": side_ratio(served, async_engine, "tpot_p50_ms"),
+        "front_end_tpot_over_in_process": side_ratio(front_end, in_process, "tpot_p50_ms"),
+        "served_tpot_over_front_end": side_ratio(served, front_end, "tpot_p50_ms"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,34 +288,25 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="`serve` flags for every side (last)",
     )
+    parser.add_argument(
+        "--forward-threads",
+        nargs="+",
+        metavar="N",
+        help="run the whole comparison once per value with the engine's forward pass on N "
+        "threads on every side (`--num-threads N`; 'auto' = every core); e.g. `1 auto` on 2 "
+        "cores: the serving processes with a core of their own, then contending for both",
+    )
     args = parser.parse_args(argv)
-    app = served_app_args(args.serve_args)
-    config = app.engine_config()
     chats = chat_prompts(args.requests, args.seed)
-    prompts = render_chats(config, chats)
-    in_process = async_engine = front_end = served = NOT_RUN
-    if not args.served_only:
-        in_process = run_in_process(config, prompts, args.max_tokens)
-        async_engine = run_async_engine(config, prompts, args.max_tokens, app)
-    if not (args.served_only or args.in_process_only):
-        front_end = run_front_end(prompts, args.max_tokens, args)
-    if not args.in_process_only:
-        served = run_served(prompts, args.max_tokens, args)
-    out = {
-        "requests": args.requests,
-        "max_tokens": args.max_tokens,
-        "max_num_seqs": config.resolved().scheduler.max_num_seqs,
-        "in_process": in_process,
-        "async_engine": async_engine,
-        "front_end": front_end,
-        "served": served,
-        "served_tpot_over_in_process": side_ratio(served, in_process, "tpot_p50_ms"),
-        "served_tok_s_over_in_process": side_ratio(served, in_process, "output_tok_s"),
-        "async_engine_tpot_over_in_process": side_ratio(async_engine, in_process, "tpot_p50_ms"),
-        "served_tpot_over_async_engine": side_ratio(served, async_engine, "tpot_p50_ms"),
-        "front_end_tpot_over_in_process": side_ratio(front_end, in_process, "tpot_p50_ms"),
-        "served_tpot_over_front_end": side_ratio(served, front_end, "tpot_p50_ms"),
-    }
+    if not args.forward_threads:
+        out = compare_sides(args.serve_args, chats, args)
+    else:
+        out = {
+            "by_forward_threads": {
+                threads: compare_sides(with_forward_threads(args.serve_args, threads), chats, args)
+                for threads in args.forward_threads
+            }
+        }
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 

@@ -22,6 +22,14 @@ ratios (None when a side did not run), and ``burst_failed`` each side's refused 
 requests. When llama-server is
 neither found nor buildable the run says why on stderr and reports ``skipped``.
 
+Per workload and side it also reports the steps the server ran and the tokens it generated
+meanwhile (its Prometheus counters: ``pagedserve_steps`` / ``llamacpp:n_decode_total``), and under
+``weights`` the tokens per step and, for llama-server, the file's weight bytes per step and per
+decoded token against ``memory_read_gbs``, this machine's read bandwidth measured at the start
+(``benchmarks.weight_traffic``; ours is reported in process by ``benchmarks.vs_openvino``), with
+the load average around each side. ``--model PATH`` runs both on another GGUF file, e.g. the
+benchmark model of ``benchmarks.make_bench_model``.
+
 Load generation and statistics are ``benchmarks.serving``'s. ``--quick`` is a smaller load.
 ``--llama-args`` and ``--serve-args`` change either side's flags (for instance llama-server's
 ``--spec-type ngram-simple``, or our ``--speculative-config none``).
@@ -42,7 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import llama_server
+import httpx
+
+from benchmarks import llama_server, weight_traffic
 from benchmarks.chat_corpus import chat_prompts
 from benchmarks.load import Job, Result, run_workload
 from benchmarks.ports import free_port
@@ -131,6 +141,44 @@ def drive(url: str, workload: Workload, args: argparse.Namespace, label: str) ->
     return report(results, elapsed, args.ttft_slo, args.tpot_slo)
 
 
+STEP_COUNTERS = {
+    "llama": ("llamacpp:n_decode_total", "llamacpp:tokens_predicted_total"),
+    "ours": ("pagedserve_steps", "pagedserve_generated_tokens"),
+}
+"""Per side, the Prometheus counters of steps (llama.cpp: `llama_decode` calls) and of
+generated tokens, read from `/metrics` around each workload."""
+
+
+def step_counters(url: str, side: str) -> tuple[float, float] | None:
+    """(steps, generated tokens) so far on the server at `url`, or None where `/metrics` does not
+    answer."""
+    try:
+        response = httpx.get(f"{url}/metrics", timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    steps, tokens = STEP_COUNTERS[side]
+    text = response.text
+    return (
+        weight_traffic.prometheus_counter(text, steps),
+        weight_traffic.prometheus_counter(text, tokens),
+    )
+
+
+def drive_counted(
+    url: str, workload: Workload, args: argparse.Namespace, label: str, side: str
+) -> dict[str, Any]:
+    """`drive`, plus the steps the server ran and the tokens it generated meanwhile."""
+    before = step_counters(url, side)
+    out = drive(url, workload, args, label)
+    after = step_counters(url, side)
+    if before is not None and after is not None and "error" not in out:
+        out["steps"] = int(after[0] - before[0])
+        out["generated_tokens"] = int(after[1] - before[1])
+    return out
+
+
 def run_llama(model: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
     binary = llama_server.find_llama_server(args.llama_server)
     if binary is None and args.llama_server:
@@ -143,12 +191,13 @@ def run_llama(model: Path, args: argparse.Namespace, log: Path) -> dict[str, Any
         return {"skipped": "llama-server not found and --no-build given"}
     port = free_port()
     command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    command += ["-a", MODEL_NAME, *args.llama_args.split()]
+    command += ["-a", MODEL_NAME, "--metrics", *args.llama_args.split()]
     url = f"http://127.0.0.1:{port}"
     out: dict[str, Any] = {"command": " ".join(command)}
     with llama_server.server_process(command, f"{url}/health", log, args.ready_timeout):
         for workload in workloads(args):
-            out[workload.name] = drive(url, workload, args, f"llama.cpp {workload.name}")
+            label = f"llama.cpp {workload.name}"
+            out[workload.name] = drive_counted(url, workload, args, label, "llama")
     return out
 
 
@@ -167,8 +216,25 @@ def run_ours(model: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]
     out: dict[str, Any] = {"command": " ".join(command)}
     with llama_server.server_process(command, f"{url}/v1/models", log, args.ready_timeout, env):
         for workload in workloads(args):
-            out[workload.name] = drive(url, workload, args, f"pagedserve {workload.name}")
+            label = f"pagedserve {workload.name}"
+            out[workload.name] = drive_counted(url, workload, args, label, "ours")
     return out
+
+
+def add_traffic(side: dict[str, Any], step_bytes: int | None, bandwidth: float) -> None:
+    """Each workload's `weights` figures (`benchmarks.weight_traffic.traffic`): steps and tokens
+    from the server's counters; our step bytes are not known from outside the server (None:
+    only tokens per step), `vs_openvino` reports them in process."""
+    for workload in WORKLOADS:
+        figures = side.get(workload)
+        if not isinstance(figures, dict) or "steps" not in figures:
+            continue
+        tokens, steps = figures["generated_tokens"], figures["steps"]
+        figures["weights"] = weight_traffic.traffic(
+            step_bytes, tokens, steps, figures["elapsed_s"], bandwidth
+        )
+        if step_bytes is None and steps > 0:
+            figures["weights"]["tokens_per_step"] = round(tokens / steps, 2)
 
 
 def metric(side: dict[str, Any], workload: str, *path: str) -> float | None:
@@ -231,18 +297,26 @@ def main(argv: list[str] | None = None) -> int:
     from workers.model_source import resolve_model_path
 
     model = resolve_model_path(args.model)
+    bandwidth = weight_traffic.read_bandwidth_gbs()
     theirs: dict[str, Any] = {}
     ours: dict[str, Any] = {}
+    loads = {"start": os.getloadavg()}
     if args.only != "ours":
         theirs = run_llama(model, args, args.log_dir / "vs_llamacpp-llama-server.log")
+        loads["after_llama_server"] = os.getloadavg()
         if "skipped" in theirs:
             print(f"vs_llamacpp: llama.cpp side skipped: {theirs['skipped']}", file=sys.stderr)
+        add_traffic(theirs, weight_traffic.gguf_step_bytes(model), bandwidth)
     if args.only != "llama":
         ours = run_ours(model, args, args.log_dir / "vs_llamacpp-pagedserve.log")
+        loads["after_pagedserve"] = os.getloadavg()
+        add_traffic(ours, None, bandwidth)
     ratios = compare(ours, theirs)
     output: dict[str, Any] = {
         "benchmark": "vs_llamacpp",
         **{key: ratios[key] for key in HEADLINE},
+        "memory_read_gbs": round(bandwidth, 2),
+        "load_average": loads,
         "burst_failed": {
             "pagedserve": metric(ours, "burst", "failed"),
             "llama_server": metric(theirs, "burst", "failed"),

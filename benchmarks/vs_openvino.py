@@ -16,6 +16,12 @@ whole batch. It prints output tok/s per side, ``ours_over_openvino`` and the fra
 whose greedy tokens agree exactly, with the mean number of leading tokens the two sides share
 (the two compute in different precisions, so near ties may differ). A missing OpenVINO venv
 makes that side ``skipped`` with the reason.
+
+``--model PATH`` runs both sides on another GGUF file (its own tokenizer and chat template), e.g.
+the benchmark model of ``benchmarks.make_bench_model``. Ours also reports under ``weights`` the
+steps' weight bytes (from the forms its layers hold at the run's mean rows per step), the tokens
+per step, bytes per decoded token and the weight stream sustained against ``memory_read_gbs``
+(`benchmarks.weight_traffic`), with the load average around each side.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import weight_traffic
 from benchmarks.chat_corpus import chat_prompts
 
 RUNNER = Path(__file__).with_name("openvino_runner.py")
@@ -80,17 +87,28 @@ def run_openvino(
 
 
 def run_ours(
-    prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, llm_args: dict[str, Any]
+    model: str,
+    prompts: list[list[int]],
+    warmup: list[list[int]],
+    max_tokens: int,
+    llm_args: dict[str, Any],
+    bandwidth: float,
 ) -> dict[str, Any]:
     from pagedserve import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM(**llm_args) as llm:
+    with LLM(model, **llm_args) as llm:
         llm.generate([{"prompt_token_ids": ids} for ids in warmup], SamplingParams(max_tokens=8))
+        before = llm.metrics()
         began = time.perf_counter()
         results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy)
         elapsed = time.perf_counter() - began
+        after = llm.metrics()
         config = llm.engine.config
+        steps = after.num_steps - before.num_steps
+        tokens = after.num_generated_tokens - before.num_generated_tokens
+        rows = max(1, round(tokens / max(1, steps)))
+        step_bytes = weight_traffic.model_step_bytes(llm.engine.workers.local_rank.model, rows)
         return {
             "elapsed_s": elapsed,
             "outputs": [r.outputs[0].token_ids for r in results],
@@ -98,6 +116,7 @@ def run_ours(
             "quantized_activations": llm.engine.model_info.quantized_activations,
             "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "weights": weight_traffic.traffic(step_bytes, tokens, steps, elapsed, bandwidth),
         }
 
 
@@ -117,14 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         '"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}\' (no compression, no int8 activations)',
     )
     parser.add_argument("--only", choices=("ours", "openvino"), help="run one side")
+    parser.add_argument("--model", default="default", help="a .gguf file (both sides)")
     args = parser.parse_args(argv)
 
     from workers import load_tokenizer
     from workers.cpu_features import CpuFeatures
     from workers.model_source import resolve_model_path
 
-    model = resolve_model_path("default")
-    tokenizer = load_tokenizer("default")
+    model = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(args.model)
+    bandwidth = weight_traffic.read_bandwidth_gbs()
+    loads = {"start": os.getloadavg()}
 
     def render(messages: list[dict[str, str]]) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -147,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
             if python is not None
             else {"skipped": "no OpenVINO GenAI venv (pip install openvino-genai in one)"}
         )
+        loads["after_openvino"] = os.getloadavg()
     if args.only != "openvino":
-        sides["pagedserve"] = run_ours(prompts, warmup, args.max_tokens, json.loads(args.llm_args))
+        sides["pagedserve"] = run_ours(
+            args.model, prompts, warmup, args.max_tokens, json.loads(args.llm_args), bandwidth
+        )
+        loads["after_pagedserve"] = os.getloadavg()
     for side in sides.values():
         if "outputs" in side:
             side["output_tokens"] = sum(len(o) for o in side["outputs"])
@@ -168,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         "greedy_agreement": agree,
         "greedy_common_prefix_tokens_mean": common_prefix,
         "cpu": CpuFeatures.detect().kind,
+        "model": str(model),
+        "memory_read_gbs": round(bandwidth, 2),
+        "openvino_file_weight_bytes_per_step": weight_traffic.gguf_step_bytes(model),
+        "load_average": loads,
         "prompts": len(prompts),
         "prompt_tokens": {"min": min(map(len, prompts)), "max": max(map(len, prompts))},
         "max_tokens": args.max_tokens,

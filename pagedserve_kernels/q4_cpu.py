@@ -55,6 +55,22 @@ class Q4Weight:
         return weights.reshape(rows, cols)
 
     @staticmethod
+    def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Q4Weight:
+        """The weights `scales * codes + mins` given as one uint8 code (below 16) per weight
+        `[rows, cols]` and float32 `scales` / `mins` `[rows, cols / 32]` (a GGUF K-quant's
+        block form, `pagedserve_kernels.gguf_panels.BlockForm`). Exact as the kernel computes it
+        where every `scale * code` is exact in float32 (scales of at most 20 significant bits:
+        Q4_K's float16 `d` times a 6-bit sub-scale)."""
+        rows, cols = codes.shape
+        blocks = codes.reshape(rows, cols // BLOCK, BLOCK)
+        packed = blocks[:, :, : BLOCK // 2] | (blocks[:, :, BLOCK // 2 :] << 4)
+        return Q4Weight(
+            packed.reshape(rows, cols // 2).contiguous(),
+            scales.to(torch.float32).contiguous(),
+            mins.to(torch.float32).contiguous(),
+        )
+
+    @staticmethod
     def recover(weight: torch.Tensor) -> Q4Weight | None:
         """The exact block form of a float32 matrix, or None where it has none.
 

@@ -11,7 +11,8 @@ packed as well): in float32 1.5-1.9x faster decode and 1.7-2x faster prefill tha
 
 Decode batches read every weight for a few rows, so there the product is bound by reading the
 weights. A layer whose float32 checkpoint values are exactly GGUF Q4_1 blocks (a model loaded from a
-Q4_1 file) is handed those values once (`adopt_exact_source`) and keeps them as 4-bit codes
+Q4_1 file) is handed those values once (`adopt_exact_source`), and a layer stored as Q4_K its
+file's codes (`adopt_block_form`), and keeps them as 4-bit codes
 (`pagedserve_kernels.q4_cpu`: 0.75 bytes per weight with its scales, against 2 in bfloat16); calls
 of at most `Q4_MAX_ROWS[dtype]` rows (per instruction set: `Q4_MAX_ROWS_BY_ISA`) multiply those.
 They compute over the checkpoint's exact float32 weights: in float32 the packed product up to
@@ -121,12 +122,25 @@ class DenseMatmul:
         keep = self._usable() and self.quantized_activations and quant_dot_cpu.available()
         return keep and self.panels is None
 
-    def adopt_panels(self, form: BlockForm | None) -> None:
-        """Keep the weight's stored block codes (a GGUF file's, `pagedserve_kernels.gguf_panels`) as
-        panels where `wants_panels()`; `pack()` drops them unless they dequantize to the weight
-        bit for bit."""
-        if form is not None and self.wants_panels() and form.codes.shape == self.weight.shape:
+    def wants_block_form(self) -> bool:
+        """Whether this layer would keep its stored block codes: as panels (`wants_panels()`),
+        or, without `quantized_activations`, as the 4-bit copy where the values gave none
+        (GGUF Q4_K, whose per-block scales and minimums are not Q4_1's: `Q4Weight.recover`
+        cannot find them, the file's codes are that form exactly)."""
+        keep_q4 = self._usable() and self.quantized_decode and q4_cpu.available()
+        return self.wants_panels() or (keep_q4 and self.q4 is None and self.panels is None)
+
+    def adopt_block_form(self, form: BlockForm | None) -> None:
+        """Keep the weight's stored block codes (a GGUF file's, `pagedserve_kernels.gguf_panels`)
+        as panels where `wants_panels()`, else, where `wants_block_form()` and they are 4-bit,
+        as the 4-bit copy; `pack()` drops either unless it dequantizes to the weight bit for
+        bit."""
+        if form is None or form.codes.shape != self.weight.shape:
+            return
+        if self.wants_panels():
             self.panels = form.panels()
+        elif self.wants_block_form() and form.bits == 4:
+            self.q4 = q4_cpu.Q4Weight.from_codes(form.codes, form.scales, form.mins)
 
     def pack(self) -> None:
         """Snapshot the weight into oneDNN's layout (a no-op where `can_pack` is false), and drop

@@ -112,14 +112,14 @@ class ColumnParallelLinear(torch.nn.Module):
                 self.bias[row : row + count].copy_(bias)
             row += count
         self.matmul.adopt_exact_source(*sources)
-        if self.matmul.wants_panels():  # not recovered from the values: the file's own codes
+        if self.matmul.wants_block_form():  # not recovered from the values: the file's codes
             forms = [
                 reader.block_form(f"{prefix}{segment.name}.weight", 0, segment.start, segment.stop)
                 for segment in self.segments
             ]
             held = [form for form in forms if form is not None]
             if len(held) == len(forms):
-                self.matmul.adopt_panels(stack_forms(held))
+                self.matmul.adopt_block_form(stack_forms(held))
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -162,8 +162,8 @@ class RowParallelLinear(torch.nn.Module):
         weight = reader.read(f"{name}.weight", full, 1, start, stop)
         self.weight.copy_(weight)
         self.matmul.adopt_exact_source(weight)
-        if self.matmul.wants_panels():
-            self.matmul.adopt_panels(reader.block_form(f"{name}.weight", 1, start, stop))
+        if self.matmul.wants_block_form():
+            self.matmul.adopt_block_form(reader.block_form(f"{name}.weight", 1, start, stop))
         if self.bias is not None:
             self.bias.copy_(reader.read(f"{name}.bias", (self.output_size,)))
 

@@ -3,7 +3,8 @@
 `describe_model` is cheap enough for the driver (reads metadata, hashes the weights once, then
 remembers the digest); `load_model_shard` runs on each rank and reads only that rank's rows and
 columns (for GGUF, from the dequantized cache it builds on first use; with
-`quantized_activations` also the file's block codes, `workers.gguf_blocks`).
+`quantized_activations` or `quantized_decode` also the file's block codes, `workers.gguf_blocks`,
+for the layers that keep them).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def load_model_shard(
                 description.path, description.spec, description.weights_digest, cache_root
             )
         ]
-        if quantized_activations:  # the layers keep the file's own codes (K-quants included)
+        if quantized_activations or quantized_decode:  # the layers keep the file's own codes
             blocks = GgufBlockSource(open_gguf(description.path), description.spec)
     else:
         files = safetensors_files(description.path)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from pagedserve_kernels import quant_dot_cpu
+from pagedserve_kernels import q4_cpu, quant_dot_cpu
 from tests.tiny_model import SEED
 from tests.workers.gguf_writer import write_llama_gguf
 from tests.workers.paged_runner import fast_mode_flips, greedy_generate, hf_greedy, teacher_forced
@@ -129,3 +129,39 @@ def test_k_quant_layers_run_on_the_files_codes_within_the_fast_mode_rule(
         group.shutdown()
     flips = fast_mode_flips(references, ours, NEAR_TIE, TYPICAL_MOVE)
     assert len(flips) <= len(PROMPTS) * STEPS // 10, flips
+
+
+@pytest.mark.skipif(not q4_cpu.available(), reason="the 4-bit kernel needs AVX2 and FMA")
+def test_q4_k_layers_keep_the_files_codes_as_the_4_bit_copy(
+    k_quant_file: pathlib.Path, hf_reference: transformers.PreTrainedModel
+) -> None:
+    """Without `quantized_activations`, a layer stored as Q4_K alone decodes on the 4-bit
+    kernel over the file's codes: its copy dequantizes to gguf's own dequantization bit for
+    bit, and the decode steps (the kernel's rows) keep HF's greedy tokens and logits."""
+    reader = gguf.GGUFReader(str(k_quant_file))
+    stored = {tensor.name: tensor for tensor in reader.tensors}
+    group = start(k_quant_file, quantized_activations=False)
+    try:
+        model = group._local.model
+        copies = {
+            name: module.matmul.q4
+            for name, module in model.named_modules()
+            if isinstance(getattr(module, "matmul", None), DenseMatmul)
+            and name.startswith("layers.")
+        }
+        kept = {name for name, q4 in copies.items() if q4 is not None}
+        # Q4_K alone: every o_proj and layer 0's gate/up; Q6_K or Q5_K rows keep no copy
+        assert kept == {"layers.0.self_attn.o_proj", "layers.1.self_attn.o_proj",
+                        "layers.0.mlp.gate_up_proj"}, kept  # fmt: skip
+        for layer in (0, 1):
+            tensor = stored[f"blk.{layer}.attn_output.weight"]
+            oracle = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            copy = copies[f"layers.{layer}.self_attn.o_proj"].dequantize()
+            assert torch.equal(copy, torch.from_numpy(oracle.astype("float32")))
+        for prompt in PROMPTS:
+            run = greedy_generate(group, [prompt], 6, seed=2)
+            tokens, logits = hf_greedy(hf_reference, prompt, 6)
+            assert run.tokens[0] == tokens
+            torch.testing.assert_close(run.logits[0], logits, atol=1e-4, rtol=0)
+    finally:
+        group.shutdown()
