@@ -29,7 +29,7 @@ def test_family_tp2_matches_hf(
     with family_group(
         tmp_path / name,
         tmp_path / "cache",
-        num_device_blocks=48,
+        num_device_blocks=96,
         backend="ray",
         tensor_parallel_size=2,
         enable_expert_parallel=expert_parallel,
