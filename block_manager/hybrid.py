@@ -1,6 +1,6 @@
 """`HybridKVManager`: paged KV bookkeeping with one block table per KV group over one pool.
 
-The coordinator of `block_manager.groups`: a model's layers are grouped by attention kind
+The coordinator of `workers.kv_groups`: a model's layers are grouped by attention kind
 (full attention; a sliding window of `w` tokens), every group keeps its own block table per
 sequence (`block_manager.hybrid_state.HybridSeq`), and all of them take blocks from ONE
 shared `BlockPool`, so the split of memory between kinds follows the workload. A sliding

@@ -1,7 +1,7 @@
 """One sequence's state under the hybrid manager, and the rules on which blocks a group keeps.
 
 A sequence has one token list and one hash chain, and one block table per KV group
-(`block_manager.groups`). Group `g`'s table has `ceil(num_tokens / block_size)` entries like any
+(`workers.kv_groups`). Group `g`'s table has `ceil(num_tokens / block_size)` entries like any
 table; entries a sliding group no longer needs hold the manager's null block id (never
 allocated, never written, all zeros on the workers), which owns no reference.
 

@@ -109,7 +109,7 @@ class KVLayout(Protocol):
 
     @property
     def groups_layers(self) -> bool:
-        """The layout runs hybrid KV groups (`block_manager.groups`): a sliding-window
+        """The layout runs hybrid KV groups (`workers.kv_groups`): a sliding-window
         model's layers grouped by window, each group with its own tables over one pool."""
         ...
 

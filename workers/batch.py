@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from block_manager.groups import KVGroupLayout
+from workers.kv_groups import KVGroupLayout
 from workers.model import AttentionMetadata
 from workers.plan import PlanRejected, SamplingSettings, SequenceWork, StepPlan
 from workers.sampling import PromptRows, SampleRequest

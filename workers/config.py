@@ -15,9 +15,9 @@ from typing import Literal
 
 import torch
 
-from block_manager.groups import KVGroupLayout, group_layers
 from kv_layouts import LAYOUT_NAMES, layout_named
 from pagedserve_kernels import kv_quant
+from workers.kv_groups import KVGroupLayout, group_layers
 
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -103,7 +103,7 @@ class WorkerConfig:
     disable_hybrid_kv_cache_manager: bool = False
     """vLLM's flag: keep every layer's blocks for every sequence even when the model has
     sliding-window layers (else their layers form KV groups that drop the blocks their
-    window has passed, `block_manager.groups`)."""
+    window has passed, `workers.kv_groups`)."""
 
     def __post_init__(self) -> None:
         """The one check of every worker knob; each refusal names its field (`field`)."""
@@ -389,6 +389,6 @@ class ModelInfo:
     """Whether the products take int8-quantized activations (it changes KV values, so it is in
     the cache identity)."""
     kv_group_windows: tuple[int | None, ...] = ()
-    """Hybrid KV groups (`block_manager.groups`): each group's sliding window (None: full
+    """Hybrid KV groups (`workers.kv_groups`): each group's sliding window (None: full
     attention), in the workers' group order; empty when every layer keeps every block.
     `kv_bytes_per_block` is then one group's block (`KVGroupLayout.slots` layers)."""

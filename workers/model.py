@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from block_manager.groups import full_layout
 from pagedserve_kernels import AttentionStep, PagedAttentionStep, prepare_attention
 from pagedserve_kernels.decoder_stack_cpu import StackLayer, StackShape
 from workers.checkpoint import CheckpointReader
 from workers.config import ModelSpec
 from workers.decoder_stack import NativeDecode, NativeStack
+from workers.kv_groups import full_layout
 from workers.layer_ops import LayerOps, NativeCpuLayerOps, layer_ops_for
 from workers.layers import (
     ColumnParallelLinear,
@@ -50,7 +50,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    """Hybrid KV groups (`block_manager.groups`): (slot_mapping, block_tables) of groups 1, 2,
+    """Hybrid KV groups (`workers.kv_groups`): (slot_mapping, block_tables) of groups 1, 2,
     ... (`slot_mapping` and `block_tables` above are group 0's); empty with one group."""
 
     def prepare_kernels(self, kv_pool: torch.Tensor) -> AttentionStep:

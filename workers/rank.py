@@ -76,7 +76,7 @@ class WorkerRank:
             torch.set_num_threads(threads)
         layout = head_layout(description.spec, self.tp)
         self.kv_groups = config.kv_group_layout(description.spec.layer_sliding_windows)
-        """Which pool row and block table each layer uses (`block_manager.groups`)."""
+        """Which pool row and block table each layer uses (`workers.kv_groups`)."""
         self.kv_shape = KVShape(
             self.kv_groups.slots,
             config.block_size,

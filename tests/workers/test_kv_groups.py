@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from block_manager.groups import KVGroupLayout, full_layout, group_layers
+from workers.kv_groups import KVGroupLayout, full_layout, group_layers
 
 
 def _pairs(layout: KVGroupLayout) -> set[tuple[int, int]]:
