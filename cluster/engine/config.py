@@ -15,10 +15,18 @@ from dataclasses import fields, replace
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from cluster.engine.config_flags import add_section_flags, section_values
 from cluster.engine.errors import ConfigError, describe_validation_error
+from cluster.engine.generation_defaults import AUTO, HF_KEYS, generation_defaults, parse_override
 from cluster.engine.vllm_args import (
     FLAG_GROUP,
     add_vllm_flags,
@@ -71,6 +79,24 @@ class ModelSettings(_Section):
         "single-sequence decode steps stay exact): faster, not float32-exact; auto: on "
         "where dtype auto picks float32 on a CPU, off with any dtype given",
     )
+    generation_config: str = Field(
+        AUTO,
+        description="vLLM's: the sampling a request gets for fields it leaves unset: 'auto', "
+        "the model's recommendation (an HF generation_config.json, a GGUF file's "
+        "general.sampling keys, the default model's card); 'vllm', the engine's own "
+        "(temperature 1.0, OpenAI's nominal default, no filters); or a folder holding a "
+        "generation_config.json",
+    )
+    override_generation_config: dict[str, Any] = Field(
+        {},
+        description="vLLM's: JSON merged over those defaults, e.g. '{\"temperature\": 0.5}' "
+        f"(keys: {', '.join(HF_KEYS)}); with generation_config 'vllm' only these apply",
+    )
+
+    @field_validator("override_generation_config", mode="before")
+    @classmethod
+    def _override_generation_json(cls, value: Any) -> Any:
+        return parse_override(value)
 
 
 class CacheSettings(_Section):
@@ -391,7 +417,8 @@ class EngineConfig(_Section):
 
     def check_model(self) -> None:
         """Checks what only the model can tell, from its metadata (no weights are read): that we
-        run its architecture and can read its GGUF tensor types (`model.model`), that
+        run its architecture and can read its GGUF tensor types (`model.model`), that its
+        generation defaults (`model.generation_config`) can be read and are valid, that
         `model.max_model_len` fits its context, and that `parallel.tensor_parallel_size` (with
         `parallel.enable_expert_parallel`) splits its heads, KV heads, MLP and experts. Raises
         ConfigError naming the field, the value and what would be accepted; call it when the
@@ -404,6 +431,10 @@ class EngineConfig(_Section):
             spec = read_spec(resolve_model_path(self.model.model))
         except (OSError, ValueError) as error:
             raise ConfigError(f"model.model {self.model.model!r}: {error}") from None
+        try:
+            generation_defaults(self.model)
+        except (OSError, ValueError) as error:
+            raise ConfigError(str(error)) from None
         context = spec.max_position_embeddings
         if self.model.max_model_len is not None and self.model.max_model_len > context:
             raise ConfigError(

@@ -26,6 +26,7 @@ from cluster.engine.detokenizer import IncrementalDetokenizer, TextTracker
 from cluster.engine.engine_lora import EngineAdapters
 from cluster.engine.errors import ConfigError, PriorityNotEnabled, RequestRejected
 from cluster.engine.generate_request import GenerateRequest, RequestBuilder
+from cluster.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from cluster.engine.grammar_backend import CompiledConstraint, GrammarCompilerCache
 from cluster.engine.grammar_guard import GuardedConstraint
 from cluster.engine.handoff import check_handoff, hand_off, resume_request
@@ -102,6 +103,8 @@ class EngineCore:
             tokenizer = load_tokenizer(config.model.model)
         self.renderer = PromptRenderer(tokenizer, info.vocab_size)
         self.request_builder = RequestBuilder(self.renderer, config.cache.block_size)
+        self.generation_defaults: GenerationDefaults = load_generation_defaults(config.model)
+        """What requests get for the sampling fields they leave unset (logged once here)."""
         cache_keys = CacheKeyFactory(
             CacheIdentity(
                 model_weights_digest=info.weights_digest,

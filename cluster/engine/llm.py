@@ -76,7 +76,7 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Text prompts, {"prompt": text} or {"prompt_token_ids": [...]} dicts; one result per
-        prompt, in order.
+        prompt, in order. Without `sampling_params`: `get_default_sampling_params()`.
 
         `lora_request`: one adapter for every prompt, or one (or None: the base model) per
         prompt. An adapter not loaded yet is loaded first (as vLLM does). `use_tqdm` shows a
@@ -121,6 +121,11 @@ class LLM:
             chat_template_kwargs=chat_template_kwargs,
         )
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters `generate` and `chat` use when given none (vLLM's): the model's
+        generation defaults (`model.generation_config`) over `SamplingParams()`."""
+        return self.engine.generation_defaults.sampling_params()
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer every prompt is encoded and every output decoded with (vLLM's
         `LLM.get_tokenizer`)."""
@@ -160,6 +165,8 @@ class LLM:
         priority: Sequence[int] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(prompts))
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
@@ -211,10 +218,8 @@ class LLM:
 
 
 def _per_prompt(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    params: SamplingParams | Sequence[SamplingParams], count: int
 ) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
     if len(params) != count:
