@@ -65,7 +65,11 @@ class LocalIngress:
         self.tenancy = Tenancy(args.tenants_by_key(), args.admin_keys())
         self.adapters = AdapterService(args.served_model_name, None)
         self.frontend = FrontEnd(
-            builder, info.max_model_len, StreamingEngine(engine, args), self.adapters
+            builder,
+            info.max_model_len,
+            StreamingEngine(engine, args),
+            self.adapters,
+            generation_defaults=engine.core.generation_defaults,
         )
         tools = ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser)
         reasoning = reasoning_tags(args.reasoning_parser)

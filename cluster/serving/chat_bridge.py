@@ -29,6 +29,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenization import RenderedPrompt
 from cluster.serving.delta_streams import finish_reason, merge_streams
 from cluster.serving.error_map import ANSWERED, http_error
@@ -40,7 +41,7 @@ from cluster.serving.openai_protocol import (
     invalid_request,
 )
 from cluster.serving.openai_requests import ChatCompletionRequest
-from cluster.serving.openai_serving import OpenAIServing, ResponseMeta, sampling_params
+from cluster.serving.openai_serving import OpenAIServing, ResponseMeta
 from cluster.serving.reasoning_parsers import ReasoningStream
 from cluster.serving.tool_calls import ToolPlan
 
@@ -105,11 +106,13 @@ def chat_request_of(fields: Mapping[str, Any]) -> ChatCompletionRequest:
 @dataclass
 class ChatRun:
     """A chat request admitted to the engines: its validated request, its tool plan (None: no
-    tools), its one started engine stream and the `--reasoning-parser`'s split of its answer
-    (None: no parser, all of it is answer)."""
+    tools), the engine's parameters it runs with (unset fields filled with the model's
+    generation defaults), its one started engine stream and the `--reasoning-parser`'s split of
+    its answer (None: no parser, all of it is answer)."""
 
     request: ChatCompletionRequest
     plan: ToolPlan | None
+    params: SamplingParams
     submission: Submission
     reasoning: ReasoningStream | None = None
 
@@ -129,14 +132,14 @@ async def start_chat(
     try:
         request = await frontend.off_loop(chat_request_of, fields)
         plan = await frontend.off_loop(request.tool_plan, serving.tools)
-        params = sampling_params(request.sampling_kwargs(), plan)
+        params = serving.sampling_params(request, plan)
         submission = await serving.submit_chat(request, plan, params, request_id, salt, meta)
     except OpenAIError as error:
         raise names.translate(error) from None
     reasoning = None
     if serving.reasoning is not None:
         reasoning = ReasoningStream(serving.reasoning, serving.decode)
-    return ChatRun(request, plan, submission, reasoning)
+    return ChatRun(request, plan, params, submission, reasoning)
 
 
 def render_only(

@@ -36,6 +36,7 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.cache_keys import RequestKeys
 from cluster.engine.client import ModelInfo
 from cluster.engine.generate_request import GenerateRequest
+from cluster.engine.generation_defaults import GenerationDefaults
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.output_stream import RequestDelta
 from cluster.kv_transfer.cost_model import TransferCostModel
@@ -80,12 +81,14 @@ async def stream_as_replica(
 @dataclass(frozen=True)
 class EngineDescription:
     """What an ingress needs to prepare requests exactly as the engines key and run them: the
-    tokenizer, the cache keys (identity seed, block size), the model and its parallelism."""
+    tokenizer, the cache keys (identity seed, block size), the model and its parallelism, and
+    the sampling requests get for fields they leave unset (the engine read it from the model)."""
 
     tokenizer: Any
     keys: RequestKeys
     model_info: ModelInfo
     tensor_parallel_size: int
+    generation_defaults: GenerationDefaults
 
     @property
     def block_size(self) -> int:
@@ -184,6 +187,7 @@ class GenerationServer:
             keys=self.engine.core.request_keys,
             model_info=self.engine.model_info(),
             tensor_parallel_size=self.config.parallel.tensor_parallel_size,
+            generation_defaults=self.engine.core.generation_defaults,
         )
 
     async def generate(

@@ -31,6 +31,7 @@ from cluster.engine.cache_keys import RequestKeys
 from cluster.engine.client import EngineClient
 from cluster.engine.errors import RequestRejected
 from cluster.engine.generate_request import GenerateRequest, PromptInput, RequestBuilder
+from cluster.engine.generation_defaults import GenerationDefaults
 from cluster.engine.output_stream import BranchDelta, RequestDelta
 from cluster.engine.reasoning import ThinkingTags
 from cluster.engine.sampling_params import SamplingParams
@@ -67,8 +68,10 @@ def context_overflow(
 
 class FrontEnd:
     """Admits API prompts to one engine client: its request builder (tokenizer, operator-shared
-    prefixes), its context length, the served adapters and, on a routing ingress, the engines'
-    cache keys (to hash each prompt's blocks once, for the router)."""
+    prefixes), its context length, the served adapters, the sampling every front end gives a
+    request's unset fields (the model's generation defaults, as the engine read them) and, on a
+    routing ingress, the engines' cache keys (to hash each prompt's blocks once, for the
+    router)."""
 
     def __init__(
         self,
@@ -77,8 +80,11 @@ class FrontEnd:
         engine: EngineClient,
         adapters: AdapterService,
         keys: RequestKeys | None = None,
+        *,
+        generation_defaults: GenerationDefaults,
     ) -> None:
         self.builder = builder
+        self.generation_defaults = generation_defaults
         self.max_model_len = max_model_len
         self.engine = engine
         self.adapters = adapters

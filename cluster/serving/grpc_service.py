@@ -231,6 +231,7 @@ class GenerationRpc:
             request,
             self.tools,
             self.frontend.renderer.tokenizer.chat_template,
+            defaults=self.frontend.generation_defaults,
         )
         tools = None if checked.tools is None else checked.tools.stream()
         thinking = self.reasoning if request.WhichOneof("prompt") == "chat" else None

@@ -6,7 +6,8 @@ finite numbers, stop-string count and lengths, n, logprobs, ...).
 Invariants:
 - every value HTTP refuses, gRPC refuses too, as INVALID_ARGUMENT carrying the same message;
 - unset optional proto fields are left out, so they take the same defaults as an HTTP field
-  left out, except `max_tokens`, which is 16 for every prompt kind (the documented gRPC default);
+  left out (the model's generation defaults, else the engine's), except `max_tokens`, which is
+  the model's `max_new_tokens` or else 16 for every prompt kind (the documented gRPC default);
 - bytes that are not a valid message never reach a method as a message: the proxy's
   deserializer turns them into `CorruptRequest`, which `parse_or_abort` refuses;
 - a request selects a LoRA adapter with `adapter` or, as over HTTP, with `model`; both set to
@@ -23,6 +24,7 @@ import grpc
 from pydantic import ValidationError
 
 from cluster.engine.generate_request import PromptInput
+from cluster.engine.generation_defaults import ENGINE_DEFAULTS, GenerationDefaults
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.openai_protocol import OpenAIError, error_from_validation
 from cluster.serving.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -100,14 +102,17 @@ _OPTIONAL_SAMPLING_FIELDS = (
 """`SamplingParameters` fields with presence that map one to one onto HTTP fields of that name."""
 
 
-def sampling_fields(proto: pb.SamplingParameters, *, chat: bool) -> dict[str, Any]:
+def sampling_fields(
+    proto: pb.SamplingParameters, *, chat: bool, default_max_tokens: int
+) -> dict[str, Any]:
     """The OpenAI request fields a `SamplingParameters` message sets (vLLM's extensions
-    included), in the shape an HTTP body gives them, so one pydantic model checks both."""
+    included), in the shape an HTTP body gives them, so one pydantic model checks both;
+    `max_tokens` is `default_max_tokens` when unset."""
     fields: dict[str, Any] = {}
     for name in _OPTIONAL_SAMPLING_FIELDS:
         if proto.HasField(name):
             fields[name] = getattr(proto, name)
-    fields.setdefault("max_tokens", GRPC_DEFAULT_MAX_TOKENS)
+    fields.setdefault("max_tokens", default_max_tokens)
     if proto.stop:
         fields["stop"] = list(proto.stop)
     if proto.stop_token_ids:
@@ -238,20 +243,34 @@ class ValidatedGenerate:
     priority: int = 0
 
 
-def validated_generate(request: pb.GenerateRequest) -> tuple[PromptInput, SamplingParams]:
-    """The prompt and sampling parameters of a `GenerateRequest` (see `validate_generate`)."""
-    checked = validate_generate(request, ToolSettings(), model_template=None)
+def validated_generate(
+    request: pb.GenerateRequest, defaults: GenerationDefaults = ENGINE_DEFAULTS
+) -> tuple[PromptInput, SamplingParams]:
+    """The prompt and sampling parameters of a `GenerateRequest` (see `validate_generate`),
+    unset fields taking `defaults` (default: the engine's own)."""
+    checked = validate_generate(request, ToolSettings(), model_template=None, defaults=defaults)
     return checked.prompt, checked.params
 
 
 def validate_generate(
-    request: pb.GenerateRequest, tool_settings: ToolSettings, model_template: str | None
+    request: pb.GenerateRequest,
+    tool_settings: ToolSettings,
+    model_template: str | None,
+    *,
+    defaults: GenerationDefaults,
 ) -> ValidatedGenerate:
     """The request after the HTTP checks; raises GrpcAbort INVALID_ARGUMENT for anything HTTP
     would refuse with 400. Tools take a chat prompt and are planned as HTTP plans them
-    (`tool_settings`: the server's flags; `model_template`: the model's chat template)."""
+    (`tool_settings`: the server's flags; `model_template`: the model's chat template); unset
+    sampling fields take the model's generation `defaults`, as over HTTP."""
     kind = request.WhichOneof("prompt")
-    fields = sampling_fields(request.sampling, chat=kind == "chat")
+    fields = sampling_fields(
+        request.sampling,
+        chat=kind == "chat",
+        default_max_tokens=(
+            GRPC_DEFAULT_MAX_TOKENS if defaults.max_tokens is None else defaults.max_tokens
+        ),
+    )
     fields["priority"] = request.priority
     fields.update(structured_outputs_fields(request))
     extra = tool_fields(request) | template_kwargs_fields(request)
@@ -288,7 +307,10 @@ def validate_generate(
         render = render_options(plan, parsed.messages, model_template)
         if parsed.chat_template_kwargs:
             render["chat_template_kwargs"] = parsed.chat_template_kwargs
-    kwargs = parsed.sampling_kwargs()
+    try:
+        kwargs = parsed.sampling_kwargs(defaults)
+    except OpenAIError as error:  # a default token limit below min_tokens
+        raise invalid_argument(error) from None
     constraint = None if plan is None else plan.constraint()
     if constraint is not None:
         kwargs["structured_outputs"] = constraint

@@ -120,7 +120,12 @@ class OpenAIIngress(GrpcMethods):
             )
         client = DrainingClient(routed, self.drain)
         self.frontend = FrontEnd(
-            builder, info.max_model_len, client, self.adapters, description.keys
+            builder,
+            info.max_model_len,
+            client,
+            self.adapters,
+            description.keys,
+            generation_defaults=description.generation_defaults,
         )
         tools = ToolSettings(self.args.enable_auto_tool_choice, self.args.tool_call_parser)
         reasoning = reasoning_tags(self.args.reasoning_parser)

@@ -9,16 +9,19 @@ Invariants:
   raises `OpenAIError` with status 400, naming the offending parameter.
 - Types are strict (`"5"` is not an integer, `1` is not a boolean), as in OpenAI's API; unknown
   fields are ignored so newer clients keep working.
-- `sampling_kwargs` returns exactly the keyword arguments of the engine's `SamplingParams`.
+- `sampling_kwargs` returns exactly the keyword arguments of the engine's `SamplingParams`;
+  a sampling field the request leaves unset (absent or null) takes the model's generation
+  default (`GenerationDefaults`), an explicit value always wins.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypedDict, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypedDict, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 
+from cluster.engine.generation_defaults import GenerationDefaults
 from cluster.engine.structured_outputs import StructuredOutputsParams
 from cluster.engine.tokenization import RENDER_OWN
 from cluster.serving.openai_protocol import invalid_request, parse_object
@@ -91,8 +94,8 @@ class _SamplingRequest(_Edge):
     `prompt_logprobs` and `priority` are vLLM's extensions beyond OpenAI's API. Float fields
     take JSON integers too (`"temperature": 1`), as OpenAI's API does; `logit_bias` maps
     token ids written as strings (`{"50256": -100}`) to biases. `min_tokens` never exceeds the
-    request's token limit (checked by `check_supported`, as the limit's default depends on the
-    route)."""
+    request's token limit (its own checked by `check_supported`, a default one, which depends
+    on the route and the model, by `sampling_kwargs`)."""
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -139,13 +142,7 @@ class _SamplingRequest(_Edge):
             raise invalid_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
-        limit = self._max_tokens()
-        if self.min_tokens is not None and limit is not None and self.min_tokens > limit:
-            raise invalid_request(
-                f"min_tokens ({self.min_tokens}) must not exceed the request's max_tokens "
-                f"({limit})",
-                "min_tokens",
-            )
+        self._check_min_tokens(self._requested_max_tokens())
         if self.prompt_logprobs is not None and self.stream:
             raise invalid_request(
                 "prompt_logprobs is not supported with stream by this server", "prompt_logprobs"
@@ -158,9 +155,22 @@ class _SamplingRequest(_Edge):
             raise invalid_request("stop sequences must not be empty", "stop")
         self.constraint()
 
-    def _max_tokens(self) -> int | None:
-        """The request's token limit as the engine gets it (None: until the context is full)."""
+    API_MAX_TOKENS: ClassVar[int | None] = None
+    """The token limit of a request that gives none, unless the model's generation config
+    gives one (None: until the context is full)."""
+
+    def _requested_max_tokens(self) -> int | None:
+        """The request's own token limit (None: it gives none)."""
         return self.max_tokens
+
+    def _check_min_tokens(self, limit: int | None) -> None:
+        """A 400 naming `min_tokens` when it exceeds the token `limit` (None: no limit)."""
+        if self.min_tokens is not None and limit is not None and self.min_tokens > limit:
+            raise invalid_request(
+                f"min_tokens ({self.min_tokens}) must not exceed the request's max_tokens "
+                f"({limit})",
+                "min_tokens",
+            )
 
     def constraint(self) -> StructuredOutputsParams | None:
         """`response_format` / `structured_outputs` as the engine's constraint (a 400 naming
@@ -211,15 +221,20 @@ class SamplingKwargs(TypedDict):
     prompt_logprobs: int | None
 
 
-def _sampling_kwargs(request: _SamplingRequest, logprobs: int | None) -> SamplingKwargs:
-    """The engine's fields; an unset (or null) field takes the engine's default, an empty
-    `logit_bias` is None."""
+def _sampling_kwargs(
+    request: _SamplingRequest, logprobs: int | None, defaults: GenerationDefaults
+) -> SamplingKwargs:
+    """The engine's fields; an unset (or null) field takes the model's generation default
+    (`defaults`), else the engine's own; an empty `logit_bias` is None."""
+    top_k = None if request.top_k is None else max(request.top_k, 0)  # -1: disabled, as 0
+    max_tokens = defaults.max_tokens_or(request._requested_max_tokens(), request.API_MAX_TOKENS)
+    request._check_min_tokens(max_tokens)
     return SamplingKwargs(
         n=request.n,
-        max_tokens=request._max_tokens(),
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k is None or request.top_k < 0 else request.top_k,
+        max_tokens=max_tokens,
+        temperature=defaults.value("temperature", request.temperature),
+        top_p=defaults.value("top_p", request.top_p),
+        top_k=defaults.value("top_k", top_k),
         seed=request.seed,
         stop=request._stop_list(),
         stop_token_ids=list(request.stop_token_ids or []),
@@ -229,10 +244,8 @@ def _sampling_kwargs(request: _SamplingRequest, logprobs: int | None) -> Samplin
         structured_outputs=request.constraint(),
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=(
-            1.0 if request.repetition_penalty is None else request.repetition_penalty
-        ),
-        min_p=request.min_p or 0.0,
+        repetition_penalty=defaults.value("repetition_penalty", request.repetition_penalty),
+        min_p=defaults.value("min_p", request.min_p),
         min_tokens=request.min_tokens or 0,
         logit_bias=(
             {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
@@ -281,14 +294,14 @@ class CompletionRequest(_SamplingRequest):
             return [list(self.prompt)]  # type: ignore[arg-type]
         return list(self.prompt)  # type: ignore[arg-type]
 
-    def _max_tokens(self) -> int:
-        """`max_tokens` defaults to 16, as in OpenAI's completions API."""
-        return 16 if self.max_tokens is None else self.max_tokens
+    API_MAX_TOKENS: ClassVar[int | None] = 16
+    """OpenAI's completions default."""
 
-    def sampling_kwargs(self) -> SamplingKwargs:
+    def sampling_kwargs(self, defaults: GenerationDefaults) -> SamplingKwargs:
         """`echo` with `logprobs` asks the engine for the prompt's logprobs too (the choice's
-        logprobs then start with the prompt's tokens, the first without any)."""
-        kwargs = _sampling_kwargs(self, self.logprobs)
+        logprobs then start with the prompt's tokens, the first without any); unset fields
+        take `defaults`."""
+        kwargs = _sampling_kwargs(self, self.logprobs, defaults)
         if self.echo and self.logprobs is not None:
             kwargs["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return kwargs
@@ -370,14 +383,15 @@ class ChatCompletionRequest(_SamplingRequest):
             )
         return plan
 
-    def _max_tokens(self) -> int | None:
-        """`max_completion_tokens` wins over the deprecated `max_tokens`; neither means "until the
-        context is full" (`max_tokens=None`)."""
+    def _requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens` wins over the deprecated `max_tokens`; neither means the
+        model's default or "until the context is full" (`max_tokens=None`)."""
         return self.max_completion_tokens or self.max_tokens
 
-    def sampling_kwargs(self) -> SamplingKwargs:
+    def sampling_kwargs(self, defaults: GenerationDefaults) -> SamplingKwargs:
+        """The engine's fields; unset ones take `defaults`."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return _sampling_kwargs(self, logprobs)
+        return _sampling_kwargs(self, logprobs, defaults)
 
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)

@@ -108,6 +108,13 @@ class OpenAIServing:
         self.tools = (tools or ToolSettings()).for_template(model_template)
         self.reasoning = reasoning
 
+    def sampling_params(
+        self, request: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None = None
+    ) -> SamplingParams:
+        """The engine's parameters of `request` (fields it leaves unset take the model's
+        generation defaults, which the engine read), constrained by `tools`' grammar."""
+        return sampling_params(request.sampling_kwargs(self.frontend.generation_defaults), tools)
+
     async def submit_chat(
         self,
         request: ChatCompletionRequest,
@@ -253,7 +260,7 @@ class OpenAIServing:
     async def completion(
         self, request: CompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> CompletionResponse:
-        params = sampling_params(request.sampling_kwargs())
+        params = self.sampling_params(request)
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
         submission = await self.submit(
@@ -293,7 +300,7 @@ class OpenAIServing:
     async def stream_completion(
         self, request: CompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> AsyncIterator[str]:
-        params = sampling_params(request.sampling_kwargs())
+        params = self.sampling_params(request)
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [engine_prompt(p) for p in request.prompts()]
         submission = await self.submit(
@@ -306,7 +313,7 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> ChatCompletionResponse:
         plan = await self.frontend.off_loop(request.tool_plan, self.tools)
-        params = sampling_params(request.sampling_kwargs(), plan)
+        params = self.sampling_params(request, plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         submission = await self.submit_chat(request, plan, params, rid, salt, meta)
         (final,) = await self.finals(submission.streams)
@@ -338,7 +345,7 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, salt: bytes | None, meta: ResponseMeta | None = None
     ) -> AsyncIterator[str]:
         plan = await self.frontend.off_loop(request.tool_plan, self.tools)
-        params = sampling_params(request.sampling_kwargs(), plan)
+        params = self.sampling_params(request, plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         submission = await self.submit_chat(request, plan, params, rid, salt, meta)
         tool_stream = None if plan is None else plan.stream()

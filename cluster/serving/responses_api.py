@@ -116,6 +116,7 @@ class ResponsesServing:
         usage = final.usage
         body = response_object(
             request,
+            run.params,
             response_id=response_id,
             created_at=int(time.time()),
             model=run.submission.adapter or self.openai.model,
@@ -132,7 +133,9 @@ class ResponsesServing:
         """Admits the request (refusals raised here, before any byte), then streams its
         events."""
         response_id, conversation, run = await self.admit(request, salt, meta)
-        encoder = ResponseEncoder(request, response_id, run.submission.adapter or self.openai.model)
+        encoder = ResponseEncoder(
+            request, run.params, response_id, run.submission.adapter or self.openai.model
+        )
 
         async def events() -> AsyncIterator[str]:
             for event in encoder.start():

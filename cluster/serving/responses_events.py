@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import Any
 
+from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.chat_bridge import (
     CallArguments,
     CallStart,
@@ -106,6 +107,7 @@ def output_of(message: AssistantMessage) -> list[dict[str, Any]]:
 
 def response_object(
     request: ResponsesRequest,
+    params: SamplingParams,
     *,
     response_id: str,
     created_at: int,
@@ -115,7 +117,9 @@ def response_object(
     usage: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The response object: `in_progress` while `finish` is None, `incomplete` (reason
-    `max_output_tokens`) when the limit cut the output, else `completed`."""
+    `max_output_tokens`) when the limit cut the output, else `completed`. `temperature` and
+    `top_p` are the ones the engine runs with (`params`: a field the request left unset has
+    the model's generation default)."""
     status = "in_progress" if finish is None else "completed"
     incomplete = None
     if finish == "length":
@@ -136,8 +140,8 @@ def response_object(
             True if request.parallel_tool_calls is None else request.parallel_tool_calls
         ),
         "previous_response_id": request.previous_response_id,
-        "temperature": 1.0 if request.temperature is None else request.temperature,
-        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
         "tool_choice": (
             request.tool_choice.model_dump()
             if request.tool_choice is not None and not isinstance(request.tool_choice, str)
@@ -162,8 +166,11 @@ def response_object(
 class ResponseEncoder:
     """One streamed response's events (see the module doc); `output` holds the items so far."""
 
-    def __init__(self, request: ResponsesRequest, response_id: str, model: str) -> None:
+    def __init__(
+        self, request: ResponsesRequest, params: SamplingParams, response_id: str, model: str
+    ) -> None:
         self.request = request
+        self.params = params
         self.response_id = response_id
         self.model = model
         self.created_at = int(time.time())
@@ -179,6 +186,7 @@ class ResponseEncoder:
     def response(self, finish: FinishReason | None, usage: dict[str, Any] | None = None) -> dict:
         return response_object(
             self.request,
+            self.params,
             response_id=self.response_id,
             created_at=self.created_at,
             model=self.model,

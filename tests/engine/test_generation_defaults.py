@@ -118,7 +118,7 @@ def test_overrides_merge_over_the_model_and_alone_with_vllm() -> None:
 def test_a_folder_given_as_the_generation_config(tmp_path: pathlib.Path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 5}))
     assert _defaults(model="default", generation_config=str(tmp_path)).given() == {"top_k": 5}
-    with pytest.raises(ValueError, match="no generation_config.json there"):
+    with pytest.raises(ValueError, match=r"no generation_config\.json there"):
         _defaults(model="default", generation_config=str(tmp_path / "missing"))
 
 
@@ -136,7 +136,7 @@ def test_a_folder_given_as_the_generation_config(tmp_path: pathlib.Path) -> None
     ],
 )
 def test_a_bad_override_is_a_config_error_naming_it(override: str, fragment: str) -> None:
-    with pytest.raises(ConfigError, match="model.override_generation_config") as caught:
+    with pytest.raises(ConfigError, match=r"model\.override_generation_config") as caught:
         EngineConfig.build({"model": {"override_generation_config": override}})
     assert fragment in str(caught.value)
 

@@ -48,7 +48,14 @@ class RoutedClient:
         )
         client = RoutedEngineClient(engine, directory.holdings)
         adapters = AdapterService(SERVED_MODEL, None)
-        self.frontend = FrontEnd(builder, info.max_model_len, client, adapters, description.keys)
+        self.frontend = FrontEnd(
+            builder,
+            info.max_model_len,
+            client,
+            adapters,
+            description.keys,
+            generation_defaults=description.generation_defaults,
+        )
         self._ids = 0
 
     @classmethod

@@ -18,6 +18,7 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
 from cluster.engine.output_stream import BranchDelta, RequestDelta
+from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.anthropic_events import MessageEncoder, error_body
 from cluster.serving.anthropic_requests import (
     ANTHROPIC_NAMES,
@@ -225,7 +226,7 @@ PIECES = [
 
 def test_response_events_are_the_sdks_typed_sequence() -> None:
     request = parse_responses_request(_body(input="hi"))
-    encoder = ResponseEncoder(request, "resp_1", "m")
+    encoder = ResponseEncoder(request, SamplingParams(), "resp_1", "m")
     events = encoder.start() + [e for piece in PIECES for e in encoder.feed(piece)]
     adapter = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent)
     typed = [adapter.validate_python(event) for event in events]
@@ -264,7 +265,9 @@ def test_response_events_are_the_sdks_typed_sequence() -> None:
 
 
 def test_response_cut_by_the_limit_is_incomplete() -> None:
-    encoder = ResponseEncoder(parse_responses_request(_body(input="hi")), "resp_1", "m")
+    encoder = ResponseEncoder(
+        parse_responses_request(_body(input="hi")), SamplingParams(), "resp_1", "m"
+    )
     encoder.start()
     encoder.feed(TextPiece("x"))
     last = encoder.feed(Finished("length", None, 3, 1, 0))[-1]
@@ -343,7 +346,7 @@ def test_chat_pieces_read_calls_out_of_the_text_and_close_the_engine_stream() ->
     tool = {"type": "function", "function": {"name": "get", "parameters": SCHEMA}}
     request = chat_request_of({"model": "m", "messages": [{"role": "user", "content": "x"}]})
     plan = plan_tools([ToolDef.model_validate(tool)], None, None, ToolSettings(True, "hermes"))
-    run = ChatRun(request, plan, Submission([engine_stream()], None, None))
+    run = ChatRun(request, plan, SamplingParams(), Submission([engine_stream()], None, None))
 
     async def read() -> list[Any]:
         return [piece async for piece in chat_pieces(run)]

@@ -20,6 +20,7 @@ import transformers
 from block_manager import CacheIdentity
 from cluster.engine.cache_keys import CacheKeyFactory, RequestKeys
 from cluster.engine.generate_request import RequestBuilder
+from cluster.engine.generation_defaults import ENGINE_DEFAULTS
 from cluster.engine.lora_request import LoRARequest
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenization import PromptRenderer
@@ -79,7 +80,9 @@ def run(
         ingress.args = args
         ingress.tenancy = Tenancy(args.tenants_by_key(), args.admin_keys())
         ingress.adapters = deployment.adapters
-        frontend = FrontEnd(builder, 512, deployment, deployment.adapters)
+        frontend = FrontEnd(
+            builder, 512, deployment, deployment.adapters, generation_defaults=ENGINE_DEFAULTS
+        )
         ingress.frontend = frontend
         ingress.openai = OpenAIServing(frontend, BASE)
         ingress.created = 0
@@ -337,7 +340,14 @@ def test_adapter_requests_are_hashed_exactly_as_the_engines_key_them(
         engine_keys = RequestKeys(CacheKeyFactory(identity), 4)
         engine_keys.adapters = h.deployment.engines[0].digests()
         await h.deployment.adapters.list_loras()  # the ingress's view, as its watch keeps it
-        frontend = FrontEnd(builder, 512, h.deployment, h.deployment.adapters, ingress_keys)
+        frontend = FrontEnd(
+            builder,
+            512,
+            h.deployment,
+            h.deployment.adapters,
+            ingress_keys,
+            generation_defaults=ENGINE_DEFAULTS,
+        )
         prompt = "the same prompt, long enough to fill several blocks of four tokens"
 
         def request(adapter: str | None) -> Any:

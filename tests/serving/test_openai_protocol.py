@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.engine.errors import EngineOverloaded
+from cluster.engine.generation_defaults import ENGINE_DEFAULTS
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.error_map import http_error
 from cluster.serving.openai_protocol import (
@@ -87,7 +88,7 @@ def test_completion_request_from_the_client_maps_to_sampling_params() -> None:
     request = parse_request(body, CompletionRequest)
     assert request.prompts() == ["Once upon"]
     assert request.include_usage
-    params = SamplingParams(**request.sampling_kwargs())
+    params = SamplingParams(**request.sampling_kwargs(ENGINE_DEFAULTS))
     assert params == SamplingParams(
         n=2,
         max_tokens=7,
@@ -114,7 +115,8 @@ def test_every_prompt_shape_the_client_accepts(prompt: Any, expected: list[Any])
     _, body = captured_body(lambda c: c.completions.create(model="tiny", prompt=prompt))
     request = parse_request(body, CompletionRequest)
     assert request.prompts() == expected
-    assert request.sampling_kwargs()["max_tokens"] == 16  # OpenAI's completions default
+    # OpenAI's completions default
+    assert request.sampling_kwargs(ENGINE_DEFAULTS)["max_tokens"] == 16
 
 
 def test_chat_request_from_the_client_maps_to_messages_and_sampling_params() -> None:
@@ -145,7 +147,7 @@ def test_chat_request_from_the_client_maps_to_messages_and_sampling_params() -> 
         {"role": "user", "content": "Again"},
     ]
     assert not request.include_usage
-    params = SamplingParams(**request.sampling_kwargs())
+    params = SamplingParams(**request.sampling_kwargs(ENGINE_DEFAULTS))
     assert params == SamplingParams(max_tokens=9, temperature=0.0, stop=["END"], logprobs=2)
 
 
@@ -155,7 +157,7 @@ def test_chat_without_a_token_limit_runs_to_the_context_and_logprobs_false_repor
             model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=False
         )
     )
-    kwargs = parse_request(body, ChatCompletionRequest).sampling_kwargs()
+    kwargs = parse_request(body, ChatCompletionRequest).sampling_kwargs(ENGINE_DEFAULTS)
     assert kwargs["max_tokens"] is None
     assert kwargs["logprobs"] is None
 
@@ -194,13 +196,17 @@ def penalties_of(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 )
 def test_penalty_fields_reach_the_sampling_params(body: dict[str, Any]) -> None:
     model = CompletionRequest if "prompt" in body else ChatCompletionRequest
-    kwargs = parse_request(json.dumps({**body, **PENALTIES}).encode(), model).sampling_kwargs()
+    kwargs = parse_request(json.dumps({**body, **PENALTIES}).encode(), model).sampling_kwargs(
+        ENGINE_DEFAULTS
+    )
     assert penalties_of(kwargs) == ENGINE_PENALTIES
     params = SamplingParams(**kwargs)
     assert penalties_of(vars(params)) == ENGINE_PENALTIES
     # Absent, null and an empty logit_bias all mean the engine's defaults.
     for extra in ({}, dict.fromkeys(PENALTIES), {"logit_bias": {}}):
-        kwargs = parse_request(json.dumps({**body, **extra}).encode(), model).sampling_kwargs()
+        kwargs = parse_request(json.dumps({**body, **extra}).encode(), model).sampling_kwargs(
+            ENGINE_DEFAULTS
+        )
         assert penalties_of(kwargs) == PENALTY_DEFAULTS
         assert penalties_of(vars(SamplingParams(**kwargs))) == PENALTY_DEFAULTS
 
@@ -216,7 +222,9 @@ def test_penalty_bounds_are_inclusive_and_take_integers() -> None:
         "min_tokens": 2,
         "logit_bias": {"0": -100, "4294967295": 100},
     }
-    kwargs = parse_request(json.dumps(body).encode(), CompletionRequest).sampling_kwargs()
+    kwargs = parse_request(json.dumps(body).encode(), CompletionRequest).sampling_kwargs(
+        ENGINE_DEFAULTS
+    )
     assert penalties_of(kwargs) == {
         "frequency_penalty": -2.0,
         "presence_penalty": 2.0,
@@ -242,7 +250,7 @@ def test_the_client_sends_penalties_as_vllm_users_do() -> None:
             extra_body=extensions,
         )
     )
-    kwargs = parse_request(body, CompletionRequest).sampling_kwargs()
+    kwargs = parse_request(body, CompletionRequest).sampling_kwargs(ENGINE_DEFAULTS)
     assert penalties_of(kwargs) == ENGINE_PENALTIES
     _, body = captured_body(
         lambda c: c.chat.completions.create(
@@ -255,7 +263,7 @@ def test_the_client_sends_penalties_as_vllm_users_do() -> None:
             extra_body=extensions,
         )
     )
-    kwargs = parse_request(body, ChatCompletionRequest).sampling_kwargs()
+    kwargs = parse_request(body, ChatCompletionRequest).sampling_kwargs(ENGINE_DEFAULTS)
     assert penalties_of(kwargs) == ENGINE_PENALTIES
     assert SamplingParams(**kwargs).max_tokens == 8
 
@@ -317,12 +325,6 @@ BAD_BODIES: list[tuple[type[Any], dict[str, Any], str | None, str]] = [
         {"model": "m", "prompt": "x", "max_tokens": 4, "min_tokens": 5},
         "min_tokens",
         "must not exceed the request's max_tokens (4)",
-    ),
-    (
-        CompletionRequest,  # completions' default max_tokens is 16
-        {"model": "m", "prompt": "x", "min_tokens": 17},
-        "min_tokens",
-        "must not exceed the request's max_tokens (16)",
     ),
     (
         ChatCompletionRequest,  # max_completion_tokens wins over max_tokens
@@ -440,7 +442,9 @@ def test_any_json_object_either_parses_or_is_a_clean_400(body: dict[str, Any]) -
         except OpenAIError as error:
             assert error.status == 400
             continue
-        SamplingParams(**request.sampling_kwargs())  # whatever parses is a valid engine request
+        SamplingParams(
+            **request.sampling_kwargs(ENGINE_DEFAULTS)
+        )  # whatever parses is a valid engine request
 
 
 def respond_with(status: int, payload: str, headers: dict[str, str] | None = None) -> Handler:

@@ -12,6 +12,7 @@ import grpc
 import jsonschema
 import pytest
 
+from cluster.engine.generation_defaults import ENGINE_DEFAULTS
 from cluster.serving.grpc_validation import GrpcAbort, validate_generate, validated_generate
 from cluster.serving.openai_protocol import OpenAIError
 from cluster.serving.openai_requests import CompletionRequest, parse_request
@@ -109,7 +110,7 @@ def test_tool_refusals_match_http() -> None:
         chat=CHAT, tools=[TOOL], tool_choice=pb.ToolChoice(function="nope")
     )
     with pytest.raises(GrpcAbort) as grpc_error:
-        validate_generate(request, ToolSettings(), None)
+        validate_generate(request, ToolSettings(), None, defaults=ENGINE_DEFAULTS)
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": "Weather in Oslo?"}],
@@ -122,7 +123,12 @@ def test_tool_refusals_match_http() -> None:
     assert grpc_error.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert grpc_error.value.details == http_error.value.message
     with pytest.raises(GrpcAbort, match="chat prompt"):
-        validate_generate(pb.GenerateRequest(text="Hi", tools=[TOOL]), ToolSettings(), None)
+        validate_generate(
+            pb.GenerateRequest(text="Hi", tools=[TOOL]),
+            ToolSettings(),
+            None,
+            defaults=ENGINE_DEFAULTS,
+        )
 
 
 def test_generate_with_a_required_tool_streams_the_call(stub: pb_grpc.GenerationStub) -> None:
