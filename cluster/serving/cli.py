@@ -17,6 +17,8 @@ from cluster.engine.errors import ConfigError, RequestRejected
 from cluster.serving import cli_serve
 
 DEFAULT_PROMPT = "Explain in two sentences why paging helps an LLM server use memory well."
+GENERATE_MAX_TOKENS = 64
+"""`pagedserve generate`'s token limit when neither `--max-tokens` nor the model gives one."""
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,21 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "prompts", nargs="*", help=f"prompts (default: one built-in prompt: {DEFAULT_PROMPT!r})"
     )
     parser.add_argument("--raw", action="store_true", help="send prompts as plain text, no chat")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    # Sampling flags left out take the model's generation defaults, as a request's unset fields
+    # do on the server (--generation-config; the default model: its card's temperature 0.2,
+    # top_p 0.9); --temperature 0 is greedy.
+    unset = "default: the model's generation default, else the engine's"
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"default: the model's max_new_tokens, else {GENERATE_MAX_TOKENS}",
+    )
+    parser.add_argument("--temperature", type=float, default=None, help=f"{unset} (1.0)")
+    parser.add_argument("--top-p", type=float, default=None, help=f"{unset} (1.0)")
+    parser.add_argument("--top-k", type=int, default=None, help=f"{unset} (0: off)")
+    parser.add_argument("--min-p", type=float, default=None, help=f"{unset} (0: off)")
+    parser.add_argument("--repetition-penalty", type=float, default=None, help=f"{unset} (1: off)")
     parser.add_argument("--n", type=int, default=1, help="completions per prompt")
     # sampling is seeded from the engine's --seed (model.seed) and the request's arrival order
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
@@ -49,16 +62,19 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     config = EngineConfig.from_cli_args(args)
     config = config.single_rank_in_process(vars(args).get("parallel.backend") is not None)
-    params = SamplingParams(
-        n=args.n,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        stop=args.stop,
-    )
     prompts = args.prompts or [DEFAULT_PROMPT]
     with LLM(config=config) as llm:
+        defaults = llm.engine.generation_defaults
+        params = SamplingParams(
+            n=args.n,
+            max_tokens=defaults.max_tokens_or(args.max_tokens, GENERATE_MAX_TOKENS),
+            temperature=defaults.value("temperature", args.temperature),
+            top_p=defaults.value("top_p", args.top_p),
+            top_k=defaults.value("top_k", args.top_k),
+            min_p=defaults.value("min_p", args.min_p),
+            repetition_penalty=defaults.value("repetition_penalty", args.repetition_penalty),
+            stop=args.stop,
+        )
         if args.raw:
             results = llm.generate(prompts, params)
         else:

@@ -174,3 +174,22 @@ def test_offline_llm_without_sampling_params_uses_the_defaults(
         )
     assert [o.outputs[0].token_ids for o in unset] == [o.outputs[0].token_ids for o in explicit]
     assert all(len(o.outputs[0].token_ids) == 5 for o in unset)
+
+
+def test_generate_cli_flags_left_out_take_the_models_defaults(
+    tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"do_sample": False, "max_new_tokens": 3})
+    )
+    common = ["generate", "hi", "--raw", "--json", "--model", str(tiny_model_dir)]
+    common += ["--generation-config", str(tmp_path)]
+
+    def token_ids(*flags: str) -> list[int]:
+        assert main([*common, *flags]) == 0
+        record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        return record["outputs"][0]["token_ids"]
+
+    greedy = token_ids()
+    assert len(greedy) == 3  # the model's max_new_tokens, not the command's 64
+    assert token_ids("--max-tokens", "5", "--temperature", "0")[:3] == greedy
