@@ -262,7 +262,9 @@ def generation_defaults(settings: GenerationSettings) -> GenerationDefaults:
 
 
 def load_generation_defaults(settings: GenerationSettings) -> GenerationDefaults:
-    """`generation_defaults(settings)`, logged once: an engine calls it when it starts."""
+    """`generation_defaults(settings)`, logged once: an engine calls it when it starts. Defaults
+    other than the engine's own are a warning, as vLLM's, so they show on a server's console
+    (a Ray replica forwards warnings)."""
     defaults = generation_defaults(settings)
-    log.info(defaults.describe())
+    log.log(logging.WARNING if defaults.given() else logging.INFO, defaults.describe())
     return defaults

@@ -6,6 +6,7 @@ and the offline `LLM` uses them when given no sampling parameters."""
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 from typing import Any
 
@@ -14,7 +15,11 @@ import pytest
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.errors import ConfigError
-from cluster.engine.generation_defaults import GenerationDefaults, generation_defaults
+from cluster.engine.generation_defaults import (
+    GenerationDefaults,
+    generation_defaults,
+    load_generation_defaults,
+)
 from cluster.engine.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.cli import main
@@ -97,10 +102,16 @@ def test_a_gguf_files_sampling_metadata_and_a_config_beside_it(tmp_path: pathlib
     assert _defaults(model=str(bare)).given() == {}
 
 
-def test_the_shipped_default_model_gets_its_model_cards_recommendation() -> None:
-    defaults = _defaults(model="default")
+def test_the_shipped_default_model_gets_its_model_cards_recommendation(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = EngineConfig().model
+    with caplog.at_level(logging.INFO, logger="cluster.engine.generation_defaults"):
+        defaults = load_generation_defaults(settings)
     assert defaults.given() == {"temperature": 0.2, "top_p": 0.9} == dict(DEFAULT_MODEL_SAMPLING)
-    assert "model card" in defaults.source
+    (record,) = caplog.records  # once, a warning (vLLM's), saying what and from where
+    assert record.levelno == logging.WARNING
+    assert "model card" in record.message and "temperature=0.2, top_p=0.9" in record.message
     assert _defaults(model="default", generation_config="vllm").given() == {}
 
 
