@@ -10,11 +10,10 @@ minimums alike), the same slices.
 
 from __future__ import annotations
 
-import gguf
-
 from pagedserve_kernels.gguf_panels import BlockForm, form_from_gguf, has_panel_form
 from workers.config import ModelSpec
 from workers.families import family_named
+from workers.gguf_header import GgufHeader, HeaderTensor
 from workers.gguf_weights import hf_name, unpermute_rows
 
 
@@ -22,9 +21,9 @@ class GgufBlockSource:
     """HF weight name -> its GGUF tensor's block form, decoded on each request (a layer asks
     once per tensor at load)."""
 
-    def __init__(self, reader: gguf.GGUFReader, spec: ModelSpec) -> None:
+    def __init__(self, reader: GgufHeader, spec: ModelSpec) -> None:
         family = family_named(str(reader.fields["general.architecture"].contents()))
-        self._tensors: dict[str, gguf.ReaderTensor] = {}
+        self._tensors: dict[str, HeaderTensor] = {}
         self._heads: dict[str, int] = {}
         for tensor in reader.tensors:
             name = hf_name(tensor.name, family)

@@ -19,7 +19,6 @@ from workers.checkpoint import CheckpointReader, safetensors_files
 from workers.config import ModelSpec
 from workers.families import family_named
 from workers.gguf_blocks import GgufBlockSource
-from workers.gguf_header import read_gguf_header
 from workers.gguf_weights import (
     check_tensor_types,
     ensure_dequantized_cache,
@@ -80,15 +79,9 @@ def read_metadata(path: pathlib.Path) -> ModelMetadata:
 @functools.lru_cache(maxsize=32)
 def _gguf_metadata(resolved: str, inode: int, size: int, mtime_ns: int) -> ModelMetadata:
     """The GGUF file's metadata, remembered per (path, inode, size, mtime): parsing the header
-    walks every vocabulary entry (seconds for a 49k-token vocabulary), and config checks, the
-    driver and each replica ask again for the same file. A refusal raises, remembering nothing.
-    Read with `read_gguf_header` (milliseconds; `gguf.GGUFReader` takes seconds over the
-    vocabulary), whose refusal of a cut or corrupt file names the file as `open_gguf` does."""
-    path = pathlib.Path(resolved)
-    try:
-        reader = read_gguf_header(path)
-    except (ValueError, OSError) as error:
-        raise ValueError(f"GGUF file {path} is truncated or corrupt: {error}") from error
+    steps over every vocabulary entry, and config checks, the driver and each replica ask again
+    for the same file. A refusal raises, remembering nothing."""
+    reader = open_gguf(pathlib.Path(resolved))
     check_tensor_types(reader)
     return ModelMetadata(spec_from_gguf(reader), quantization_name(reader))
 

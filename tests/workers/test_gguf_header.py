@@ -1,5 +1,5 @@
 """`read_gguf_header` against the `gguf` package's own `GGUFReader` (the oracle): every
-field's contents and every tensor's name, dims and type equal, float tensors' data equal, on
+field's contents and every tensor's name, dims, type and data (dtype, shape, bytes) equal, on
 the default model's file and on files the `gguf` writer makes (quantized matrices, alignment,
 arrays of each kind); a cut or corrupt file is a ValueError, and the model spec read through
 it names the file."""
@@ -28,8 +28,9 @@ def assert_same_as_gguf_reader(path: pathlib.Path) -> None:
     for ours, theirs in zip(header.tensors, oracle.tensors, strict=True):
         assert list(ours.shape) == list(theirs.shape), ours.name
         assert ours.tensor_type == theirs.tensor_type, ours.name
-        if ours.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            assert np.array_equal(ours.data, theirs.data), ours.name
+        assert ours.data.dtype == theirs.data.dtype, ours.name
+        assert ours.data.shape == theirs.data.shape, ours.name
+        assert np.array_equal(ours.data, theirs.data), ours.name
 
 
 def test_the_default_models_header_equals_the_gguf_readers() -> None:

@@ -23,6 +23,7 @@ from pagedserve_kernels import q4_cpu, quant_dot_cpu
 from tests.tiny_model import SEED
 from tests.workers.gguf_writer import write_llama_gguf
 from tests.workers.paged_runner import fast_mode_flips, greedy_generate, hf_greedy, teacher_forced
+from tests.workers.test_gguf_header import assert_same_as_gguf_reader
 from workers import WorkerConfig, WorkerGroup
 from workers.dense_matmul import DenseMatmul
 
@@ -165,3 +166,11 @@ def test_q4_k_layers_keep_the_files_codes_as_the_4_bit_copy(
             torch.testing.assert_close(run.logits[0], logits, atol=1e-4, rtol=0)
     finally:
         group.shutdown()
+
+
+def test_the_header_reader_gives_the_k_quant_files_tensors_as_gguf_reader_does(
+    k_quant_file: pathlib.Path,
+) -> None:
+    """Model loading reads tensors through `read_gguf_header`: Q4_K / Q6_K blocks (and the
+    float norms) come out as the `gguf` package's reader gives them."""
+    assert_same_as_gguf_reader(k_quant_file)
