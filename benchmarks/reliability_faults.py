@@ -87,9 +87,9 @@ def kill_rank(server: Any) -> str:
     return f"rank actor pid {victim.pid} of {len(ranks)}"
 
 
-def unary_outcome(base: str, max_tokens: int) -> str:
+def unary_outcome(base: str, max_tokens: int, model: str = MODEL) -> str:
     """'ok', 'json_503' or what came back."""
-    body = {"model": MODEL, "prompt": "fault", "max_tokens": max_tokens, "ignore_eos": True}
+    body = {"model": model, "prompt": "fault", "max_tokens": max_tokens, "ignore_eos": True}
     try:
         response = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
     except httpx.HTTPError as error:
@@ -130,18 +130,19 @@ def kill_under_load(
     probe_period_s: float = 0.25,
     probe_for_s: float = 8.0,
     resume_timeout_s: float = 120.0,
+    model: str = MODEL,
 ) -> FaultResult:
-    """Sends `streams` streaming and `unary` non-stream requests at `rate_per_s`, kills with
-    `kill` one second after the last was sent, and probes (see the module doc)."""
+    """Sends `streams` streaming and `unary` non-stream requests for `model` at `rate_per_s`,
+    kills with `kill` one second after the last was sent, and probes (see the module doc)."""
     result = FaultResult(streams=streams, unary=unary)
     ends: list[tuple[str, float]] = []
     unary_ends: list[str] = []
 
     def one_stream() -> None:
-        ends.append((stream_outcome(server.base, max_tokens, None), time.monotonic()))
+        ends.append((stream_outcome(server.base, max_tokens, None, model), time.monotonic()))
 
     def one_unary() -> None:
-        unary_ends.append(unary_outcome(server.base, max_tokens))
+        unary_ends.append(unary_outcome(server.base, max_tokens, model))
 
     kinds = [one_stream] * streams + [one_unary] * unary
     kinds = kinds[::2] + kinds[1::2]  # interleave the two kinds over the sending window
@@ -158,7 +159,7 @@ def kill_under_load(
 
     health_watch = threading.Thread(target=watch_health)  # beside the probes: no gap hidden
     health_watch.start()
-    probe(server.base, result, killed_at, probe_period_s, probe_for_s, resume_timeout_s)
+    probe(server.base, result, killed_at, probe_period_s, probe_for_s, resume_timeout_s, model)
     for thread in threads:
         thread.join(resume_timeout_s)
     health_watch.join(30.0)
@@ -185,6 +186,7 @@ def probe(
     period_s: float,
     for_s: float,
     timeout_s: float,
+    model: str = MODEL,
 ) -> None:
     """Small non-stream requests every `period_s` from the kill until one succeeded and
     `for_s` passed (or `timeout_s`): the first success and every failure are recorded."""
@@ -193,7 +195,7 @@ def probe(
         resumed = result.seconds_to_resume is not None
         if (resumed and now - killed_at >= for_s) or now - killed_at >= timeout_s:
             return
-        outcome = unary_outcome(base, 4)
+        outcome = unary_outcome(base, 4, model)
         result.probes_sent += 1
         if outcome == "ok":
             if not resumed:

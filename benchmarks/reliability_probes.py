@@ -410,12 +410,14 @@ class ShutdownResult:
     output_tail: str
 
 
-def stream_outcome(base: str, max_tokens: int, headers: dict[str, str] | None) -> str:
+def stream_outcome(
+    base: str, max_tokens: int, headers: dict[str, str] | None, model: str = MODEL
+) -> str:
     """'done' ([DONE] seen, no error), 'error' (an OpenAI error event, then [DONE]),
     'error_no_done' (an error event, then the end), 'cut' (neither), 'refused_503' (a 503 in
     OpenAI's shape before the stream began: it was still queued) or 'refused' (another status)."""
     body = {
-        "model": MODEL,
+        "model": model,
         "prompt": "shutdown",
         "max_tokens": max_tokens,
         "ignore_eos": True,

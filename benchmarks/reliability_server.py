@@ -32,6 +32,9 @@ from cluster.serving.cli_serve import shipped_serve_config
 
 ENGINE = "GenerationServer"
 INGRESS = "OpenAIIngress"
+READY_POLL_S = 0.1
+"""How often `start` looks for the ready file and /health: a file test and a local GET, cheap
+beside a start-up of many seconds, which a coarser poll would only lengthen."""
 
 
 def tiny_engine(model_dir: str) -> dict[str, Any]:
@@ -132,7 +135,7 @@ class LocalServer:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"the server did not start; log:\n{self.log_tail()}")
-            time.sleep(0.5)
+            time.sleep(READY_POLL_S)
         self.wait_healthy(deadline)
 
     def wait_healthy(self, deadline: float) -> None:
@@ -142,7 +145,7 @@ class LocalServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(READY_POLL_S)
         raise RuntimeError(f"the server never became healthy; log:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:

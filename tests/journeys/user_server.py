@@ -90,7 +90,7 @@ class UserServer:
             if self.process.poll() is not None or time.monotonic() > self.deadline:
                 self.kill()
                 raise RuntimeError(f"`pagedserve serve` did not come up; log:\n{self.log_tail()}")
-            time.sleep(0.5)
+            time.sleep(0.1)  # a file test and a local GET: cheap
 
     def _healthy(self) -> bool:
         try:

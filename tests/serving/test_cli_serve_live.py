@@ -1,6 +1,14 @@
 """`pagedserve serve MODEL` with engine flags, as a user runs it: the shipped Serve config, the
-tiny model as the positional argument, two tensor-parallel ranks asked for by flag. What it
-serves is checked from outside: the model cards, gRPC's model info and HF's greedy tokens."""
+tiny model as the positional argument, two tensor-parallel ranks asked for by flag (so two rank
+actors: backend ray). What it serves is checked from outside: the model cards, gRPC's model info
+and HF's greedy tokens.
+
+The module's last test kills one of those ranks mid-load (SIGKILL to its process): the replica
+must notice within seconds (its step fails with the actor's death), end every in-flight request
+with a readable error (an OpenAI error event and `[DONE]`, a JSON 503), report itself unhealthy
+(/health 503) so Serve replaces it, and serve new requests again with no KV block left in use.
+It shares the module's one server start (about 30 s) and waits at most `RESUME_LIMIT_S`.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import httpx
 import pytest
 import yaml
 
+from benchmarks.reliability_faults import kill_rank, kill_under_load
 from benchmarks.reliability_server import LocalServer
 from cluster.serving.cli_serve import shipped_serve_config
 from protos import generation_pb2 as pb
@@ -33,6 +42,7 @@ ENGINE_FLAGS = [
     "--block-size",
     "4",
 ]
+RESUME_LIMIT_S = 90.0
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +87,31 @@ def test_two_ranks_give_hf_greedy_tokens(
     response = httpx.post(f"{server.base}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == oracle.text(expected)
+
+
+def test_a_killed_rank_fails_its_requests_cleanly_and_the_replica_is_replaced(
+    server: LocalServer, tiny_model_dir: pathlib.Path
+) -> None:
+    """Last: it kills a rank, and the module's server serves again only once Serve replaced the
+    replica."""
+    result = kill_under_load(
+        server,
+        kill_rank,
+        streams=3,
+        unary=1,
+        probe_for_s=0,
+        resume_timeout_s=RESUME_LIMIT_S,
+        model=str(tiny_model_dir),
+    )
+    assert "of 2" in result.killed
+    assert result.cut == 0 and result.error_without_done == 0, result
+    assert result.error_events >= 1, result  # 400 tokens each were still running
+    assert result.error_events + result.refused_json_503 + result.completed == 3, result
+    assert result.seconds_to_notice is not None and result.seconds_to_notice < 5.0
+    assert result.unary_other == [], result
+    assert result.unary_ok + result.unary_json_503 == 1
+    assert result.health_after_kill.startswith("503"), result.health_after_kill
+    assert "ActorDied" in result.health_after_kill or "died" in result.health_after_kill
+    assert result.seconds_to_resume is not None and result.seconds_to_resume < RESUME_LIMIT_S
+    assert server.kv_blocks_used() == 0
+    assert len(server.processes("WorkerRank")) == 2  # the new replica's group
