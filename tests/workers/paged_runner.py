@@ -140,12 +140,13 @@ def hf_greedy(
 
 
 def hf_greedy_batch(
-    model: torch.nn.Module, prompts: Sequence[list[int]], new_tokens: int
+    model: torch.nn.Module, prompts: Sequence[list[int]], new_tokens: int, **generate: Any
 ) -> list[tuple[list[int], torch.Tensor]]:
     """`hf_greedy` of every prompt, run as one left-padded batch (the attention mask hides the
     padding; HF derives each row's positions from it): a decode step reads the weights once for
     all rows, where one prompt at a time reads them once per row. Per prompt: its tokens and
-    logits `[new_tokens, vocab]`, equal to its own run's but for float32 summation order."""
+    logits `[new_tokens, vocab]`, equal to its own run's but for float32 summation order.
+    `generate`: further arguments of `generate` (PEFT's per-row `adapter_names`)."""
     width = max(len(prompt) for prompt in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.int64)
     mask = torch.zeros_like(ids)
@@ -162,6 +163,7 @@ def hf_greedy_batch(
         pad_token_id=0,
         return_dict_in_generate=True,
         output_logits=True,
+        **generate,
     )
     logits = torch.stack(out.logits, dim=1).to(torch.float32)
     return [(out.sequences[row, width:].tolist(), logits[row]) for row in range(len(prompts))]
