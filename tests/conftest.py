@@ -221,17 +221,12 @@ def tiny_thinker_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def smollm2_hf() -> Any:
     """HF transformers' float32 SmolLM2-135M-Instruct from the default model's GGUF file: the
-    oracle of every SmolLM2 parity test (loaded once per session)."""
-    import torch
-    import transformers
-
+    oracle of every SmolLM2 parity test (loaded once per session, by HF's own GGUF loader with its
+    header parsed once: `tests.hf_gguf`)."""
+    from tests.hf_gguf import hf_model_from_gguf
     from workers import resolve_model_path
 
-    path = resolve_model_path("default")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+    return hf_model_from_gguf(resolve_model_path("default"))
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pathlib
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -68,16 +68,35 @@ def copy_adapter(source: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
 def peft_greedy_references(
     base: transformers.PreTrainedModel,
     root: pathlib.Path,
-    greedy: Callable[[transformers.PreTrainedModel], list[Reference]],
+    prompts: list[list[int]],
+    new_tokens: int,
 ) -> dict[str, tuple[pathlib.Path, list[Reference]]]:
-    """Per `SMOLLM2_ADAPTERS` entry (and "base"): the adapter's directory under `root` and
-    `greedy` run on HF's model with that adapter; `base` is given back unwrapped."""
-    out = {}
+    """Per `SMOLLM2_ADAPTERS` entry (and "base"): the adapter's directory under `root` and HF+PEFT
+    float32's greedy tokens and logits of every prompt with that adapter (`new_tokens` long).
+    The saved adapters are loaded back into one `PeftModel` and every (adapter, prompt) pair runs
+    in one batch, each row through its own adapter or none (PEFT's `adapter_names`, "__base__"
+    for none): a decode step reads the base weights once for all. `base` is given back
+    unwrapped."""
+    import peft
+
+    from tests.workers.paged_runner import hf_greedy_batch
+
+    names = list(SMOLLM2_ADAPTERS)
     for name, spec in SMOLLM2_ADAPTERS.items():
-        model = build_adapter(base, root / name, **spec)
-        try:
-            out[name] = (root / name, greedy(model))
-        finally:
-            model.unload()
-    out["base"] = (root, greedy(base))
+        unwrap(build_adapter(base, root / name, **spec))
+    model = peft.PeftModel.from_pretrained(base, str(root / names[0]), adapter_name=names[0])
+    try:
+        for name in names[1:]:
+            model.load_adapter(str(root / name), adapter_name=name)
+        rows = [name for name in [*names, "__base__"] for _ in prompts]
+        runs = hf_greedy_batch(
+            model.eval(), prompts * (len(names) + 1), new_tokens, adapter_names=rows
+        )
+    finally:
+        model.unload()
+    out = {
+        name: (root / name, runs[index * len(prompts) : (index + 1) * len(prompts)])
+        for index, name in enumerate(names)
+    }
+    out["base"] = (root, runs[len(names) * len(prompts) :])
     return out

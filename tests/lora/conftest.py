@@ -58,11 +58,9 @@ def smollm2_peft_references(
 ) -> SmolLM2References:
     """Per `SMOLLM2_ADAPTERS` entry (and "base"): the adapter's directory and HF+PEFT float32's
     greedy tokens and logits for every `SMOLLM2_CHATS` prompt, `SMOLLM2_NEW_TOKENS` long."""
-    from tests.workers.paged_runner import chat_prompt_ids, hf_greedy
+    from tests.workers.paged_runner import chat_prompt_ids
     from workers import load_tokenizer
 
     prompts = chat_prompt_ids(load_tokenizer("default"), SMOLLM2_CHATS)
     root = tmp_path_factory.mktemp("smollm2_adapters")
-    return peft_greedy_references(
-        smollm2_hf, root, lambda model: [hf_greedy(model, p, SMOLLM2_NEW_TOKENS) for p in prompts]
-    )
+    return peft_greedy_references(smollm2_hf, root, prompts, SMOLLM2_NEW_TOKENS)

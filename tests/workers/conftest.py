@@ -68,10 +68,9 @@ def smollm2_chat_references(
     smollm2_hf: transformers.PreTrainedModel, tiny_model_dir: pathlib.Path
 ) -> ChatReferences:
     """HF float32's greedy run of every `SMOLLM2_CHATS` prompt, the oracle the teacher-forced
-    tests share (the tiny model directory holds SmolLM2's tokenizer)."""
-    from tests.workers.paged_runner import chat_prompt_ids, hf_greedy
+    tests share (the tiny model directory holds SmolLM2's tokenizer), all prompts in one batch."""
+    from tests.workers.paged_runner import chat_prompt_ids, hf_greedy_batch
     from workers import load_tokenizer
 
     prompts = chat_prompt_ids(load_tokenizer(str(tiny_model_dir)), SMOLLM2_CHATS)
-    references = [hf_greedy(smollm2_hf, prompt, SMOLLM2_NEW_TOKENS) for prompt in prompts]
-    return ChatReferences(prompts, references)
+    return ChatReferences(prompts, hf_greedy_batch(smollm2_hf, prompts, SMOLLM2_NEW_TOKENS))

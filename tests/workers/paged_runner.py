@@ -136,19 +136,37 @@ def hf_greedy(
 ) -> tuple[list[int], torch.Tensor]:
     """HF `generate(do_sample=False)` for exactly `new_tokens` tokens (EOS does not stop it):
     the tokens and the raw logits `[new_tokens, vocab]` of every step."""
+    return hf_greedy_batch(model, [prompt], new_tokens)[0]
+
+
+def hf_greedy_batch(
+    model: torch.nn.Module, prompts: Sequence[list[int]], new_tokens: int, **generate: Any
+) -> list[tuple[list[int], torch.Tensor]]:
+    """`hf_greedy` of every prompt, run as one left-padded batch (the attention mask hides the
+    padding; HF derives each row's positions from it): a decode step reads the weights once for
+    all rows, where one prompt at a time reads them once per row. Per prompt: its tokens and
+    logits `[new_tokens, vocab]`, equal to its own run's but for float32 summation order.
+    `generate`: further arguments of `generate` (PEFT's per-row `adapter_names`)."""
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
     model.generation_config.eos_token_id = None
     out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+        ids,
+        attention_mask=mask,
         max_new_tokens=new_tokens,
         min_new_tokens=0,
         do_sample=False,
         pad_token_id=0,
         return_dict_in_generate=True,
         output_logits=True,
+        **generate,
     )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, torch.cat(out.logits, dim=0).to(torch.float32)
+    logits = torch.stack(out.logits, dim=1).to(torch.float32)
+    return [(out.sequences[row, width:].tolist(), logits[row]) for row in range(len(prompts))]
 
 
 def chat_prompt_ids(tokenizer: Any, chats: Sequence[str]) -> list[list[int]]:

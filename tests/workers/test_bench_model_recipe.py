@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 import transformers
 
 from benchmarks.make_bench_model import EMBED_STD, SHAPE, tensor_plan, write_f16
+from tests.hf_gguf import gguf_parsed_once, hf_model_from_gguf
 from tests.workers.paged_runner import greedy_generate, hf_greedy
 from workers import WorkerConfig, WorkerGroup, load_tokenizer
 
@@ -34,7 +36,17 @@ PROMPTS = [[504, 3575, 314, 4303, 28], [1, 9468, 30, 216]]
 
 
 @pytest.fixture(scope="module")
-def tiny_file(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+def shipped_header_parsed_once() -> Iterator[None]:
+    """Every recipe write copies the shipped model's tokenizer fields from its GGUF header: the
+    module's writes parse that header once (`tests.hf_gguf.gguf_parsed_once`)."""
+    with gguf_parsed_once():
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_file(
+    tmp_path_factory: pytest.TempPathFactory, shipped_header_parsed_once: None
+) -> pathlib.Path:
     return write_f16(tmp_path_factory.mktemp("bench_recipe") / "tiny.gguf", TINY, seed=3)
 
 
@@ -49,7 +61,7 @@ def test_the_recipe_has_llama_3_2_1b_shape() -> None:
 
 
 def test_the_same_seed_writes_the_same_bytes(
-    tiny_file: pathlib.Path, tmp_path: pathlib.Path
+    tiny_file: pathlib.Path, tmp_path: pathlib.Path, shipped_header_parsed_once: None
 ) -> None:
     again = write_f16(tmp_path / "again.gguf", TINY, seed=3)
     other = write_f16(tmp_path / "other.gguf", TINY, seed=4)
@@ -58,9 +70,7 @@ def test_the_same_seed_writes_the_same_bytes(
 
 
 def test_workers_and_hf_read_the_recipe_alike(tiny_file: pathlib.Path) -> None:
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tiny_file.parent), gguf_file=tiny_file.name, dtype=torch.float32
-    ).eval()
+    reference = hf_model_from_gguf(tiny_file)
     group = WorkerGroup(
         WorkerConfig(
             model=str(tiny_file),

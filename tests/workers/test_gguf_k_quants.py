@@ -20,6 +20,7 @@ import torch
 import transformers
 
 from pagedserve_kernels import q4_cpu, quant_dot_cpu
+from tests.hf_gguf import hf_model_from_gguf
 from tests.tiny_model import SEED
 from tests.workers.gguf_writer import write_llama_gguf
 from tests.workers.paged_runner import fast_mode_flips, greedy_generate, hf_greedy, teacher_forced
@@ -69,9 +70,7 @@ def k_quant_file(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def hf_reference(k_quant_file: pathlib.Path) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(k_quant_file.parent), gguf_file=k_quant_file.name, dtype=torch.float32
-    ).eval()
+    return hf_model_from_gguf(k_quant_file)
 
 
 def start(path: pathlib.Path, quantized_activations: bool) -> WorkerGroup:

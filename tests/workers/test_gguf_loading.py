@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from pagedserve_kernels import q4_cpu
+from tests.hf_gguf import hf_model_from_gguf
 from tests.tiny_model import SEED
 from tests.workers.gguf_writer import write_llama_gguf
 from tests.workers.paged_runner import greedy_generate, hf_greedy
@@ -46,9 +47,7 @@ def test_quantized_gguf_matches_hf_gguf_loader(
     torch.manual_seed(SEED)
     source = transformers.LlamaForCausalLM(CONFIG).eval()
     path = write_llama_gguf(source, tmp_path / "tiny.gguf", matrix_type)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    reference = hf_model_from_gguf(path)
     config = WorkerConfig(
         dtype="float32",
         model=str(path),

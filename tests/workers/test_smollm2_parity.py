@@ -2,9 +2,10 @@
 
 Both sides load the same GGUF (HF dequantizes it with its own loader, so our dequantization and
 Q/K un-permutation are checked too). Four chat prompts are prefilled in one batch, then decoded
-together for 32 greedy tokens through block tables scattered over the pool; the tokens must equal
-`generate(do_sample=False)` and every step's logits must lie within 2e-3 (float32, 30 layers;
-observed differences are about 1e-4).
+together for 24 greedy tokens (more than a 16-token block) through block tables scattered over
+the pool; the tokens must equal `generate(do_sample=False)` (the session's HF references of
+`SMOLLM2_CHATS`, whose first four these are) and every step's logits must lie within 2e-3
+(float32, 30 layers; observed differences are about 1e-4).
 
 The prefill runs on the packed float32 weights, the decode steps (4 rows) on the 4-bit copy of
 the Q4_1 weights wherever the CPU kernel runs (`workers.dense_matmul`): both paths are held to HF.
@@ -12,27 +13,22 @@ the Q4_1 weights wherever the CPU kernel runs (`workers.dense_matmul`): both pat
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Iterator
 
 import pytest
 import torch
-import transformers
 
 from pagedserve_kernels import q4_cpu
-from tests.workers.paged_runner import chat_prompt_ids, greedy_generate, hf_greedy
+from tests.workers.conftest import SMOLLM2_NEW_TOKENS, ChatReferences
+from tests.workers.paged_runner import greedy_generate
 from workers import WorkerConfig, WorkerGroup, load_tokenizer
 
 pytestmark = pytest.mark.smollm2
 
-NEW_TOKENS = 32
+NEW_TOKENS = SMOLLM2_NEW_TOKENS
 LOGITS_ATOL = 2e-3
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain what a hash table is in one sentence.",
-]
+CHATS = 4
+"""The leading `SMOLLM2_CHATS` this test runs."""
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +44,17 @@ def smollm2_group() -> Iterator[WorkerGroup]:
 
 def test_chat_prompts_match_hf_generate(
     smollm2_group: WorkerGroup,
-    smollm2_hf: transformers.PreTrainedModel,
-    tiny_model_dir: pathlib.Path,
+    smollm2_chat_references: ChatReferences,
 ) -> None:
     matmuls = [m.matmul for m in smollm2_group._local.model.modules() if hasattr(m, "matmul")]
     assert matmuls and all((m.q4 is not None) == q4_cpu.available() for m in matmuls)
-    # The tiny model directory holds SmolLM2's tokenizer as built by load_tokenizer("default").
-    tokenizer = load_tokenizer(str(tiny_model_dir))
-    prompts = chat_prompt_ids(tokenizer, CHATS)
+    tokenizer = load_tokenizer("default")
+    prompts = smollm2_chat_references.prompts[:CHATS]
+    references = smollm2_chat_references.references[:CHATS]
     run = greedy_generate(smollm2_group, prompts, NEW_TOKENS, seed=11)
-    for prompt, tokens, logits in zip(prompts, run.tokens, run.logits, strict=True):
-        reference_tokens, reference_logits = hf_greedy(smollm2_hf, prompt, NEW_TOKENS)
+    for tokens, logits, (reference_tokens, reference_logits) in zip(
+        run.tokens, run.logits, references, strict=True
+    ):
         assert tokens == reference_tokens, tokenizer.decode(tokens)
         torch.testing.assert_close(logits, reference_logits, atol=LOGITS_ATOL, rtol=0)
     assert "Paris" in tokenizer.decode(run.tokens[0])
