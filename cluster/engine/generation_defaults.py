@@ -61,9 +61,11 @@ GGUF_KEYS: Mapping[str, str] = {
     Keys.General.SAMPLING_MIN_P: "min_p",
     Keys.General.SAMPLING_PENALTY_REPEAT: "repetition_penalty",
 }
-"""llama.cpp's GGUF sampling metadata key -> our field."""
+"""llama.cpp's GGUF sampling metadata key -> the generation-config key (`HF_KEYS`)."""
 
 _INTEGER_FIELDS = frozenset({"top_k", "max_tokens"})
+SAMPLING_FIELDS = frozenset(HF_KEYS.values()) - {"max_tokens"}
+"""The fields `GenerationDefaults.fill` fills (the token limit has `max_tokens_or`)."""
 
 
 @dataclass(frozen=True)
@@ -88,12 +90,19 @@ class GenerationDefaults:
             if f.name != "source" and (value := getattr(self, f.name)) is not None
         }
 
-    def value(self, name: str, requested: Any) -> Any:
-        """`requested` unless it is None, else this default, else `SamplingParams`' own."""
-        if requested is not None:
-            return requested
-        given = getattr(self, name)
-        return given if given is not None else SamplingParams.__dataclass_fields__[name].default
+    def fill(self, **requested: Any) -> dict[str, Any]:
+        """The sampling fields of a request (temperature, top_p, top_k, min_p,
+        repetition_penalty; each None when the request leaves it unset): its own value, else
+        this default, else `SamplingParams`' own."""
+        filled = {}
+        for name, value in requested.items():
+            if name not in SAMPLING_FIELDS:
+                raise ValueError(f"{name!r} is not a generation-config sampling field")
+            given = getattr(self, name) if value is None else value
+            filled[name] = (
+                given if given is not None else SamplingParams.__dataclass_fields__[name].default
+            )
+        return filled
 
     def max_tokens_or(self, requested: int | None, api_default: int | None) -> int | None:
         """The token limit of a request: its own, else the model's, else the API's default."""
@@ -202,14 +211,14 @@ def read_gguf_sampling(path: pathlib.Path) -> dict[str, Any]:
     the 7 digits they hold)."""
     header = read_gguf_header(path)
     values: dict[str, Any] = {}
-    for key, name in GGUF_KEYS.items():
+    for key, hf_key in GGUF_KEYS.items():
         field = header.fields.get(key)
         if field is None:
             continue
         value = field.contents()
-        values[name] = int(value) if name in _INTEGER_FIELDS else float(f"{float(value):.7g}")
-    hf_names = {name: key for key, name in HF_KEYS.items()}
-    return checked_values({hf_names[name]: v for name, v in values.items()}, str(path))
+        integer = HF_KEYS[hf_key] in _INTEGER_FIELDS
+        values[hf_key] = int(value) if integer else float(f"{float(value):.7g}")
+    return checked_values(values, str(path))
 
 
 def model_recommendation(model: str) -> tuple[dict[str, Any], str]:

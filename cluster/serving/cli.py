@@ -68,12 +68,14 @@ def _run_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(
             n=args.n,
             max_tokens=defaults.max_tokens_or(args.max_tokens, GENERATE_MAX_TOKENS),
-            temperature=defaults.value("temperature", args.temperature),
-            top_p=defaults.value("top_p", args.top_p),
-            top_k=defaults.value("top_k", args.top_k),
-            min_p=defaults.value("min_p", args.min_p),
-            repetition_penalty=defaults.value("repetition_penalty", args.repetition_penalty),
             stop=args.stop,
+            **defaults.fill(
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty,
+            ),
         )
         if args.raw:
             results = llm.generate(prompts, params)

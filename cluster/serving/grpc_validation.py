@@ -267,9 +267,7 @@ def validate_generate(
     fields = sampling_fields(
         request.sampling,
         chat=kind == "chat",
-        default_max_tokens=(
-            GRPC_DEFAULT_MAX_TOKENS if defaults.max_tokens is None else defaults.max_tokens
-        ),
+        default_max_tokens=defaults.max_tokens_or(None, GRPC_DEFAULT_MAX_TOKENS),
     )
     fields["priority"] = request.priority
     fields.update(structured_outputs_fields(request))

@@ -226,15 +226,21 @@ def _sampling_kwargs(
 ) -> SamplingKwargs:
     """The engine's fields; an unset (or null) field takes the model's generation default
     (`defaults`), else the engine's own; an empty `logit_bias` is None."""
-    top_k = None if request.top_k is None else max(request.top_k, 0)  # -1: disabled, as 0
     max_tokens = defaults.max_tokens_or(request._requested_max_tokens(), request.API_MAX_TOKENS)
     request._check_min_tokens(max_tokens)
+    sampling = defaults.fill(
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=None if request.top_k is None else max(request.top_k, 0),  # -1: disabled, as 0
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+    )
     return SamplingKwargs(
         n=request.n,
         max_tokens=max_tokens,
-        temperature=defaults.value("temperature", request.temperature),
-        top_p=defaults.value("top_p", request.top_p),
-        top_k=defaults.value("top_k", top_k),
+        temperature=sampling["temperature"],
+        top_p=sampling["top_p"],
+        top_k=sampling["top_k"],
         seed=request.seed,
         stop=request._stop_list(),
         stop_token_ids=list(request.stop_token_ids or []),
@@ -244,8 +250,8 @@ def _sampling_kwargs(
         structured_outputs=request.constraint(),
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=defaults.value("repetition_penalty", request.repetition_penalty),
-        min_p=defaults.value("min_p", request.min_p),
+        repetition_penalty=sampling["repetition_penalty"],
+        min_p=sampling["min_p"],
         min_tokens=request.min_tokens or 0,
         logit_bias=(
             {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
